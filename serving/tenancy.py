@@ -1,0 +1,74 @@
+"""Principals and authentication: who is calling, and on whose bill.
+
+A :class:`Principal` is the resolved identity of an API key: its path org → workspace → project →
+key and its tier. The billed *tenant* is the organisation. API keys are kept only as SHA-256
+digests and compared in constant time; the plain key never leaves :meth:`Authenticator.authenticate`.
+
+This module holds the shape every other part relies on; the quota package grows the configuration
+(limits per node, tier defaults, reload) behind the same :class:`Authenticator` protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key"]
+
+#: Tiers known out of the box, most protected first.
+TIERS = ("enterprise", "paid_interactive", "batch", "free")
+
+
+class AuthError(Exception):
+    """Missing or unknown API key (HTTP 401). The message never contains the key."""
+
+    def __init__(self, message: str, *, code: str = "invalid_api_key") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """An authenticated caller.
+
+    Attributes:
+        tenant_id: the billed tenant (= ``org_id``).
+        tier: tier name (see :data:`TIERS`).
+        org_id, workspace_id, project_id: the hierarchy above the key.
+        api_key_id: the key's public id (safe to log and bill; never the secret).
+        admin: True for keys allowed to read every tenant's usage.
+    """
+
+    tenant_id: str
+    tier: str
+    org_id: str
+    workspace_id: str
+    project_id: str
+    api_key_id: str
+    admin: bool = False
+
+
+def hash_api_key(secret: str) -> str:
+    """Hex SHA-256 digest of an API key (what config files and memory hold)."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+class Authenticator(Protocol):
+    """Maps a presented API key to a :class:`Principal`."""
+
+    def authenticate(self, presented_key: str | None) -> Principal:
+        """Raises :class:`AuthError` if the key is missing or unknown."""
+
+
+def constant_time_lookup(digests: dict[str, Principal], presented_key: str) -> Principal | None:
+    """Find the principal whose key digest equals the presented key's, comparing every digest in
+    constant time (``hmac.compare_digest``) so timing reveals nothing about near misses."""
+    digest = hash_api_key(presented_key)
+    found: Principal | None = None
+    for known, principal in digests.items():
+        if hmac.compare_digest(known, digest):
+            found = principal
+    return found
