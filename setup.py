@@ -16,4 +16,7 @@ for folder in TOP_LEVEL:
     package_dir[f"kvmeter.{folder}"] = folder
     packages += [f"kvmeter.{folder}"] + [f"kvmeter.{folder}.{p}" for p in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# Non-Python files shipped inside packages (price lists, rule files, SQL migrations, default configs).
+package_data = {"": ["*.yaml", "*.yml", "*.sql", "*.toml", "*.json", "*.jinja", "*.html", "*.css"]}
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)
