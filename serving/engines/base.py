@@ -112,8 +112,9 @@ class Tokenizer(abc.ABC):
     """The model's tokenizer as the gateway uses it (counting and prompt synthesis)."""
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` with no special tokens added."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS etc. as its own
+        server would for a completion prompt."""
 
     @abc.abstractmethod
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

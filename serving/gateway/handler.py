@@ -1,0 +1,492 @@
+"""One request's life in the gateway: authenticate → parse → tokenize → admit → schedule →
+generate → meter → record → reconcile.
+
+The steps, in order, and what each can answer:
+
+1. authenticate the API key ......................................... 401
+2. read the body (size cap, UTF-8, JSON object) and validate it ...... 400 / 413 / 415
+3. check the model and tokenize with the model's chat template ........ 404 / 400
+4. check the context window (prompt + max_tokens) ..................... 400 context_length_exceeded
+5. reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
+6. ask the scheduler (early rejection, then wait for dispatch) ........ 429 + Retry-After
+7. run on the engine, streaming or not; a client that goes away aborts the engine request
+8. meter: one usage event per logical request, durable in the ledger's spool *before* the
+   response completes (for a stream: before the usage chunk and ``[DONE]``)
+9. reconcile the reservation to engine-true counts; release the scheduler slot.
+
+Nothing is billed for a request rejected in steps 1–6, and every failure there is answered before
+the engine is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.events import UsageEvent
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
+from kvmeter.serving.gateway.body import read_json_object
+from kvmeter.serving.gateway.errors import ApiError, error_response, retry_after_header
+from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
+from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              parse_request, usage_block)
+from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
+                                        UsageEstimate)
+from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
+from kvmeter.serving.tenancy import AuthError, Authenticator, Principal
+from kvmeter.stats import AdmissionDecision
+
+__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "DEFAULT_SLOS"]
+
+log = logging.getLogger(__name__)
+
+#: Latency promises per tier until the tenancy config provides its own (seconds).
+DEFAULT_SLOS: dict[str, TierSLO] = {
+    "enterprise": TierSLO(ttft_s=2.0, itl_s=0.2),
+    "paid_interactive": TierSLO(ttft_s=3.0, itl_s=0.25),
+    "batch": TierSLO(ttft_s=60.0, itl_s=None),
+    "free": TierSLO(ttft_s=10.0, itl_s=0.5),
+}
+
+
+class UsageRecorder(Protocol):
+    """Where usage events go (the ledger). ``record`` returns once the event is durable."""
+
+    async def record(self, event: UsageEvent) -> None: ...
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    """Gateway limits.
+
+    Attributes:
+        max_body_bytes: largest request body accepted (413 above it).
+        tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
+            thread so the event loop keeps serving streams.
+        slos: latency promise per tier (goodput and deadlines).
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    tokenize_in_thread_chars: int = 16_384
+    slos: dict[str, TierSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+
+
+@dataclass(slots=True)
+class Gateway:
+    """Everything a request needs, wired once by the serve command (or a test)."""
+
+    engine: Engine
+    authenticator: Authenticator
+    quota: QuotaGate
+    scheduler: Scheduler
+    recorder: UsageRecorder
+    bus: StatsBus = field(default_factory=StatsBus)
+    clock: Clock = SYSTEM_CLOCK
+    settings: GatewaySettings = field(default_factory=GatewaySettings)
+    slo_for: Callable[[str], TierSLO | None] | None = None
+
+    def slo(self, tier: str) -> TierSLO | None:
+        if self.slo_for is not None:
+            return self.slo_for(tier)
+        return self.settings.slos.get(tier)
+
+    def authenticate(self, request: Request) -> Principal:
+        """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
+
+        Raises:
+            ApiError: 401 for a missing or unknown key (the key never appears in the message).
+        """
+        header = request.headers.get("authorization")
+        key: str | None = None
+        if header:
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise ApiError(401, "Authorization header must be 'Bearer <API key>'",
+                               code="invalid_api_key")
+            key = value.strip()
+        else:
+            key = request.headers.get("x-api-key")
+        try:
+            return self.authenticator.authenticate(key)
+        except AuthError as exc:
+            raise ApiError(401, exc.message, code=exc.code) from None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a client that disconnects
+    aborts the engine request at once rather than whenever the generator is garbage-collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """State of an admitted request, carried from admission to finalization."""
+
+    principal: Principal
+    body: ChatCompletionRequest | CompletionRequest
+    engine_request: EngineRequest
+    meter: RequestMeter
+    reservation: Reservation
+    grant: Grant | None = None
+    finalized: UsageEvent | None = None
+
+
+class CompletionEndpoint:
+    """The ASGI endpoint for ``/v1/chat/completions`` (``chat=True``) or ``/v1/completions``."""
+
+    def __init__(self, gateway: Gateway, *, chat: bool) -> None:
+        self.gw = gateway
+        self.chat = chat
+        self.endpoint = "chat.completions" if chat else "completions"
+        self._kind = ChatCompletionRequest if chat else CompletionRequest
+
+    # ------------------------------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        clock = self.gw.clock
+        arrival = (clock.monotonic(), clock.wall())
+        request_id = f"kvm-{uuid.uuid4().hex}"
+        rid_header = {"x-request-id": request_id}
+        try:
+            admitted = await self._admit(request, request_id, arrival)
+        except ApiError as err:
+            return error_response(err, rid_header)
+        headers = {**rid_header, **admitted.reservation.headers}
+        try:
+            admitted.grant = await self._dispatch(request, admitted)
+        except SchedulerRejected as exc:
+            await self._release_unrun(admitted)
+            return error_response(ApiError(exc.status_code, exc.message, code=exc.reason,
+                                           headers=retry_after_header(exc.retry_after_s)), headers)
+        except _ClientGone:
+            await self._finalize(admitted, "aborted", status_code=499, finish_reason="abort")
+            return Response(status_code=499)
+        admitted.meter.dispatched()
+        if admitted.body.stream:
+            return _ClosingStreamingResponse(self._stream(admitted), media_type="text/event-stream",
+                                             headers={**headers, "cache-control": "no-cache"})
+        return await self._complete(request, admitted, headers)
+
+    # -- steps 1–5 ------------------------------------------------------------------------------
+    async def _admit(self, request: Request, request_id: str,
+                     arrival: tuple[float, float]) -> _Admitted:
+        gw = self.gw
+        principal = gw.authenticate(request)
+        data = await read_json_object(request, gw.settings.max_body_bytes)
+        body = parse_request(data, self._kind)
+        engine = gw.engine
+        if body.model != engine.model_name:
+            raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
+                                f"'{engine.model_name}'", param="model", code="model_not_found")
+        prompt_ids = await self._tokenize(body)
+        max_tokens = self._output_budget(body, len(prompt_ids))
+        idem = request.headers.get("idempotency-key", "")
+        run_id = request.headers.get("x-agent-run-id", "")
+        identity = RequestIdentity(
+            request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
+            model=engine.model_name, endpoint=self.endpoint, stream=body.stream,
+            idempotency_key=idem, org_id=principal.org_id, workspace_id=principal.workspace_id,
+            project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id)
+        meter = RequestMeter(identity, gw.clock, prompt_tokens=len(prompt_ids),
+                             reserved_completion_tokens=max_tokens, arrival=arrival)
+        estimate = UsageEstimate(model=engine.model_name, prompt_tokens=len(prompt_ids),
+                                 max_output_tokens=max_tokens, agent_run_id=run_id,
+                                 request_id=request_id)
+        try:
+            reservation = await gw.quota.reserve(principal, estimate)
+        except QuotaRejected as rej:
+            self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
+            headers = {**retry_after_header(rej.retry_after_s), **rej.headers}
+            raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
+                           extra={"level": rej.level, "dimension": rej.dimension}) from None
+        engine_request = EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
+            top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
+        return _Admitted(principal=principal, body=body, engine_request=engine_request, meter=meter,
+                         reservation=reservation)
+
+    async def _tokenize(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        tokenizer = self.gw.engine.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            messages = body.chat()
+            size = sum(len(m["content"]) for m in messages)
+            call = lambda: tokenizer.encode_chat(messages)  # noqa: E731
+        elif isinstance(body.prompt, list):
+            vocab = tokenizer.vocab_size
+            bad = next((t for t in body.prompt if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param="prompt", code="invalid_value")
+            return list(body.prompt)
+        else:
+            text = body.prompt
+            size = len(text)
+            call = lambda: tokenizer.encode(text, add_special_tokens=True)  # noqa: E731
+        try:
+            if size > self.gw.settings.tokenize_in_thread_chars:
+                ids = await anyio.to_thread.run_sync(call)
+            else:
+                ids = call()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty after tokenization", param="prompt",
+                           code="invalid_value")
+        return ids
+
+    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
+        """The output ceiling: the request's ``max_tokens``, else what the context window leaves.
+
+        Raises:
+            ApiError: 400 ``context_length_exceeded`` when prompt (+ max_tokens) does not fit.
+        """
+        window = self.gw.engine.max_model_len
+        requested = body.output_ceiling()
+        if prompt_tokens >= window:
+            raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
+                                f"your prompt is {prompt_tokens} tokens, leaving no room for output.",
+                           param="messages" if self.chat else "prompt", code="context_length_exceeded")
+        if requested is None:
+            budget = window - prompt_tokens
+        else:
+            if prompt_tokens + requested > window:
+                raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
+                                    f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} "
+                                    f"in the prompt, {requested} in the completion). Please reduce the "
+                                    f"prompt or max_tokens.",
+                               param="max_tokens", code="context_length_exceeded")
+            budget = requested
+        if body.min_tokens > budget:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the output budget ({budget})",
+                           param="min_tokens", code="invalid_value")
+        return budget
+
+    def _decision(self, principal: Principal, admitted: bool, reason: str, level: str = "",
+                  dimension: str = "", status: int = 200) -> None:
+        self.gw.bus.publish(AdmissionDecision(
+            tenant_id=principal.tenant_id, tier=principal.tier, admitted=admitted, reason=reason,
+            level=level, dimension=dimension, status_code=status, wall_ts=self.gw.clock.wall()))
+
+    # -- step 6 ---------------------------------------------------------------------------------
+    async def _dispatch(self, request: Request, adm: _Admitted) -> Grant:
+        gw = self.gw
+        meter = adm.meter
+        slo = gw.slo(adm.principal.tier)
+        deadline = meter.arrival_mono + slo.ttft_s if slo and slo.ttft_s is not None else None
+        job = Job(request_id=adm.engine_request.request_id, tenant_id=adm.principal.tenant_id,
+                  tier=adm.principal.tier, prompt_tokens=len(adm.engine_request.prompt_token_ids),
+                  max_tokens=adm.engine_request.max_tokens, arrival_s=meter.arrival_mono,
+                  deadline_s=deadline)
+        try:
+            gw.scheduler.check_admission(job)
+            grant = await self._until_disconnect(request, gw.scheduler.acquire(job))
+        except SchedulerRejected as exc:
+            self._decision(adm.principal, False, exc.reason, "global", "scheduler", exc.status_code)
+            raise
+        adm.engine_request.priority = grant.priority
+        self._decision(adm.principal, True, "admitted")
+        return grant
+
+    @staticmethod
+    async def _until_disconnect(request: Request, awaitable: Any) -> Any:
+        """Await ``awaitable``; raise :class:`_ClientGone` (cancelling it) if the client leaves."""
+        work = asyncio.ensure_future(awaitable)
+        watch = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if work in done:
+            return work.result()
+        work.cancel()
+        try:
+            await work
+        except BaseException:  # noqa: BLE001 — the cancelled work's own outcome no longer matters
+            pass
+        raise _ClientGone()
+
+    # -- step 7, non-streaming ---------------------------------------------------------------------
+    async def _complete(self, request: Request, adm: _Admitted, headers: dict[str, str]) -> Response:
+        texts: list[str] = []
+
+        async def collect() -> None:
+            async with aclosing(self._engine_stream(adm)) as outputs:
+                async for out in outputs:
+                    if out.new_text:
+                        texts.append(out.new_text)
+
+        try:
+            await self._until_disconnect(request, collect())
+        except _ClientGone:
+            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
+            return Response(status_code=499)
+        except EngineError as exc:
+            log.error("engine failed %s: %s", adm.engine_request.request_id, exc)
+            await self._finalize(adm, "error", status_code=503 if exc.retryable else 500,
+                                 finish_reason="error")
+            err = ApiError(503 if exc.retryable else 500, "the engine failed this request; retry",
+                           code="engine_error")
+            return error_response(err, headers)
+        event = await self._finalize(adm, "ok", status_code=200)
+        return JSONResponse(self._full_response(adm, "".join(texts), event), headers=headers)
+
+    # -- step 7, streaming ---------------------------------------------------------------------------
+    async def _stream(self, adm: _Admitted) -> AsyncIterator[bytes]:
+        created = int(self.gw.clock.wall())
+        include_usage = adm.body.include_usage()
+        outputs = self._engine_stream(adm)
+        try:
+            first = True
+            async for out in outputs:
+                if out.new_text or first or out.finished:
+                    yield _sse(self._chunk(adm, created, out, first, include_usage))
+                    first = False
+            event = await self._finalize(adm, "ok", status_code=200)
+            if include_usage:
+                yield _sse(self._usage_chunk(adm, created, event))
+            yield _DONE
+        except EngineError as exc:
+            log.error("engine failed %s mid-stream: %s", adm.engine_request.request_id, exc)
+            await self._finalize(adm, "error", status_code=200, finish_reason="error")
+            yield _sse(ApiError(503 if exc.retryable else 500, "the engine failed this request",
+                                code="engine_error").body())
+            yield _DONE
+        finally:
+            # Closing the engine stream aborts the engine request if it is still running (the
+            # client went away: GeneratorExit at a yield, or cancellation at an await).
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+            await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
+
+    async def _engine_stream(self, adm: _Admitted) -> AsyncIterator[EngineOutput]:
+        """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
+        iterator early closes the engine's, which aborts the engine request."""
+        stream = self.gw.engine.generate(adm.engine_request)
+        try:
+            async for out in stream:
+                new = adm.meter.on_output(out)
+                if new and adm.grant is not None:
+                    self.gw.scheduler.charge_output(adm.grant, new)
+                yield out
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    # -- steps 8–9 ------------------------------------------------------------------------------------
+    async def _finalize(self, adm: _Admitted, outcome: str, *, status_code: int,
+                        finish_reason: str | None = None) -> UsageEvent:
+        """Record the usage event (durably), release the scheduler slot, reconcile the quota.
+
+        Idempotent (the first call wins) and shielded from cancellation: a client that leaves
+        mid-way never interrupts the ledger write.
+        """
+        if adm.finalized is not None:
+            return adm.finalized
+        with anyio.CancelScope(shield=True):
+            return await self._finalize_now(adm, outcome, status_code, finish_reason)
+
+    async def _finalize_now(self, adm: _Admitted, outcome: str, status_code: int,
+                            finish_reason: str | None) -> UsageEvent:
+        gw = self.gw
+        event, completion = adm.meter.finish(outcome, status_code=status_code,
+                                             slo=gw.slo(adm.principal.tier),
+                                             finish_reason=finish_reason)
+        adm.finalized = event
+        try:
+            await gw.recorder.record(event)
+        except Exception:  # noqa: BLE001 — the spool is local disk; this is an operator alarm
+            log.critical("usage event %s could NOT be made durable: %s", event.event_id,
+                         event.to_dict(), exc_info=True)
+        if adm.grant is not None:
+            gw.scheduler.release(adm.grant)
+        await gw.quota.reconcile(adm.reservation, ActualUsage(
+            prompt_tokens=event.prompt_tokens, cached_prompt_tokens=event.cached_prompt_tokens,
+            completion_tokens=event.completion_tokens))
+        gw.bus.publish(completion)
+        return event
+
+    async def _release_unrun(self, adm: _Admitted) -> None:
+        """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
+        await self.gw.quota.reconcile(adm.reservation, ActualUsage())
+
+    # -- response shapes ----------------------------------------------------------------------------
+    def _usage(self, event: UsageEvent) -> dict[str, Any]:
+        return usage_block(event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
+                           event.reasoning_tokens)
+
+    def _full_response(self, adm: _Admitted, text: str, event: UsageEvent) -> dict[str, Any]:
+        rid = adm.engine_request.request_id
+        created = int(self.gw.clock.wall())
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": event.finish_reason, "logprobs": None}
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
+                    "model": event.model, "choices": [choice], "usage": self._usage(event)}
+        choice = {"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
+                "model": event.model, "choices": [choice], "usage": self._usage(event)}
+
+    def _chunk(self, adm: _Admitted, created: int, out: EngineOutput, first: bool,
+               include_usage: bool) -> dict[str, Any]:
+        rid = adm.engine_request.request_id
+        reason = out.finish_reason if out.finished else None
+        if self.chat:
+            delta: dict[str, Any] = {"content": out.new_text}
+            if first:
+                delta["role"] = "assistant"
+            chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+                     "model": self.gw.engine.model_name,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
+        else:
+            chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
+                     "model": self.gw.engine.model_name,
+                     "choices": [{"index": 0, "text": out.new_text, "finish_reason": reason,
+                                  "logprobs": None}]}
+        if include_usage:
+            chunk["usage"] = None  # OpenAI: only the final usage chunk carries totals
+        return chunk
+
+    def _usage_chunk(self, adm: _Admitted, created: int, event: UsageEvent) -> dict[str, Any]:
+        rid = adm.engine_request.request_id
+        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}",
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": created, "model": event.model, "choices": [], "usage": self._usage(event)}

@@ -1,0 +1,181 @@
+"""Per-request metering: the clock readings and token counts that become a usage event.
+
+A :class:`RequestMeter` follows one admitted request from gateway arrival to its end, on an
+injected clock. It measures what the client experiences (TTFT, inter-token latency, end-to-end),
+integrates the KV cache the request holds over time, and at the end produces the
+:class:`~kvmeter.events.UsageEvent` (billing) and the :class:`~kvmeter.stats.RequestCompletion`
+(signals).
+
+Token counts follow the metering rules (ARCHITECTURE.md): the engine's own per-request stats when
+it reported them (a normal finish on vLLM), else the engine-true counts carried by the outputs the
+frontend received (an abort: vLLM never reports aborted requests in its hooks). A request aborted
+before its first output bills no tokens: the frontend cannot prove the prefill happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmeter.clock import Clock
+from kvmeter.events import UsageEvent, event_id_for
+from kvmeter.serving.engines.base import EngineOutput
+from kvmeter.stats import RequestCompletion
+
+__all__ = ["RequestMeter", "RequestIdentity", "TierSLO"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSLO:
+    """Latency promise of a tier: TTFT and mean ITL ceilings in seconds (None = no promise)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestIdentity:
+    """Who and what a request is, fixed at admission."""
+
+    request_id: str
+    tenant_id: str
+    tier: str
+    model: str
+    endpoint: str
+    stream: bool
+    idempotency_key: str = ""
+    org_id: str = ""
+    workspace_id: str = ""
+    project_id: str = ""
+    api_key_id: str = ""
+    agent_run_id: str = ""
+    attempt: int = 1
+
+
+class RequestMeter:
+    """Clock readings and counts of one request.
+
+    Args:
+        identity: attribution.
+        clock: injected clock (monotonic for durations, wall for timestamps).
+        prompt_tokens: the prompt as tokenized by the gateway (what admission reserved).
+        reserved_completion_tokens: the output reservation (``max_tokens``).
+        arrival: ``(monotonic, wall)`` readings at gateway arrival; default: now.
+    """
+
+    def __init__(self, identity: RequestIdentity, clock: Clock, *, prompt_tokens: int,
+                 reserved_completion_tokens: int, arrival: tuple[float, float] | None = None) -> None:
+        self.identity = identity
+        self._clock = clock
+        self.arrival_mono, self.arrival_wall = arrival or (clock.monotonic(), clock.wall())
+        self.reserved_prompt_tokens = prompt_tokens
+        self.reserved_completion_tokens = reserved_completion_tokens
+        self.dispatch_mono: float | None = None
+        self.first_token_mono: float | None = None
+        self._last_token_mono: float | None = None
+        self._last_kv_mono: float | None = None
+        self.itls_s: list[float] = []
+        self.kv_token_seconds = 0.0
+        self.prompt_tokens = 0          # engine-true, from outputs
+        self.cached_prompt_tokens = 0
+        self.completion_tokens = 0
+        self.outputs_seen = 0
+        self.engine_stats = None
+        self.finish_reason: str | None = None
+
+    def dispatched(self) -> None:
+        """The scheduler released the request to the engine."""
+        now = self._clock.monotonic()
+        self.dispatch_mono = now
+        self._last_kv_mono = now
+
+    def on_output(self, out: EngineOutput) -> int:
+        """Account one engine delta; returns the number of new output tokens in it."""
+        now = self._clock.monotonic()
+        # KV held since the last reading: the prompt being prefilled until the first output,
+        # then prompt + generated tokens.
+        held = (self.prompt_tokens + self.completion_tokens) if self.outputs_seen else out.num_prompt_tokens
+        if self._last_kv_mono is not None:
+            self.kv_token_seconds += held * (now - self._last_kv_mono)
+        self._last_kv_mono = now
+        new = max(0, out.num_output_tokens - self.completion_tokens)
+        self.outputs_seen += 1
+        self.prompt_tokens = out.num_prompt_tokens
+        self.cached_prompt_tokens = min(out.num_cached_tokens, out.num_prompt_tokens)
+        self.completion_tokens = out.num_output_tokens
+        if new:
+            if self.first_token_mono is None:
+                self.first_token_mono = now
+            elif self._last_token_mono is not None:
+                gap = (now - self._last_token_mono) / new
+                self.itls_s.extend([gap] * new)
+            self._last_token_mono = now
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.engine_stats = out.stats
+            self._last_kv_mono = None  # the engine frees the request's KV blocks at its last step
+        return new
+
+    # -- the end -------------------------------------------------------------------------------
+    def finish(self, outcome: str, *, status_code: int, slo: TierSLO | None = None,
+               finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
+        """Close the meter and build the usage event and completion stats.
+
+        Args:
+            outcome: ``ok``, ``aborted`` or ``error``.
+            status_code: HTTP status the client got.
+            slo: the tier's latency promise, for ``slo_met`` (goodput).
+            finish_reason: overrides the engine's (``abort`` / ``error``).
+        """
+        now_mono = self._clock.monotonic()
+        now_wall = self._clock.wall()
+        stats = self.engine_stats
+        if self._last_kv_mono is not None and self.outputs_seen:
+            self.kv_token_seconds += (self.prompt_tokens + self.completion_tokens) * (now_mono - self._last_kv_mono)
+            self._last_kv_mono = now_mono
+        if stats is not None:
+            prompt, completion = stats.prompt_tokens, stats.generation_tokens
+            cached = min(stats.cached_prompt_tokens, prompt)
+            source = "engine_hooks"
+        elif self.outputs_seen:
+            prompt, completion, cached = self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens
+            source = "frontend"
+        else:
+            prompt = completion = cached = 0
+            source = "frontend"
+        ident = self.identity
+        gateway_queue = (self.dispatch_mono - self.arrival_mono) if self.dispatch_mono is not None else None
+        queue_s = None if gateway_queue is None else gateway_queue + (stats.queued_s if stats else 0.0)
+        ttft = (self.first_token_mono - self.arrival_mono) if self.first_token_mono is not None else None
+        itl_mean = sum(self.itls_s) / len(self.itls_s) if self.itls_s else None
+        e2e = now_mono - self.arrival_mono
+        reason = finish_reason or self.finish_reason or ("abort" if outcome == "aborted" else "error")
+        event = UsageEvent(
+            event_id=event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id),
+            tenant_id=ident.tenant_id, request_id=ident.request_id, tier=ident.tier,
+            model=ident.model, endpoint=ident.endpoint, outcome=outcome, finish_reason=reason,
+            arrival_ts=self.arrival_wall, finish_ts=now_wall,
+            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
+            reserved_prompt_tokens=self.reserved_prompt_tokens,
+            reserved_completion_tokens=self.reserved_completion_tokens,
+            idempotency_key=ident.idempotency_key, org_id=ident.org_id,
+            workspace_id=ident.workspace_id, project_id=ident.project_id,
+            api_key_id=ident.api_key_id, agent_run_id=ident.agent_run_id,
+            status_code=status_code, stream=ident.stream, queue_s=queue_s, ttft_s=ttft,
+            prefill_s=stats.prefill_s if stats else None, decode_s=stats.decode_s if stats else None,
+            e2e_s=e2e, itl_mean_s=itl_mean, kv_token_seconds=self.kv_token_seconds,
+            token_source=source, attempt=ident.attempt,
+            preemptions=stats.preemptions if stats else 0)
+        slo_met: bool | None = None
+        if slo is not None and (slo.ttft_s is not None or slo.itl_s is not None):
+            slo_met = outcome == "ok" and ttft is not None
+            if slo_met and slo.ttft_s is not None:
+                slo_met = ttft <= slo.ttft_s
+            if slo_met and slo.itl_s is not None and itl_mean is not None:
+                slo_met = itl_mean <= slo.itl_s
+        completion_stats = RequestCompletion(
+            tenant_id=ident.tenant_id, tier=ident.tier, model=ident.model, outcome=outcome,
+            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
+            ttft_s=ttft, itls_s=self.itls_s, e2e_s=e2e, queue_s=gateway_queue or 0.0,
+            slo_met=slo_met, wall_ts=now_wall)
+        return event, completion_stats
+

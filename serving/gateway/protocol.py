@@ -1,0 +1,179 @@
+"""The OpenAI-compatible request schemas and response shapes kvmeter serves.
+
+Requests are validated strictly (``"max_tokens": "10"`` is a type error, as on OpenAI's API).
+Unknown fields are ignored, except parameters kvmeter cannot honour (``n`` > 1, ``tools``,
+``logprobs``, non-text ``response_format``): those are rejected with 400 rather than silently
+dropped, since a silent downgrade is worse than an error.
+
+vLLM extensions accepted: ``min_tokens``, ``ignore_eos`` (used by trace replays to hold an output to
+its trace length).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvmeter.serving.gateway.errors import ApiError
+
+__all__ = [
+    "ChatCompletionRequest", "CompletionRequest", "parse_request", "usage_block",
+    "MAX_STOP_SEQUENCES", "MAX_TOKENS_CEILING",
+]
+
+#: OpenAI accepts up to 4 stop sequences.
+MAX_STOP_SEQUENCES = 4
+#: Absolute ceiling on max_tokens before the context check (rejects absurd values early).
+MAX_TOKENS_CEILING = 1 << 24
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    seed: int | None = None
+    user: str | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CEILING)] = 0
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions`` body (the subset kvmeter serves)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
+
+    def output_ceiling(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions`` body: one prompt, as text or token ids."""
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = 16  # OpenAI's default
+    echo: Literal[False] = False
+
+    def output_ceiling(self) -> int | None:
+        return self.max_tokens
+
+
+_UNSUPPORTED = {
+    "tools": "tool calling is not supported by this gateway",
+    "functions": "function calling is not supported by this gateway",
+    "tool_choice": "tool calling is not supported by this gateway",
+    "logprobs": "logprobs are not supported by this gateway",
+    "top_logprobs": "logprobs are not supported by this gateway",
+    "best_of": "best_of is not supported; send one request per completion",
+    "suffix": "suffix is not supported",
+}
+
+
+def _reject_unsupported(data: dict[str, Any]) -> None:
+    for key, why in _UNSUPPORTED.items():
+        value = data.get(key)
+        if value in (None, False, [], 0) or (key == "best_of" and value == 1):
+            continue
+        raise ApiError(400, why, param=key, code="unsupported_parameter")
+    fmt = data.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
+                       param="response_format", code="unsupported_parameter")
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Reject lone surrogates (valid JSON escapes, but not text a tokenizer can encode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where} contains an invalid Unicode surrogate", param=where,
+                           code="invalid_encoding") from None
+
+
+def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
+    """Validate a parsed JSON object as ``kind``.
+
+    Raises:
+        ApiError: 400 naming the first offending field (``param``) and why.
+    """
+    _reject_unsupported(data)
+    if "n" in data and data["n"] != 1:
+        raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
+    try:
+        req = kind.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        raise ApiError(400, f"invalid {loc or 'request'}: {first.get('msg')}", param=loc or None,
+                       code="invalid_value") from None
+    if isinstance(req, ChatCompletionRequest):
+        for i, m in enumerate(req.messages):
+            _check_text(m.text(), f"messages.{i}.content")
+    elif isinstance(req.prompt, str):
+        _check_text(req.prompt, "prompt")
+    for s in req.stop_list():
+        _check_text(s, "stop")
+    return req
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI ``usage`` object. ``cached_tokens`` ⊆ prompt, ``reasoning_tokens`` ⊆ completion."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+    }
