@@ -1,0 +1,10 @@
+"""Collectors: turn what kvmeter observes into plain stats objects on the bus.
+
+* :mod:`kvmeter.collectors.gpu` — NVML (per GPU and MIG instance), XID events, DCGM expositions;
+  a capture-backed pynvml stand-in for machines without a GPU.
+* :mod:`kvmeter.collectors.remote_vllm` — scrape and parse a vLLM server's ``/metrics``.
+* :mod:`kvmeter.collectors.gpu_cli` — the ``kvmeter gpu`` command.
+* :mod:`kvmeter.collectors.vllm_hooks` — the vLLM stat-logger hook of the hosted engine.
+
+Collectors compute and publish; they never import an exporter.
+"""

@@ -1,0 +1,80 @@
+"""What every metric source of the Prometheus exporter shares.
+
+A *source* is one small module that turns one producer's plain stats into metrics: it creates its
+metrics from the :mod:`.names` table and subscribes to the bus. Round 2 adds one module per new
+producer (scheduler queues, per-tenant KV, fairness, quota drift, ledger spool)::
+
+    class SchedulerMetrics(MetricSource):
+        def __init__(self, ctx: SourceContext) -> None:
+            super().__init__(ctx)
+            self.depth = self.metric("kvmeter_scheduler_queue_depth_requests")
+        def attach(self, bus):
+            return [bus.subscribe(SchedulerSample, self.on_sample)]
+        def on_sample(self, s):
+            self.tenant_child(self.depth, 1, (s.tier, s.tenant_id)).set(s.depth)
+
+and lists it in :data:`kvmeter.exporters.prometheus.install.DEFAULT_SOURCES` (or passes it to
+``install_prometheus(sources=...)``). The module never computes anything the producer should
+have: it maps fields to metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import Clock
+
+from .config import PrometheusConfig
+from .names import Signal, signal
+from .tenants import TenantLabels
+
+__all__ = ["SourceContext", "MetricSource", "make_metric"]
+
+
+def make_metric(sig: Signal, registry: CollectorRegistry | None) -> Any:
+    """Create the prometheus-client metric for ``sig`` in ``registry``.
+
+    Raises:
+        ValueError: from prometheus-client on an invalid or already registered name.
+    """
+    if sig.kind == "counter":
+        return Counter(sig.name.removesuffix("_total"), sig.help, sig.labels, registry=registry)
+    if sig.kind == "gauge":
+        return Gauge(sig.name, sig.help, sig.labels, registry=registry,
+                     multiprocess_mode=sig.multiprocess_mode)
+    if sig.kind == "histogram":
+        return Histogram(sig.name, sig.help, sig.labels, registry=registry, buckets=sig.buckets)
+    raise ValueError(f"unknown metric kind {sig.kind!r} for {sig.name}")
+
+
+@dataclass(slots=True)
+class SourceContext:
+    """What a source needs: where to register, how to label tenants, settings, clock."""
+
+    registry: CollectorRegistry | None
+    tenants: TenantLabels
+    config: PrometheusConfig
+    clock: Clock
+
+
+class MetricSource:
+    """Base class of a metric source (see the module docstring)."""
+
+    def __init__(self, ctx: SourceContext) -> None:
+        self.ctx = ctx
+
+    def metric(self, name: str) -> Any:
+        """Create the declared metric ``name`` (see :mod:`.names`) in the context's registry."""
+        return make_metric(signal(name), self.ctx.registry)
+
+    def tenant_child(self, metric: Any, tenant_index: int, values: tuple[str, ...]) -> Any:
+        """The metric's child with the tenant label bounded to top-K + ``other``."""
+        return self.ctx.tenants.child(metric, tenant_index, values)
+
+    def attach(self, bus: StatsBus) -> list[Callable[[], None]]:
+        """Subscribe to the bus; return the unsubscribe functions."""
+        raise NotImplementedError

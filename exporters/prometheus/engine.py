@@ -1,0 +1,85 @@
+"""Engine signals: KV watermark and blocks, batch, queue, preemptions, prefix cache, engine-side
+TTFT/ITL (from :class:`~kvmeter.stats.EngineStepStats`) and per-request phases and engine-true
+tokens, aborted requests included (from :class:`~kvmeter.stats.EngineRequestStats`)."""
+
+from __future__ import annotations
+
+from kvmeter.bus import StatsBus
+from kvmeter.stats import EngineRequestStats, EngineStepStats
+
+from .base import MetricSource, SourceContext
+
+__all__ = ["EngineMetrics"]
+
+
+class EngineMetrics(MetricSource):
+    """Maps the locally hosted engine's stats (label ``engine`` = its index, ``model`` = config)."""
+
+    def __init__(self, ctx: SourceContext) -> None:
+        super().__init__(ctx)
+        m = self.metric
+        self.kv_watermark = m("kvmeter_engine_kv_watermark_ratio")
+        self.kv_used = m("kvmeter_engine_kv_used_blocks")
+        self.kv_capacity = m("kvmeter_engine_kv_capacity_blocks")
+        self.kv_block_size = m("kvmeter_engine_kv_block_size_tokens")
+        self.running = m("kvmeter_engine_running_requests")
+        self.waiting = m("kvmeter_engine_waiting_requests")
+        self.preemptions = m("kvmeter_engine_preemptions_total")
+        self.prefix_queries = m("kvmeter_engine_prefix_cache_queries_tokens_total")
+        self.prefix_hits = m("kvmeter_engine_prefix_cache_hits_tokens_total")
+        self.prompt_tokens = m("kvmeter_engine_prompt_tokens_total")
+        self.generation_tokens = m("kvmeter_engine_generation_tokens_total")
+        self.batch_size = m("kvmeter_engine_step_batch_size_requests")
+        self.step_tokens = m("kvmeter_engine_step_scheduled_tokens")
+        self.ttft = m("kvmeter_engine_ttft_seconds")
+        self.itl = m("kvmeter_engine_itl_seconds")
+        self.req_queue = m("kvmeter_engine_request_queue_seconds")
+        self.req_prefill = m("kvmeter_engine_request_prefill_seconds")
+        self.req_decode = m("kvmeter_engine_request_decode_seconds")
+        self.req_e2e = m("kvmeter_engine_request_e2e_seconds")
+        self.req_tokens = m("kvmeter_engine_request_tokens_total")
+
+    def attach(self, bus: StatsBus):
+        return [bus.subscribe(EngineStepStats, self.on_step),
+                bus.subscribe(EngineRequestStats, self.on_request)]
+
+    def on_step(self, s: EngineStepStats) -> None:
+        labels = (str(s.engine_idx), self.ctx.config.model)
+        self.kv_watermark.labels(*labels).set(s.kv_watermark_ratio)
+        if s.kv_blocks_total > 0:  # 0 means unknown
+            self.kv_capacity.labels(*labels).set(s.kv_blocks_total)
+            self.kv_used.labels(*labels).set(s.kv_blocks_used)
+        if s.kv_block_size_tokens > 0:
+            self.kv_block_size.labels(*labels).set(s.kv_block_size_tokens)
+        self.running.labels(*labels).set(s.num_running)
+        self.waiting.labels(*labels).set(s.num_waiting)
+        for counter, delta in ((self.preemptions, s.num_preempted),
+                               (self.prefix_queries, s.prefix_cache_queries_tokens),
+                               (self.prefix_hits, s.prefix_cache_hits_tokens),
+                               (self.prompt_tokens, s.prompt_tokens),
+                               (self.generation_tokens, s.generation_tokens)):
+            if delta > 0:
+                counter.labels(*labels).inc(delta)
+        if s.batch_size > 0:
+            self.batch_size.labels(*labels).observe(s.batch_size)
+        if s.scheduled_tokens > 0:
+            self.step_tokens.labels(*labels).observe(s.scheduled_tokens)
+        if s.ttfts_s:
+            ttft = self.ttft.labels(*labels)
+            for value in s.ttfts_s:
+                ttft.observe(value)
+        if s.itls_s:
+            itl = self.itl.labels(*labels)
+            for value in s.itls_s:
+                itl.observe(value)
+
+    def on_request(self, r: EngineRequestStats) -> None:
+        reason = r.finish_reason or "unknown"
+        self.req_queue.labels(reason).observe(r.queued_s)
+        self.req_prefill.labels(reason).observe(r.prefill_s)
+        self.req_decode.labels(reason).observe(r.decode_s)
+        self.req_e2e.labels(reason).observe(r.e2e_s)
+        for kind, count in (("prompt", r.prompt_tokens), ("cached_prompt", r.cached_prompt_tokens),
+                            ("generation", r.generation_tokens)):
+            if count > 0:
+                self.req_tokens.labels(kind, reason).inc(count)

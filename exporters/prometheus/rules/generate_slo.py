@@ -1,0 +1,144 @@
+"""Generate ``slo.yml``: TTFT and ITL SLO multi-window, multi-burn-rate alerts per tier class.
+
+    python -m kvmeter.exporters.prometheus.rules.generate_slo        # rewrites slo.yml
+    python -m kvmeter.exporters.prometheus.rules.generate_slo --check  # exit 1 if slo.yml is stale
+
+Method: Google SRE Workbook, chapter 5 "Alerting on SLOs", section 6 "Multiwindow, Multi-Burn-Rate
+Alerts" (Table 5-8 recommended parameters for a 30-day SLO window): page when the error budget
+burns 14.4× too fast over 1 h (confirmed over 5 m) or 6× over 6 h (confirmed over 30 m); open a
+ticket at 3× over 1 d (2 h) or 1× over 3 d (6 h). The short window makes the alert stop soon after
+the problem does.
+
+SLIs (from the gateway histograms; thresholds are bucket boundaries of
+:mod:`kvmeter.exporters.prometheus.buckets`):
+
+* TTFT: fraction of requests whose time to first token exceeded the class threshold;
+* ITL: fraction of streamed inter-token gaps longer than the class threshold.
+
+Tier classes are declared in :data:`SLO_CLASSES`; tiers outside every class get no SLO alert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+__all__ = ["SloClass", "SLO_CLASSES", "BURN_ALERTS", "WINDOWS", "render", "main"]
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """Tiers sharing one SLO: thresholds in seconds (must be bucket boundaries) and objective."""
+
+    name: str
+    tiers: tuple[str, ...]
+    ttft_le: str
+    itl_le: str
+    objective: float  # e.g. 0.99 → error budget 1 %
+
+
+SLO_CLASSES = (
+    SloClass("interactive", ("enterprise", "paid_interactive"), ttft_le="2.0", itl_le="0.1", objective=0.99),
+    SloClass("batch", ("batch", "free"), ttft_le="30.0", itl_le="0.5", objective=0.95),
+)
+
+#: (severity, long window, short window, burn rate, for) — SRE Workbook Table 5-8
+BURN_ALERTS = (
+    ("page", "1h", "5m", 14.4, "2m"),
+    ("page", "6h", "30m", 6.0, "5m"),
+    ("ticket", "1d", "2h", 3.0, "15m"),
+    ("ticket", "3d", "6h", 1.0, "1h"),
+)
+WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
+_SLIS = (("ttft", "kvmeter_request_ttft_seconds", "ttft_le", "time to first token"),
+         ("itl", "kvmeter_request_itl_seconds", "itl_le", "inter-token latency"))
+
+
+def _record(sli: str) -> str:
+    return f"kvmeter:request_{sli}_slo_errors:ratio_rate"
+
+
+def render() -> str:
+    """The full text of slo.yml."""
+    recording, alerts = [], []
+    for cls in SLO_CLASSES:
+        sel = f'tier=~"{"|".join(cls.tiers)}"'
+        budget = round(1 - cls.objective, 6)
+        for sli, metric, le_attr, words in _SLIS:
+            le = getattr(cls, le_attr)
+            for w in WINDOWS:
+                recording.append({
+                    "record": f"{_record(sli)}{w}",
+                    "expr": (f"(\n  sum by (tier) (rate({metric}_count{{{sel}}}[{w}]))\n"
+                             f"  - sum by (tier) (rate({metric}_bucket{{{sel},le=\"{le}\"}}[{w}]))\n)\n"
+                             f"/ sum by (tier) (rate({metric}_count{{{sel}}}[{w}]))"),
+                    "labels": {"slo_class": cls.name},
+                })
+            for severity in ("page", "ticket"):
+                rules = [r for r in BURN_ALERTS if r[0] == severity]
+                clauses = []
+                for _, long_w, short_w, burn, _ in rules:
+                    threshold = round(burn * budget, 6)
+                    clauses.append(
+                        f"(\n  {_record(sli)}{long_w}{{slo_class=\"{cls.name}\"}} > {threshold}\n"
+                        f"  and {_record(sli)}{short_w}{{slo_class=\"{cls.name}\"}} > {threshold}\n)")
+                name = f"Kvmeter{sli.upper().capitalize()}SloBurn{'Fast' if severity == 'page' else 'Slow'}"
+                alerts.append({
+                    "alert": name,
+                    "expr": "\nor\n".join(clauses),
+                    "for": rules[0][4],
+                    "labels": {"severity": severity, "slo_class": cls.name, "sli": sli},
+                    "annotations": {
+                        "summary": (f"{{{{ $labels.tier }}}} {words} SLO burning error budget "
+                                    f"({'fast' if severity == 'page' else 'slowly'})"),
+                        "description": (
+                            f"More than {budget:.0%} of {words} observations of tier "
+                            f"{{{{ $labels.tier }}}} exceed {le} s at "
+                            + " or ".join(f"{r[3]:g}x the sustainable rate over {r[1]} (and {r[2]})"
+                                          for r in rules)
+                            + f". SLO: {cls.objective:.0%} within {le} s. Method: SRE Workbook ch. 5, "
+                            "multiwindow multi-burn-rate alerts."),
+                    },
+                })
+    doc = {"groups": [
+        {"name": "kvmeter-slo-recording", "rules": recording},
+        {"name": "kvmeter-slo-alerts", "rules": alerts},
+    ]}
+    header = ("# GENERATED by kvmeter.exporters.prometheus.rules.generate_slo — do not edit by hand.\n"
+              "# TTFT / ITL SLO multiwindow multi-burn-rate alerts per tier class (SRE Workbook ch. 5).\n")
+    return header + yaml.dump(doc, Dumper=_BlockDumper, sort_keys=False, width=120)
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Writes multi-line strings (the PromQL expressions) as readable ``|`` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="generate slo.yml")
+    parser.add_argument("--check", action="store_true", help="exit 1 if slo.yml differs from the output")
+    args = parser.parse_args(argv)
+    target = Path(__file__).with_name("slo.yml")
+    text = render()
+    if args.check:
+        same = target.exists() and target.read_text() == text
+        print("slo.yml is up to date" if same else "slo.yml is stale: run generate_slo")
+        return 0 if same else 1
+    target.write_text(text)
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

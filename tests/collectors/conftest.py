@@ -1,0 +1,19 @@
+"""Fixtures for the collector tests: the real captures in ../shared/data (read-only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared data directory; a missing one is an error, not a skip."""
+    if not SHARED_DATA.is_dir():
+        raise FileNotFoundError(f"shared data not found at {SHARED_DATA} (set KVMETER_SHARED_DATA)")
+    return SHARED_DATA

@@ -1,0 +1,133 @@
+"""A real Prometheus (Debian package) scrapes the exporter's /metrics over loopback, evaluates the
+shipped rule files unmodified, and an alert fires — checked through Prometheus' HTTP API.
+
+Round 2 points the same fixture at a running ``kvmeter serve``; here the target is a tiny uvicorn
+app serving the exporter's registry, fed by synthetic bus events.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from kvmeter.collectors.gpu import GpuSample, XidEvent
+from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus, metrics_asgi_app, rule_files
+from kvmeter.stats import EngineStepStats
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.slow,
+    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not on PATH (Debian: apt-get install -y prometheus)"),
+]
+
+
+def wait_for(what: str, check, timeout_s: float = 60.0):
+    """Poll an external process until ``check()`` returns a truthy value (not timing logic)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def exporter_target(bus, registry, clock, free_port):
+    """uvicorn serving ``GET /metrics`` from a fresh registry fed by ``bus``; yields host:port."""
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(model="m"))
+    app = Starlette(routes=[Route("/metrics", endpoint=metrics_asgi_app(registry))])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for("the exporter app", lambda: server.started, 30)
+    yield f"127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def prometheus_server(tmp_path, free_port):
+    """Start a real Prometheus on loopback scraping ``target`` every second; yields a query helper."""
+    procs = []
+
+    def start(target: str, rules: list[Path]):
+        port = free_port()
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rules],
+            "scrape_configs": [{"job_name": "kvmeter", "static_configs": [{"targets": [target]}]}],
+        }
+        config_path = tmp_path / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        log = open(tmp_path / "prometheus.log", "w")
+        proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5)
+
+        def ready():
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+            try:
+                return api.get("/-/ready").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("Prometheus to be ready", ready)
+        return api
+
+    yield start
+    for proc, log in procs:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def query(api: httpx.Client, promql: str) -> list[dict]:
+    body = api.get("/api/v1/query", params={"query": promql}).json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def alerts(api: httpx.Client) -> dict[str, str]:
+    body = api.get("/api/v1/alerts").json()
+    return {a["labels"]["alertname"]: a["state"] for a in body["data"]["alerts"]}
+
+
+def test_prometheus_scrapes_and_an_alert_fires(bus, exporter_target, prometheus_server):
+    by_name = {p.name: p for p in rule_files()}
+    api = prometheus_server(exporter_target, [by_name["gpu.yml"], by_name["engine.yml"]])
+    assert {g["name"] for g in api.get("/api/v1/rules").json()["data"]["groups"]} == {
+        "kvmeter-gpu", "kvmeter-engine"}
+
+    bus.publish(EngineStepStats(wall_ts=1.0, kv_watermark_ratio=0.96, kv_blocks_total=1000, num_running=40))
+    bus.publish(GpuSample(wall_ts=1.0, index=0, name="NVIDIA H200", temperature_gpu_celsius=52.0))
+    bus.publish(XidEvent(wall_ts=1.0, gpu_index=0, xid=79))
+
+    # the scraped values are the published ones
+    kv = wait_for("the KV watermark to be scraped",
+                  lambda: query(api, 'kvmeter_engine_kv_watermark_ratio{job="kvmeter"}'))
+    assert float(kv[0]["value"][1]) == 0.96 and kv[0]["metric"]["engine"] == "0"
+    wait_for("the first XID to be scraped", lambda: query(api, "kvmeter_gpu_xid_errors_total == 1"))
+
+    # a second XID after Prometheus has seen the first: increase() > 0 → the critical alert fires
+    bus.publish(XidEvent(wall_ts=2.0, gpu_index=0, xid=79))
+    wait_for("KvmeterGpuXidCritical to fire", lambda: alerts(api).get("KvmeterGpuXidCritical") == "firing")
+    # the KV rule (for: 5m) is evaluated on the same live data and is pending
+    assert alerts(api).get("KvmeterKvWatermarkHigh") == "pending"
+    assert "KvmeterGpuXidError" not in alerts(api)  # XID 79 is in the critical list only
