@@ -9,7 +9,8 @@ The gateway calls, per request, after authentication and tokenization and before
         await quota.reconcile(reservation, actual)           # engine-true counts; releases the rest
 
 ``reconcile`` with zero actual usage is how a failure before any engine work releases everything.
-:class:`UnlimitedQuota` admits everything and is the default until limits are configured.
+:class:`UnlimitedQuota` admits everything and is the default until limits are configured;
+:class:`kvmeter.serving.quota.gate.HierarchicalQuota` is the real implementation.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class UsageEstimate:
         max_output_tokens: the output reservation (the request's ``max_tokens``).
         agent_run_id: agent run the call belongs to, or ``""``.
         request_id: kvmeter request id.
+        attempt: which attempt of the logical request this is (1 = first; the idempotency
+            manager's ``IdempotencyTicket.attempt``); an attempt > 1 counts against an agent
+            run's ``max_retries``.
     """
 
     model: str
@@ -38,6 +42,7 @@ class UsageEstimate:
     max_output_tokens: int
     agent_run_id: str = ""
     request_id: str = ""
+    attempt: int = 1
 
 
 @dataclass(slots=True, frozen=True)

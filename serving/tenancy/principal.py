@@ -4,8 +4,9 @@ A :class:`Principal` is the resolved identity of an API key: its path org → wo
 key and its tier. The billed *tenant* is the organisation. API keys are kept only as SHA-256
 digests and compared in constant time; the plain key never leaves :meth:`Authenticator.authenticate`.
 
-This module holds the shape every other part relies on; the quota package grows the configuration
-(limits per node, tier defaults, reload) behind the same :class:`Authenticator` protocol.
+This module holds the shape every other part relies on; :mod:`kvmeter.serving.tenancy.directory`
+grows the configuration (limits per node, tier defaults, reload) behind the same
+:class:`Authenticator` protocol.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key"]
+__all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key", "constant_time_lookup"]
 
 #: Tiers known out of the box, most protected first.
 TIERS = ("enterprise", "paid_interactive", "batch", "free")

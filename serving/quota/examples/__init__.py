@@ -1,0 +1,1 @@
+"""Example configuration files shipped with the quota package (data only)."""

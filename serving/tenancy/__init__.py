@@ -1,0 +1,65 @@
+"""Principals and authentication: who is calling, on whose bill, under which tier and limits.
+
+Public surface (re-exported here; the modules are internals):
+
+* :class:`Principal`, :class:`Authenticator`, :class:`AuthError`, :func:`hash_api_key`,
+  :func:`constant_time_lookup`, :data:`TIERS` — the shapes every other part relies on
+  (:mod:`.principal`).
+* :class:`TenantDirectory` — the loaded YAML config (org → workspace → project → API key, tiers,
+  global limits): ``authenticate()``, ``tier_policy()``, ``entry()``, atomic ``reload()`` and a
+  file watcher (:mod:`.directory`).
+* :class:`TierPolicy`, :data:`DEFAULT_TIERS` — weight, TTFT/ITL SLOs, engine priority and default
+  limits per tier (:mod:`.tiers`).
+* :class:`Limits`, :class:`RunBudget` and the level/dimension names (:mod:`.limits`).
+* :func:`load_config`, :func:`parse_config`, :class:`ConfigError` (:mod:`.config`).
+"""
+
+from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, load_config, parse_config
+from kvmeter.serving.tenancy.directory import (
+    ConfigReloaded,
+    DirectorySnapshot,
+    KeyEntry,
+    NodeLimits,
+    TenantDirectory,
+)
+from kvmeter.serving.tenancy.limits import (
+    DIMENSIONS,
+    LEVELS,
+    RUN_DIMENSIONS,
+    Limits,
+    RunBudget,
+)
+from kvmeter.serving.tenancy.principal import (
+    TIERS,
+    AuthError,
+    Authenticator,
+    Principal,
+    constant_time_lookup,
+    hash_api_key,
+)
+from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TierPolicy
+
+__all__ = [
+    "Principal",
+    "Authenticator",
+    "AuthError",
+    "TIERS",
+    "hash_api_key",
+    "constant_time_lookup",
+    "TenantDirectory",
+    "DirectorySnapshot",
+    "KeyEntry",
+    "NodeLimits",
+    "ConfigReloaded",
+    "TierPolicy",
+    "DEFAULT_TIERS",
+    "Limits",
+    "RunBudget",
+    "LEVELS",
+    "DIMENSIONS",
+    "RUN_DIMENSIONS",
+    "TenancyConfig",
+    "ConfigError",
+    "load_config",
+    "parse_config",
+]
