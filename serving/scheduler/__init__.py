@@ -1,0 +1,22 @@
+"""Fair scheduling: per-tenant queues ordered by consumed work (VTC), KV budgets, engine gating,
+bounded queues, deadlines and shedding by tier.
+
+``FairScheduler`` is what the gateway calls (the :class:`Scheduler` contract in ``base``);
+``SchedulerCore`` is the synchronous core it wraps, which the simulator drives directly.
+"""
+
+from .base import Grant, Job, PassThroughScheduler, Scheduler, SchedulerRejected
+from .config import DEFAULT_TIER_POLICIES, SchedulerConfig, TierPolicy
+from .core import CoreGrant, SchedulerCore
+from .fair import FairScheduler
+from .fairness import jain_index
+from .policy import POLICIES, FCFSPolicy, OrderingPolicy, RPMLimitPolicy, VTCPolicy, make_policy
+from .stats import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
+
+__all__ = [
+    "Job", "Grant", "Scheduler", "SchedulerRejected", "PassThroughScheduler",
+    "SchedulerConfig", "TierPolicy", "DEFAULT_TIER_POLICIES",
+    "SchedulerCore", "CoreGrant", "FairScheduler",
+    "OrderingPolicy", "VTCPolicy", "FCFSPolicy", "RPMLimitPolicy", "make_policy", "POLICIES",
+    "SchedulerStats", "TenantSchedulerStats", "TierSchedulerStats", "jain_index",
+]

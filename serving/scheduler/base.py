@@ -49,13 +49,15 @@ class Job:
 
 @dataclass(slots=True)
 class Grant:
-    """A dispatched job. ``priority`` is the engine priority to submit with (lower runs first)."""
+    """A dispatched job. ``priority`` is the engine priority to submit with (lower runs first);
+    ``engine_idx`` the engine replica to submit to (0 with a single engine)."""
 
     job: Job
     dispatched_s: float
     priority: int = 0
     output_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    engine_idx: int = 0
 
 
 class SchedulerRejected(Exception):

@@ -1,0 +1,137 @@
+"""``kvmeter simulate`` — replay a real trace on simulated GPU replicas under a scheduling policy.
+
+Examples::
+
+    kvmeter simulate --trace azure-conv --policy vtc --model llama-3.1-70b --gpu h200 --tp 4
+    kvmeter simulate --trace mooncake --policy fcfs --replicas 2 --duration-s 600
+    kvmeter simulate --trace my.csv --tenants column --out results/run1
+
+Tenants: ``servegen`` (default) splits the trace's requests over ServeGen clients (see
+:mod:`.traces`); ``single`` puts everything on one tenant; ``column`` uses the trace's own
+``tenant_id``/``tier`` columns. The report (per tier and per tenant: service share, TTFT/ITL
+percentiles, goodput, throughput, shed and rejected by reason, Jain's index, max service gap) is
+printed and written to ``<out>.json`` and ``<out>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from kvmeter.serving.scheduler.config import SchedulerConfig
+from kvmeter.serving.scheduler.policy import POLICIES
+
+from .hardware import ACCELERATORS
+from .models import MODELS
+from .report import build_report, format_report, write_report
+from .runner import SimConfig, Simulation
+from .traces import (TRACE_FILES, ServeGenTenantMap, load_servegen_rates, load_tier_map, load_trace)
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``kvmeter simulate``'s flags on ``parser``."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--trace", default="azure-conv",
+                   help=f"trace name ({', '.join(TRACE_FILES)}) or a file path (default azure-conv)")
+    g.add_argument("--duration-s", type=float, default=None, help="replay only this many trace seconds")
+    g.add_argument("--start-s", type=float, default=0.0, help="offset into the trace (seconds)")
+    g.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
+    g.add_argument("--rate-scale", type=float, default=1.0,
+                   help="compress arrivals by this factor (2 = twice the request rate)")
+    g.add_argument("--tenants", choices=("servegen", "single", "column"), default="servegen",
+                   help="how requests map to tenants (default servegen)")
+    g.add_argument("--servegen-start", type=int, default=None,
+                   help="ServeGen offset (s) mapped to trace t=0 (default: its busiest hour)")
+    g.add_argument("--tier-map", default=None, help="JSON object tenant id → tier")
+    g.add_argument("--tier", default="paid_interactive", help="tier of the single tenant (--tenants single)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the tenant draws")
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--policy", choices=POLICIES, default="vtc", help="dispatch policy (default vtc)")
+    s.add_argument("--rpm-limit", type=float, default=None, help="requests/minute per tenant (rpm policy)")
+    s.add_argument("--kv-budget-ratio", type=float, default=None,
+                   help="per-tenant active-KV budget as a fraction of KV capacity (default 0.5)")
+    s.add_argument("--no-overload-control", action="store_true",
+                   help="no deadlines, pressure levels or shedding (default: on for vtc, off for baselines)")
+    s.add_argument("--overload-control", action="store_true", help="force overload control on")
+    e = parser.add_argument_group("deployment")
+    e.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-70b")
+    e.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h200")
+    e.add_argument("--tp", type=int, default=4, help="tensor-parallel degree per replica (default 4)")
+    e.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--long-prefill-threshold", type=int, default=None,
+                   help="most prefill tokens per request per step (default: no cap)")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--compute-efficiency", type=float, default=None)
+    e.add_argument("--memory-efficiency", type=float, default=None)
+    e.add_argument("--step-overhead-s", type=float, default=None)
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", default=None, help="output prefix (default kvmeter-sim-<trace>-<policy>)")
+    o.add_argument("--top-tenants", type=int, default=10, help="tenants listed in the printed report")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _workload(args: argparse.Namespace):
+    reqs = load_trace(args.trace, duration_s=args.duration_s, limit=args.limit, start_s=args.start_s)
+    if args.rate_scale != 1.0:
+        if not args.rate_scale > 0:
+            raise ValueError("--rate-scale must be > 0")
+        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / args.rate_scale) for r in reqs]
+    if args.tenants == "single":
+        return [dataclasses.replace(r, tenant_id="tenant-0", tier=args.tier) for r in reqs]
+    if args.tenants == "column":
+        return reqs
+    tier_map = load_tier_map(args.tier_map) if args.tier_map else None
+    mapper = ServeGenTenantMap(load_servegen_rates(), start_s=args.servegen_start, seed=args.seed,
+                               tier_map=tier_map)
+    return mapper.assign(reqs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation and write the report; 0 on success, 2 on bad input."""
+    try:
+        requests = _workload(args)
+        control = args.policy == "vtc"
+        if args.no_overload_control:
+            control = False
+        if args.overload_control:
+            control = True
+        changes: dict = {"overload_control": control}
+        if args.rpm_limit is not None:
+            changes["rpm_limit"] = args.rpm_limit
+        if args.kv_budget_ratio is not None:
+            changes["tenant_kv_budget_ratio"] = args.kv_budget_ratio
+        if not control:
+            changes.update(max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
+        scfg = dataclasses.replace(SchedulerConfig(), **changes)
+        sim = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        long_prefill_token_threshold=args.long_prefill_threshold,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
+                        step_overhead_s=args.step_overhead_s, max_model_len=args.max_model_len)
+        simulation = Simulation(requests, policy=args.policy, scheduler_config=scfg, sim=sim,
+                                progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"kvmeter simulate: {err}", file=sys.stderr)
+        return 2
+    result = simulation.run()
+    report = build_report(result, trace=str(args.trace))
+    print(format_report(report, top_tenants=args.top_tenants))
+    trace_label = str(args.trace).replace("/", "_").replace(".", "_")
+    prefix = args.out or f"kvmeter-sim-{trace_label}-{args.policy}"
+    try:
+        paths = write_report(report, prefix)
+    except OSError as err:
+        print(f"kvmeter simulate: cannot write the report: {err}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

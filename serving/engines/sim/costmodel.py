@@ -1,0 +1,184 @@
+"""Roofline step-time model and KV capacity of a simulated replica.
+
+One engine iteration (a continuous-batching step) computes ``n_dec`` decode tokens, each attending
+to its own context, plus prefill chunks ``(start, length)``. Per GPU of a tensor-parallel group of
+``tp`` GPUs (work and weights split evenly; an MLA latent KV replicated):
+
+* FLOPs  ``F = [2·P_active·(n_dec + Σ len) + a·(Σ ctx_dec + Σ (len·start + len·(len+1)/2))] / tp``
+  (``a`` = attention FLOPs per context token, :class:`~.models.ModelSpec`);
+* bytes  ``B = [W(n) + kv·(Σ ctx_dec + Σ (start + len))] / tp`` — weights read once per step
+  (``W(n) = W_total·(1 − (1 − P_active/P_total)ⁿ)``, the expected union of experts touched by n
+  tokens; ``W_total`` for a dense model) plus the KV read by decode and by prefill attention and
+  written by prefill;
+* time   ``t = overhead + max(F / (peak·e_c), B / (bandwidth·e_m))``.
+
+That is the roofline (Williams, Waterman, Patterson, "Roofline", CACM 2009) applied per step: a pure
+prefill step is bound by FLOPs over compute throughput, a pure decode step by bytes moved over
+memory bandwidth, and a mixed step by whichever dominates. Tensor-parallel communication is not
+modelled separately (it lives in the efficiency factors and the overhead).
+
+KV capacity per replica (vLLM's profile): per GPU ``memory × utilization − weights/tp − reserve``
+bytes, divided by the per-GPU KV bytes of a token (``kv/tp``, or ``kv`` when replicated), rounded
+down to whole blocks — or a fixed KV space for CPU engines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .hardware import AcceleratorSpec
+from .models import ModelSpec
+
+__all__ = ["RooflineCostModel"]
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCostModel:
+    """Step time and KV capacity for ``model`` on ``tp`` × ``accelerator``.
+
+    Args:
+        model, accelerator: shapes and spec sheets.
+        tp: tensor-parallel degree (≥ 1).
+        compute_efficiency, memory_efficiency: fractions of peak reached (0–1]; ``None`` takes
+            the accelerator's defaults.
+        step_overhead_s: fixed seconds per step (≥ 0); ``None`` takes the accelerator's default.
+        memory_utilization: vLLM ``gpu_memory_utilization`` (0–1]; ``None``: the default.
+        block_size: tokens per KV block (vLLM's default 16).
+    Raises:
+        ValueError: out-of-range factors, or weights that do not fit the memory.
+    """
+
+    model: ModelSpec
+    accelerator: AcceleratorSpec
+    tp: int = 1
+    compute_efficiency: float | None = None
+    memory_efficiency: float | None = None
+    step_overhead_s: float | None = None
+    memory_utilization: float | None = None
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        acc = self.accelerator
+        if self.tp < 1:
+            raise ValueError(f"tp must be ≥ 1, got {self.tp}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
+        for name, default in (("compute_efficiency", acc.default_compute_efficiency),
+                              ("memory_efficiency", acc.default_memory_efficiency),
+                              ("memory_utilization", acc.default_memory_utilization),
+                              ("step_overhead_s", acc.default_step_overhead_s)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        for name in ("compute_efficiency", "memory_efficiency", "memory_utilization"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if self.step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s must be ≥ 0, got {self.step_overhead_s!r}")
+        if self.num_kv_blocks < 1:
+            raise ValueError(
+                f"{self.model.name} does not fit {self.tp}× {acc.name}: weights "
+                f"{self.model.weight_bytes / self.tp / 2**30:.1f} GiB per GPU leave no KV space")
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        kv = self.model.kv_bytes_per_token
+        return kv if self.model.kv_replicated_across_tp else kv / self.tp
+
+    @property
+    def kv_bytes_per_gpu(self) -> float:
+        """KV space per GPU in bytes (fixed for CPU profiles)."""
+        acc = self.accelerator
+        if acc.kv_cache_bytes:
+            return float(acc.kv_cache_bytes)
+        return (acc.memory_bytes * self.memory_utilization - self.model.weight_bytes / self.tp
+                - acc.runtime_reserved_bytes)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks of the replica (each ``block_size`` tokens)."""
+        per_block = self.block_size * self.kv_bytes_per_token_per_gpu
+        return max(0, int(self.kv_bytes_per_gpu // per_block))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    # ------------------------------------------------------------------ step time
+    @property
+    def _compute_rate(self) -> float:
+        return self.accelerator.flops(self.model.compute_dtype) * self.compute_efficiency
+
+    @property
+    def _memory_rate(self) -> float:
+        return self.accelerator.memory_bandwidth_bytes_per_s * self.memory_efficiency
+
+    def weight_bytes_read(self, n_tokens: int) -> float:
+        """Weight bytes read by a step of ``n_tokens`` tokens, whole replica."""
+        m = self.model
+        if m.active_params >= m.total_params or n_tokens <= 0:
+            return m.weight_bytes if n_tokens > 0 else 0.0
+        frac = m.active_params / m.total_params
+        return m.weight_bytes * (1.0 - (1.0 - frac) ** n_tokens)
+
+    def step_flops_bytes(self, n_dec: int, ctx_dec_sum: float,
+                         chunks: Sequence[tuple[int, int]] = ()) -> tuple[float, float]:
+        """(FLOPs, bytes) of one step for the whole replica (not per GPU)."""
+        m = self.model
+        n_pre = 0
+        attn_ctx = float(ctx_dec_sum)
+        kv_tokens = float(ctx_dec_sum)
+        for start, length in chunks:
+            n_pre += length
+            attn_ctx += length * start + length * (length + 1) / 2.0
+            kv_tokens += start + length
+        n = n_dec + n_pre
+        flops = m.linear_flops_per_token * n + m.attn_flops_per_ctx_token * attn_ctx
+        kv_bytes = m.kv_bytes_per_token * kv_tokens
+        if m.kv_replicated_across_tp:
+            kv_bytes *= self.tp  # every rank reads the full latent cache
+        return flops, self.weight_bytes_read(n) + kv_bytes
+
+    def step_time(self, n_dec: int, ctx_dec_sum: float,
+                  chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """Seconds for one step: ``n_dec`` decode tokens with summed context ``ctx_dec_sum`` plus
+        prefill ``chunks`` of ``(start, length)``. 0.0 for an empty step."""
+        if n_dec <= 0 and not chunks:
+            return 0.0
+        flops, nbytes = self.step_flops_bytes(n_dec, ctx_dec_sum, chunks)
+        return self.step_overhead_s + max(flops / self.tp / self._compute_rate,
+                                          nbytes / self.tp / self._memory_rate)
+
+    def decode_step_times(self, n_dec: int, ctx_dec_sum: float, k: int) -> np.ndarray:
+        """Times of ``k`` consecutive decode-only steps of ``n_dec`` requests whose summed
+        context starts at ``ctx_dec_sum`` and grows by ``n_dec`` each step (float64 array)."""
+        if k <= 0 or n_dec <= 0:
+            return np.zeros(max(k, 0))
+        m = self.model
+        ctx = ctx_dec_sum + n_dec * np.arange(k, dtype=np.float64)
+        flops = m.linear_flops_per_token * n_dec + m.attn_flops_per_ctx_token * ctx
+        kvb = m.kv_bytes_per_token * (self.tp if m.kv_replicated_across_tp else 1)
+        nbytes = self.weight_bytes_read(n_dec) + kvb * ctx
+        return self.step_overhead_s + np.maximum(flops / self.tp / self._compute_rate,
+                                                 nbytes / self.tp / self._memory_rate)
+
+    def describe(self) -> dict:
+        """The model's parameters as plain data (for reports)."""
+        return {
+            "model": self.model.name, "accelerator": self.accelerator.name, "tp": self.tp,
+            "compute_efficiency": self.compute_efficiency, "memory_efficiency": self.memory_efficiency,
+            "step_overhead_s": self.step_overhead_s, "memory_utilization": self.memory_utilization,
+            "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_bytes_per_token": self.model.kv_bytes_per_token,
+        }
+
+    @staticmethod
+    def blocks_for(tokens: int, block_size: int) -> int:
+        """Blocks holding ``tokens`` tokens."""
+        return math.ceil(tokens / block_size) if tokens > 0 else 0

@@ -1,0 +1,263 @@
+"""Typed configuration of the fair scheduler: tier policies and scheduler limits.
+
+Everything here is plain, validated data passed in by the caller (the gateway builds it from the
+tenancy/quota configuration; ``kvmeter simulate`` and the benchmarks build it from flags). The
+defaults below are kvmeter's own and are documented where they are chosen; none of them is read
+from the environment.
+
+Units: seconds for times (monotonic-clock durations), tokens for token counts, dimensionless
+ratios in ``[0, 1]`` for watermarks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+__all__ = [
+    "TierPolicy",
+    "SchedulerConfig",
+    "DEFAULT_TIER_POLICIES",
+    "PRESSURE_NORMAL",
+    "PRESSURE_ELEVATED",
+    "PRESSURE_OVERLOAD",
+]
+
+#: Pressure levels (see :class:`SchedulerConfig` for the thresholds that set them).
+PRESSURE_NORMAL = 0
+PRESSURE_ELEVATED = 1
+PRESSURE_OVERLOAD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    """How one tier is weighted, prioritised, promised and shed.
+
+    Attributes:
+        name: tier name (``enterprise``, ``paid_interactive``, ``batch``, ``free`` or any other).
+        weight: the tier's fairness weight (> 0). Tiers share capacity in proportion to their
+            weights; tenants inside a tier share the tier's part in proportion to their own
+            weights (hierarchical VTC, see :mod:`kvmeter.serving.scheduler.core`).
+        priority: engine priority submitted with the tier's requests (vLLM ``priority``
+            scheduling: lower runs first and is preempted last); ≥ 0.
+        ttft_slo_s: time-to-first-token objective in seconds (goodput), or ``None``.
+        itl_slo_s: mean inter-token latency (TPOT) objective in seconds (goodput), or ``None``.
+        max_queue_wait_s: the deadline, measured from arrival, that a request of this tier gets
+            when it carries none of its own; a queued request past it is dropped (reason
+            ``deadline``). ``None``: ``SchedulerConfig.deadline_slo_factor × ttft_slo_s`` (the first
+            token is due within a small multiple of the TTFT objective), or no deadline when the
+            tier has no TTFT objective either.
+        pause_at: pressure level (1 or 2) from which the tier is paused: its queued work stays
+            queued (deadlines still apply) and is not dispatched until the level falls below it.
+            ``None``: never paused.
+        shed_new_at: pressure level from which new requests of the tier are refused at
+            admission (reason ``shed``). ``None``: never.
+        shed_queued_at: pressure level from which already-queued requests of the tier are
+            dropped (reason ``shed``). ``None``: never.
+    Raises:
+        ValueError: on a non-positive weight, a negative priority or SLO, or a pressure level
+            outside 1–2.
+    """
+
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
+    max_queue_wait_s: float | None = None
+    pause_at: int | None = None
+    shed_new_at: int | None = None
+    shed_queued_at: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("TierPolicy needs a non-empty name")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ValueError(f"tier {self.name!r}: weight must be a positive number, got {self.weight!r}")
+        if self.priority < 0:
+            raise ValueError(f"tier {self.name!r}: priority must be ≥ 0, got {self.priority}")
+        for label in ("ttft_slo_s", "itl_slo_s", "max_queue_wait_s"):
+            v = getattr(self, label)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"tier {self.name!r}: {label} must be > 0 or None, got {v!r}")
+        for label in ("pause_at", "shed_new_at", "shed_queued_at"):
+            v = getattr(self, label)
+            if v is not None and v not in (PRESSURE_ELEVATED, PRESSURE_OVERLOAD):
+                raise ValueError(f"tier {self.name!r}: {label} must be 1, 2 or None, got {v!r}")
+
+    @property
+    def protected(self) -> bool:
+        """True when the tier is never paused nor shed (its projected wait drives pressure)."""
+        return self.pause_at is None and self.shed_new_at is None and self.shed_queued_at is None
+
+
+#: kvmeter's default tiers, most protected first (names from :data:`kvmeter.serving.tenancy.TIERS`).
+#: Weights 8:4:1:1; priorities 0–3; interactive SLOs of 1–2 s TTFT and 100–150 ms ITL (the
+#: interactive range the serving literature uses, e.g. DistServe's chat SLOs); deadlines follow
+#: from the TTFT SLO (× ``deadline_slo_factor``), batch may wait an hour; free work is shed first
+#: (new work refused at elevated pressure, queued work dropped at overload), batch is paused at
+#: elevated pressure and refused at overload; enterprise and paid interactive are never shed.
+DEFAULT_TIER_POLICIES: Mapping[str, TierPolicy] = {
+    "enterprise": TierPolicy("enterprise", weight=8.0, priority=0, ttft_slo_s=1.0, itl_slo_s=0.10),
+    "paid_interactive": TierPolicy("paid_interactive", weight=4.0, priority=1, ttft_slo_s=2.0,
+                                   itl_slo_s=0.15),
+    "batch": TierPolicy("batch", weight=1.0, priority=2, ttft_slo_s=None, itl_slo_s=None,
+                        max_queue_wait_s=3600.0, pause_at=PRESSURE_ELEVATED,
+                        shed_new_at=PRESSURE_OVERLOAD),
+    "free": TierPolicy("free", weight=1.0, priority=3, ttft_slo_s=5.0, itl_slo_s=0.25,
+                       shed_new_at=PRESSURE_ELEVATED,
+                       shed_queued_at=PRESSURE_OVERLOAD),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Everything the scheduler core needs besides its clock.
+
+    Fairness (VTC cost function, Sheng et al., OSDI 2024, §3):
+        input_weight: service charged per input (prompt) token, at dispatch (paper's w_p; 1).
+        output_weight: service charged per output token, as it streams (paper's w_q; 2).
+        tiers: tier name → :class:`TierPolicy`; a job of an unknown tier uses ``default_tier``.
+        default_tier: tier policy used for unknown tier names (must be a key of ``tiers``).
+        tenant_weights: tenant id → weight inside its tier (default 1.0).
+
+    Engine gating (per engine replica):
+        kv_watermark_high: dispatch only while the engine's KV watermark (used/total blocks,
+            projected with the prompts dispatched since its last report) stays below this (0–1].
+        max_engine_running: most requests kvmeter keeps dispatched on one engine (running +
+            the engine's own waiting queue); vLLM's ``max_num_seqs`` is the natural value.
+        max_engine_waiting: most requests allowed in the engine's own waiting queue; kept small
+            so kvmeter, not the engine's FCFS queue, decides the order.
+
+    KV budgets:
+        tenant_kv_budget_ratio: a tenant's active KV tokens (prompt + output of its running
+            requests) may not exceed this fraction of the total KV capacity of all engines;
+            ``None`` disables the budget. A tenant with nothing running may always dispatch one
+            request (so a request larger than the budget is not starved).
+        tenant_kv_budget_tokens: per-tenant absolute overrides (tokens).
+        tenant_prefill_budget_tokens: most prompt tokens one tenant may have dispatched and not yet
+            prefilled (no first token yet); a tenant with nothing in prefill may always dispatch
+            one request. It bounds how much of every engine step one tenant's long prompts take
+            (with chunked prefill, concurrent long prefills fill the step token budget and
+            stretch everyone's TTFT and ITL). ``None`` disables it.
+
+    Bounded queues and overload:
+        max_queued_per_tenant: most queued requests per tenant (reason ``queue_full``).
+        max_queued_total: most queued requests over all tenants (reason ``queue_full``).
+        reject_on_projected_wait: refuse at admission a request whose projected wait exceeds its
+            deadline (reason ``projected_wait``).
+        deadline_slo_factor: a request with no deadline of its own, in a tier with a TTFT SLO and
+            no ``max_queue_wait_s``, must be dispatched within this multiple of the SLO (≥ 1;
+            default 3: a first token later than that is taken as abandoned).
+        overload_control: enable pressure levels (pause/shed by tier) and deadline drops. The
+            FCFS/RPM baselines run with it off to show what a plain engine queue does.
+        elevated_queue_fill, overload_queue_fill: queue fill ratios (queued / max_queued_total)
+            that enter pressure levels 1 and 2.
+        elevated_wait_ratio, overload_wait_ratio: thresholds on the protected tiers' (tiers
+            never paused nor shed) SLO ratio — the larger of the oldest queued request's age ÷ the
+            tier's TTFT SLO and the completed requests' TPOT ÷ the tier's ITL SLO, each smoothed over
+            ``pressure_smoothing_s`` — that enter pressure levels 1 and 2.
+        pressure_smoothing_s: time constant of that smoothing (exponential moving average).
+        pressure_min_dwell_s: a level is held at least this long before it may fall (shedding
+            improves the very signals that set it; without a dwell the level oscillates).
+        pressure_exit_factor: a level is left when every signal is below factor × its entry
+            threshold (hysteresis, 0–1).
+        pressure_eval_interval_s: how often the pressure level is re-evaluated.
+
+    Projected wait:
+        rate_window_s: window of the measured service rate (weighted tokens per second).
+        default_output_tokens: expected output of a request before a tenant has history.
+
+    RPM-limit baseline:
+        rpm_limit: requests per minute per tenant for the ``rpm`` policy (sliding 60 s window).
+        tenant_rpm_limits: per-tenant overrides of ``rpm_limit``.
+
+    Signals:
+        stats_window_s: window of the Jain's index signal.
+    Raises:
+        ValueError: on out-of-range values (checked at construction).
+    """
+
+    input_weight: float = 1.0
+    output_weight: float = 2.0
+    tiers: Mapping[str, TierPolicy] = field(default_factory=lambda: dict(DEFAULT_TIER_POLICIES))
+    default_tier: str = "paid_interactive"
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    kv_watermark_high: float = 0.90
+    max_engine_running: int = 256
+    max_engine_waiting: int = 8
+    tenant_kv_budget_ratio: float | None = 0.5
+    tenant_kv_budget_tokens: Mapping[str, int] = field(default_factory=dict)
+    tenant_prefill_budget_tokens: int | None = 32_768
+    max_queued_per_tenant: int = 1_000
+    max_queued_total: int = 100_000
+    reject_on_projected_wait: bool = True
+    deadline_slo_factor: float = 3.0
+    overload_control: bool = True
+    elevated_queue_fill: float = 0.5
+    overload_queue_fill: float = 0.8
+    elevated_wait_ratio: float = 1.0
+    overload_wait_ratio: float = 2.0
+    pressure_exit_factor: float = 0.6
+    pressure_eval_interval_s: float = 0.5
+    pressure_smoothing_s: float = 5.0
+    pressure_min_dwell_s: float = 30.0
+    rate_window_s: float = 30.0
+    default_output_tokens: int = 256
+    rpm_limit: float = 60.0
+    tenant_rpm_limits: Mapping[str, float] = field(default_factory=dict)
+    stats_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {v!r}")
+
+        for name in ("input_weight", "output_weight", "max_engine_running", "max_queued_per_tenant",
+                     "max_queued_total", "rate_window_s", "default_output_tokens", "rpm_limit",
+                     "stats_window_s", "pressure_eval_interval_s", "pressure_smoothing_s"):
+            positive(name)
+        for name in ("pressure_min_dwell_s",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be ≥ 0")
+        if not self.deadline_slo_factor >= 1:
+            raise ValueError(f"deadline_slo_factor must be ≥ 1, got {self.deadline_slo_factor!r}")
+        if self.max_engine_waiting < 1:
+            raise ValueError(f"SchedulerConfig.max_engine_waiting must be ≥ 1, got {self.max_engine_waiting}")
+        if not 0 < self.kv_watermark_high <= 1:
+            raise ValueError(f"kv_watermark_high must be in (0, 1], got {self.kv_watermark_high}")
+        if self.tenant_kv_budget_ratio is not None and not 0 < self.tenant_kv_budget_ratio <= 1:
+            raise ValueError(f"tenant_kv_budget_ratio must be in (0, 1] or None, got {self.tenant_kv_budget_ratio}")
+        if self.tenant_prefill_budget_tokens is not None and self.tenant_prefill_budget_tokens < 1:
+            raise ValueError("tenant_prefill_budget_tokens must be ≥ 1 or None")
+        if not 0 < self.pressure_exit_factor <= 1:
+            raise ValueError(f"pressure_exit_factor must be in (0, 1], got {self.pressure_exit_factor}")
+        if not 0 < self.elevated_queue_fill <= self.overload_queue_fill <= 1:
+            raise ValueError("need 0 < elevated_queue_fill ≤ overload_queue_fill ≤ 1")
+        if not 0 < self.elevated_wait_ratio <= self.overload_wait_ratio:
+            raise ValueError("need 0 < elevated_wait_ratio ≤ overload_wait_ratio")
+        if not self.tiers:
+            raise ValueError("SchedulerConfig.tiers must name at least one tier")
+        for key, tier in self.tiers.items():
+            if not isinstance(tier, TierPolicy) or tier.name != key:
+                raise ValueError(f"tiers[{key!r}] must be a TierPolicy named {key!r}")
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not one of {sorted(self.tiers)}")
+        for tenant, w in self.tenant_weights.items():
+            if not (w > 0 and math.isfinite(w)):
+                raise ValueError(f"tenant_weights[{tenant!r}] must be > 0, got {w!r}")
+        for tenant, b in self.tenant_kv_budget_tokens.items():
+            if b < 1:
+                raise ValueError(f"tenant_kv_budget_tokens[{tenant!r}] must be ≥ 1, got {b!r}")
+
+    def tier(self, name: str) -> TierPolicy:
+        """The policy of tier ``name`` (the default tier's policy when unknown)."""
+        return self.tiers.get(name) or self.tiers[self.default_tier]
+
+    def with_tiers(self, **changes: TierPolicy) -> "SchedulerConfig":
+        """A copy with some tier policies replaced or added (keyword = tier name)."""
+        tiers = dict(self.tiers)
+        tiers.update(changes)
+        return replace(self, tiers=tiers)

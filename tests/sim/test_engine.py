@@ -1,0 +1,82 @@
+"""SimEngine behind the Engine boundary, on virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import ManualClock
+from kvmeter.serving.engines.base import EngineError, EngineRequest
+from kvmeter.serving.engines.sim import RooflineCostModel, SimEngine, get_accelerator, get_model
+from kvmeter.stats import EngineStepStats
+
+
+def _engine(bus=None, gpu="cpu"):
+    clock = ManualClock()
+    cost = RooflineCostModel(get_model("smollm2-135m"), get_accelerator(gpu))
+    return SimEngine(cost, clock=clock, bus=bus), clock
+
+
+async def test_generate_streams_exactly_max_tokens_with_engine_true_counts():
+    bus = StatsBus()
+    steps: list[EngineStepStats] = []
+    bus.subscribe(EngineStepStats, steps.append)
+    eng, clock = _engine(bus)
+    await eng.start()
+    ids = eng.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    outs = [o async for o in eng.generate(EngineRequest("r1", ids, max_tokens=7))]
+    await eng.shutdown()
+    assert sum(len(o.new_token_ids) for o in outs) == 7
+    assert [o.num_output_tokens for o in outs] == list(range(1, 8))
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "length" and last.num_prompt_tokens == len(ids)
+    assert last.stats.generation_tokens == 7 and last.stats.prompt_tokens == len(ids)
+    assert clock.monotonic() == pytest.approx(last.stats.e2e_s)   # virtual time = the step times
+    assert len(steps) == 7 and steps[0].ttfts_s and steps[0].kv_blocks_total == eng.replica.total_blocks
+
+
+async def test_closing_the_stream_early_aborts_the_request_and_frees_its_kv():
+    eng, _ = _engine()
+    await eng.start()
+    gen = eng.generate(EngineRequest("r1", [1] * 200, max_tokens=50))
+    first = await gen.__anext__()
+    assert first.num_output_tokens == 1 and eng.load().num_running == 1
+    await gen.aclose()
+    assert eng.load().num_running == 0 and eng.replica.used_blocks() == 0
+    await eng.shutdown()
+
+
+async def test_bad_requests_raise_engine_errors():
+    eng, _ = _engine()
+    with pytest.raises(EngineError, match="start"):
+        await eng.generate(EngineRequest("r", [1], max_tokens=1)).__anext__()
+    await eng.start()
+    with pytest.raises(EngineError, match="context window"):
+        await eng.generate(EngineRequest("r", [1] * 8000, max_tokens=500)).__anext__()
+    with pytest.raises(EngineError):
+        await eng.generate(EngineRequest("r", [], max_tokens=5)).__anext__()
+    with pytest.raises(ValueError):
+        eng.tokenizer.encode_chat([{"content": "no role"}])
+    assert eng.tokenizer.decode(eng.tokenizer.encode("héllo")) == "héllo"
+    await eng.shutdown()
+
+
+async def test_concurrent_streams_share_steps_continuous_batching():
+    eng, clock = _engine(gpu="h100")   # memory-bound decode: a batch costs about one request
+    await eng.start()
+
+    async def run(i: int) -> float:
+        async for o in eng.generate(EngineRequest(f"r{i}", [1] * 100, max_tokens=20)):
+            pass
+        return clock.monotonic()
+
+    t_batched = max(await asyncio.gather(*(run(i) for i in range(8))))
+    await eng.shutdown()
+    eng2, clock2 = _engine(gpu="h100")
+    await eng2.start()
+    async for _ in eng2.generate(EngineRequest("solo", [1] * 100, max_tokens=20)):
+        pass
+    await eng2.shutdown()
+    assert t_batched < 2 * clock2.monotonic()   # 8 requests batched ≪ 8 × one request
