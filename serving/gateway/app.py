@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
 from kvmeter.serving.gateway.errors import ApiError, error_response
@@ -69,7 +69,7 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         *extra_routes,
     ]
     if metrics_app is not None:
-        routes.append(Mount("/metrics", app=metrics_app))
+        routes.append(Route("/metrics", endpoint=metrics_app, methods=["GET"]))
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)

@@ -42,8 +42,12 @@ from kvmeter.serving.gateway.errors import ApiError, error_response, retry_after
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                               parse_request, usage_block)
+from kvmeter.ledger.records import AttemptRecord
+from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
+from kvmeter.serving.quota.idempotency import (IdempotencyError, IdempotencyManager,
+                                               IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import AuthError, Authenticator, Principal
 from kvmeter.stats import AdmissionDecision
@@ -62,9 +66,11 @@ DEFAULT_SLOS: dict[str, TierSLO] = {
 
 
 class UsageRecorder(Protocol):
-    """Where usage events go (the ledger). ``record`` returns once the event is durable."""
+    """Where usage events and attempts go (the ledger). Both return once the record is durable."""
 
     async def record(self, event: UsageEvent) -> None: ...
+
+    async def record_attempt(self, attempt: AttemptRecord) -> None: ...
 
 
 @dataclass(slots=True)
@@ -96,6 +102,7 @@ class Gateway:
     clock: Clock = SYSTEM_CLOCK
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     slo_for: Callable[[str], TierSLO | None] | None = None
+    idempotency: IdempotencyManager | None = None
 
     def slo(self, tier: str) -> TierSLO | None:
         if self.slo_for is not None:
@@ -126,6 +133,23 @@ class Gateway:
 
 class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
+
+
+class _Replay(Exception):
+    """Answer from an earlier attempt of the same Idempotency-Key."""
+
+    def __init__(self, ticket: IdempotencyTicket) -> None:
+        super().__init__("idempotent replay")
+        self.ticket = ticket
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What the request revealed before it failed or was admitted (for the attempt record)."""
+
+    principal: Principal | None = None
+    idempotency_key: str = ""
+    agent_run_id: str = ""
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -163,6 +187,7 @@ class _Admitted:
     engine_request: EngineRequest
     meter: RequestMeter
     reservation: Reservation
+    ticket: IdempotencyTicket | None = None
     grant: Grant | None = None
     finalized: UsageEvent | None = None
 
@@ -182,31 +207,72 @@ class CompletionEndpoint:
         arrival = (clock.monotonic(), clock.wall())
         request_id = f"kvm-{uuid.uuid4().hex}"
         rid_header = {"x-request-id": request_id}
+        seen = _Seen()
         try:
-            admitted = await self._admit(request, request_id, arrival)
+            admitted = await self._admit(request, request_id, arrival, seen)
         except ApiError as err:
+            await self._attempt(seen, request_id, err)
             return error_response(err, rid_header)
+        except _Replay as replay:
+            await self._attempt(seen, request_id, None, status="replayed", attempt=replay.ticket.attempt)
+            try:
+                return replay_response(replay.ticket)
+            except ApiError as err:
+                return error_response(err, rid_header)
         headers = {**rid_header, **admitted.reservation.headers}
         try:
             admitted.grant = await self._dispatch(request, admitted)
         except SchedulerRejected as exc:
             await self._release_unrun(admitted)
-            return error_response(ApiError(exc.status_code, exc.message, code=exc.reason,
-                                           headers=retry_after_header(exc.retry_after_s)), headers)
+            err = ApiError(exc.status_code, exc.message, code=exc.reason,
+                           headers=retry_after_header(exc.retry_after_s))
+            await self._attempt(seen, request_id, err, adm=admitted)
+            return error_response(err, headers)
         except _ClientGone:
             await self._finalize(admitted, "aborted", status_code=499, finish_reason="abort")
             return Response(status_code=499)
+        await self._attempt(seen, request_id, None, status="admitted", adm=admitted)
         admitted.meter.dispatched()
         if admitted.body.stream:
-            return _ClosingStreamingResponse(self._stream(admitted), media_type="text/event-stream",
+            return _ClosingStreamingResponse(self._stream(admitted, headers), media_type="text/event-stream",
                                              headers={**headers, "cache-control": "no-cache"})
         return await self._complete(request, admitted, headers)
 
+    async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,
+                       status: str | None = None, attempt: int = 1, adm: "_Admitted | None" = None) -> None:
+        """Record this HTTP attempt in the ledger (any outcome once the tenant is known)."""
+        principal = seen.principal
+        if principal is None:
+            return  # 401: no tenant to attribute the attempt to
+        if status is None:  # quota refusals carry their level/dimension; 429s are shedding
+            status = "rejected" if err is not None and ("dimension" in err.extra or err.status == 429) else "invalid"
+        ident = adm.meter.identity if adm is not None else None
+        record = AttemptRecord(
+            tenant_id=principal.tenant_id, request_id=request_id, status=status,
+            ts=self.gw.clock.wall(),
+            event_id=adm.meter.event_id() if adm is not None else "",
+            reason=(err.code or "error") if err is not None else status,
+            status_code=err.status if err is not None else 200, tier=principal.tier,
+            model=self.gw.engine.model_name, endpoint=self.endpoint, org_id=principal.org_id,
+            workspace_id=principal.workspace_id, project_id=principal.project_id,
+            api_key_id=principal.api_key_id, agent_run_id=seen.agent_run_id,
+            idempotency_key=seen.idempotency_key,
+            reserved_prompt_tokens=adm.reservation.reserved_prompt_tokens if adm and status == "admitted" else 0,
+            reserved_completion_tokens=adm.reservation.reserved_completion_tokens if adm and status == "admitted" else 0,
+            attempt=ident.attempt if ident is not None else attempt)
+        try:
+            await self.gw.recorder.record_attempt(record)
+        except Exception:  # noqa: BLE001 — attempts are reconciliation detail, never fatal
+            log.exception("could not record attempt %s", request_id)
+
     # -- steps 1–5 ------------------------------------------------------------------------------
-    async def _admit(self, request: Request, request_id: str,
-                     arrival: tuple[float, float]) -> _Admitted:
+    async def _admit(self, request: Request, request_id: str, arrival: tuple[float, float],
+                     seen: "_Seen") -> _Admitted:
         gw = self.gw
         principal = gw.authenticate(request)
+        seen.principal = principal
+        seen.idempotency_key = idem = request.headers.get("idempotency-key", "")
+        seen.agent_run_id = run_id = request.headers.get("x-agent-run-id", "")
         data = await read_json_object(request, gw.settings.max_body_bytes)
         body = parse_request(data, self._kind)
         engine = gw.engine
@@ -215,23 +281,25 @@ class CompletionEndpoint:
                                 f"'{engine.model_name}'", param="model", code="model_not_found")
         prompt_ids = await self._tokenize(body)
         max_tokens = self._output_budget(body, len(prompt_ids))
-        idem = request.headers.get("idempotency-key", "")
-        run_id = request.headers.get("x-agent-run-id", "")
+        ticket = await self._idempotency(principal, idem, data)
         identity = RequestIdentity(
             request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
             model=engine.model_name, endpoint=self.endpoint, stream=body.stream,
             idempotency_key=idem, org_id=principal.org_id, workspace_id=principal.workspace_id,
-            project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id)
+            project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id,
+            attempt=ticket.attempt if ticket is not None else 1)
         meter = RequestMeter(identity, gw.clock, prompt_tokens=len(prompt_ids),
                              reserved_completion_tokens=max_tokens, arrival=arrival)
         estimate = UsageEstimate(model=engine.model_name, prompt_tokens=len(prompt_ids),
                                  max_output_tokens=max_tokens, agent_run_id=run_id,
-                                 request_id=request_id)
+                                 request_id=request_id, attempt=identity.attempt)
         try:
             reservation = await gw.quota.reserve(principal, estimate)
         except QuotaRejected as rej:
+            if ticket is not None:
+                await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
-            headers = {**retry_after_header(rej.retry_after_s), **rej.headers}
+            headers = rej.headers or retry_after_header(rej.retry_after_s)
             raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
                            extra={"level": rej.level, "dimension": rej.dimension}) from None
         engine_request = EngineRequest(
@@ -239,7 +307,23 @@ class CompletionEndpoint:
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
             top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
         return _Admitted(principal=principal, body=body, engine_request=engine_request, meter=meter,
-                         reservation=reservation)
+                         reservation=reservation, ticket=ticket)
+
+    async def _idempotency(self, principal: Principal, key: str, data: dict) -> IdempotencyTicket | None:
+        """Begin the attempt of ``(tenant, Idempotency-Key)``: run it (FIRST), or raise
+        :class:`_Replay` to answer from the earlier attempt (JOINED / REPLAYED)."""
+        manager = self.gw.idempotency
+        if not key or manager is None:
+            return None
+        try:
+            ticket = await manager.begin(principal.tenant_id, key,
+                                         fingerprint=fingerprint(data, self.endpoint))
+        except IdempotencyError as exc:
+            raise ApiError(exc.status_code, str(exc), code=getattr(exc, "code", "idempotency_error"),
+                           param="Idempotency-Key") from None
+        if ticket.replayed:
+            raise _Replay(ticket)
+        return ticket
 
     async def _tokenize(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
         tokenizer = self.gw.engine.tokenizer
@@ -358,32 +442,46 @@ class CompletionEndpoint:
             await self._until_disconnect(request, collect())
         except _ClientGone:
             await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
+            await self._settle_idempotency(adm, None)
             return Response(status_code=499)
         except EngineError as exc:
             log.error("engine failed %s: %s", adm.engine_request.request_id, exc)
             await self._finalize(adm, "error", status_code=503 if exc.retryable else 500,
                                  finish_reason="error")
+            await self._settle_idempotency(adm, None)
             err = ApiError(503 if exc.retryable else 500, "the engine failed this request; retry",
                            code="engine_error")
             return error_response(err, headers)
         event = await self._finalize(adm, "ok", status_code=200)
-        return JSONResponse(self._full_response(adm, "".join(texts), event), headers=headers)
+        response = JSONResponse(self._full_response(adm, "".join(texts), event), headers=headers)
+        await self._settle_idempotency(adm, StoredResponse(
+            200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
+        return response
 
     # -- step 7, streaming ---------------------------------------------------------------------------
-    async def _stream(self, adm: _Admitted) -> AsyncIterator[bytes]:
+    async def _stream(self, adm: _Admitted, headers: dict[str, str]) -> AsyncIterator[bytes]:
         created = int(self.gw.clock.wall())
         include_usage = adm.body.include_usage()
         outputs = self._engine_stream(adm)
+        sent: list[bytes] | None = [] if adm.ticket is not None else None  # kept for replays
+        completed = False
         try:
             first = True
             async for out in outputs:
                 if out.new_text or first or out.finished:
-                    yield _sse(self._chunk(adm, created, out, first, include_usage))
+                    chunk = _sse(self._chunk(adm, created, out, first, include_usage))
+                    if sent is not None:
+                        sent.append(chunk)
+                    yield chunk
                     first = False
             event = await self._finalize(adm, "ok", status_code=200)
-            if include_usage:
-                yield _sse(self._usage_chunk(adm, created, event))
-            yield _DONE
+            tail = (_sse(self._usage_chunk(adm, created, event)) if include_usage else b"") + _DONE
+            if sent is not None:
+                sent.append(tail)
+                await self._settle_idempotency(adm, StoredResponse(
+                    200, stored_headers(headers), b"".join(sent), streamed=True))
+            completed = True
+            yield tail
         except EngineError as exc:
             log.error("engine failed %s mid-stream: %s", adm.engine_request.request_id, exc)
             await self._finalize(adm, "error", status_code=200, finish_reason="error")
@@ -396,6 +494,8 @@ class CompletionEndpoint:
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
             await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
+            if not completed:
+                await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
 
     async def _engine_stream(self, adm: _Admitted) -> AsyncIterator[EngineOutput]:
         """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
@@ -447,6 +547,22 @@ class CompletionEndpoint:
     async def _release_unrun(self, adm: _Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
         await self.gw.quota.reconcile(adm.reservation, ActualUsage())
+        if adm.ticket is not None:
+            await self.gw.idempotency.abandon(adm.ticket)
+
+    async def _settle_idempotency(self, adm: _Admitted, stored: StoredResponse | None) -> None:
+        """Store a complete response for replays, or abandon the attempt (the next retry runs)."""
+        manager, ticket = self.gw.idempotency, adm.ticket
+        if manager is None or ticket is None:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                if stored is None:
+                    await manager.abandon(ticket)
+                else:
+                    await manager.complete(ticket, stored)
+            except Exception:  # noqa: BLE001 — a lost replay is not worth failing the response
+                log.exception("idempotency store failed for %s", adm.engine_request.request_id)
 
     # -- response shapes ----------------------------------------------------------------------------
     def _usage(self, event: UsageEvent) -> dict[str, Any]:

@@ -82,6 +82,11 @@ class RequestMeter:
         self.engine_stats = None
         self.finish_reason: str | None = None
 
+    def event_id(self) -> str:
+        """The logical request's deterministic event id (tenant + Idempotency-Key or request id)."""
+        ident = self.identity
+        return event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id)
+
     def dispatched(self) -> None:
         """The scheduler released the request to the engine."""
         now = self._clock.monotonic()
@@ -150,7 +155,7 @@ class RequestMeter:
         e2e = now_mono - self.arrival_mono
         reason = finish_reason or self.finish_reason or ("abort" if outcome == "aborted" else "error")
         event = UsageEvent(
-            event_id=event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id),
+            event_id=self.event_id(),
             tenant_id=ident.tenant_id, request_id=ident.request_id, tier=ident.tier,
             model=ident.model, endpoint=ident.endpoint, outcome=outcome, finish_reason=reason,
             arrival_ts=self.arrival_wall, finish_ts=now_wall,

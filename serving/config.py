@@ -1,0 +1,152 @@
+"""``kvmeter serve`` configuration: one typed object, read from a YAML file and the environment.
+
+Order (STYLE.md): a command-line flag, then the config file (``--config`` or ``$KVMETER_CONFIG``),
+then the named environment variable, then the default. Environment variables:
+
+======================  ===========================================  ==========================
+variable                meaning                                      default
+======================  ===========================================  ==========================
+KVMETER_MODEL           smollm2, a model dir, or a .gguf path        smollm2 (bundled)
+KVMETER_ENGINE          vllm, remote, instant                        vllm
+KVMETER_TENANTS         principals/quota YAML                        the packaged demo tenants
+KVMETER_QUOTA_STORE     memory:// or redis://host:port/db            memory://
+KVMETER_LEDGER_DSN      chdb:///path or http(s)://user:pw@host/db    chdb://./var/ledger/chdb
+KVMETER_SPOOL_DIR       the ledger's durable spool                   ./var/ledger/spool
+KVMETER_SCHEDULER       vtc or fcfs                                  vtc
+======================  ===========================================  ==========================
+
+Validation errors name the offending field (pydantic), e.g. ``engine.max_num_seqs: Input should be
+greater than 0``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
+           "DEMO_TENANTS_FILE"]
+
+#: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
+DEMO_TENANTS_FILE = Path(__file__).parent / "defaults" / "demo-tenants.yaml"
+
+
+class ServeConfigError(ValueError):
+    """The serve configuration is invalid; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    log_level: str = "info"
+
+
+class EngineSettings(_Section):
+    """Engine choice and vLLM settings (see :class:`~kvmeter.serving.engines.vllm_engine.VllmEngineConfig`)."""
+
+    kind: Literal["vllm", "remote", "instant"] = "vllm"
+    model: str | None = None
+    max_model_len: int | None = Field(None, gt=0)
+    kv_cache_space_gib: float | None = Field(2.0, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(128, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    enable_prefix_caching: bool = True
+    remote_url: str | None = None
+    remote_model: str | None = None
+
+
+class SchedulerSettings(_Section):
+    policy: Literal["vtc", "fcfs"] = "vtc"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class ServeConfig(_Section):
+    """Everything ``kvmeter serve`` needs."""
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    tenants: str | None = None
+    quota_store: str = "memory://"
+    quota_replicas: int = Field(1, ge=1)
+    ledger_dsn: str | None = None
+    spool_dir: str | None = None
+    prices: str | None = None
+    metrics_top_k_tenants: int = Field(20, ge=1)
+    otel: bool = False
+
+    def tenants_path(self) -> Path:
+        return Path(self.tenants).expanduser() if self.tenants else DEMO_TENANTS_FILE
+
+
+_ENV = {
+    ("engine", "model"): "KVMETER_MODEL",
+    ("engine", "kind"): "KVMETER_ENGINE",
+    ("tenants",): "KVMETER_TENANTS",
+    ("quota_store",): "KVMETER_QUOTA_STORE",
+    ("ledger_dsn",): "KVMETER_LEDGER_DSN",
+    ("spool_dir",): "KVMETER_SPOOL_DIR",
+    ("scheduler", "policy"): "KVMETER_SCHEDULER",
+}
+
+
+def _set(data: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        data = data.setdefault(key, {})
+    data[path[-1]] = value
+
+
+def _has(data: dict, path: tuple[str, ...]) -> bool:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return True
+
+
+def load_serve_config(path: str | os.PathLike | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
+                      env: dict[str, str] | None = None) -> ServeConfig:
+    """Build the config: ``overrides`` (flags) > file > environment > defaults.
+
+    Args:
+        path: YAML file; ``None`` reads ``$KVMETER_CONFIG`` if set.
+        overrides: dotted-path tuples → values (``None`` values are skipped).
+        env: environment mapping (default ``os.environ``).
+    Raises:
+        ServeConfigError: unreadable file or invalid values (the message names the field).
+    """
+    env = os.environ if env is None else env
+    path = path or env.get("KVMETER_CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ServeConfigError(f"cannot read config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ServeConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ServeConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+    for key_path, var in _ENV.items():
+        if var in env and not _has(data, key_path):
+            _set(data, key_path, env[var])
+    for key_path, value in (overrides or {}).items():
+        if value is not None:
+            _set(data, key_path, value)
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ServeConfigError(f"{path or 'serve config'}: {loc}: {first['msg']}") from None

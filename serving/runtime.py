@@ -1,0 +1,263 @@
+"""Wiring ``kvmeter serve``: build every part from a :class:`~kvmeter.serving.config.ServeConfig`.
+
+This is the composition root, the one place that knows all packages: the engine publishes stats on
+the bus; the scheduler, exporters and ledger subscribe; the gateway calls the tenancy directory,
+quota, scheduler, engine and ledger in turn. Nothing below this module imports an exporter.
+
+Lifecycle: :meth:`ServeRuntime.start` (engine load, ledger open) runs in the ASGI lifespan, so
+uvicorn accepts connections only once the model is loaded; :meth:`ServeRuntime.stop` drains the
+ledger's spool and shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from decimal import Decimal
+from pathlib import Path
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.events import UsageEvent
+from kvmeter.exporters.prometheus import install_prometheus, metrics_asgi_app
+from kvmeter.exporters.prometheus.config import PrometheusConfig
+from kvmeter.ledger.config import LedgerConfig
+from kvmeter.ledger.ledger import Ledger
+from kvmeter.ledger.prices import PriceList, load_price_list
+from kvmeter.ledger.read_api import read_routes
+from kvmeter.ledger.records import AttemptRecord
+from kvmeter.serving.config import ServeConfig
+from kvmeter.serving.engines.base import Engine, EngineError
+from kvmeter.serving.gateway.app import create_app
+from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
+from kvmeter.serving.gateway.metering import TierSLO
+from kvmeter.serving.gateway.tools import tool_call_routes
+from kvmeter.serving.quota import (FailoverQuotaStore, HierarchicalQuota, MemoryIdempotencyManager,
+                                   MemoryQuotaStore, RedisIdempotencyManager, RedisQuotaStore,
+                                   redis_client)
+from kvmeter.serving.quota.base import QuotaGate
+from kvmeter.serving.scheduler import (DEFAULT_TIER_POLICIES, FairScheduler, SchedulerConfig,
+                                       TierPolicy)
+from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.stats import EngineStepStats
+
+__all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: ServeConfig, bus: StatsBus) -> Engine:
+    """The engine named by ``config.engine.kind`` (model resolved/prepared here).
+
+    Raises:
+        ModelError: the model cannot be found or prepared.
+        EngineError: an unusable engine setting.
+    """
+    from kvmeter.model import resolve_model
+
+    eng = config.engine
+    if eng.kind == "remote":
+        from kvmeter.serving.engines.remote import RemoteEngine
+
+        if not eng.remote_url:
+            raise EngineError("engine.kind=remote needs engine.remote_url")
+        model_dir, name = resolve_model(eng.model)
+        return RemoteEngine(eng.remote_url, model_dir=model_dir,
+                            model_name=eng.remote_model or name, max_model_len=eng.max_model_len)
+    model_dir, name = resolve_model(eng.model)
+    if eng.kind == "instant":
+        from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+        from kvmeter.serving.engines.instant import InstantEngine
+
+        return InstantEngine(HFTokenizer(model_dir), name, max_model_len=eng.max_model_len or 8192)
+    from kvmeter.serving.engines.vllm_engine import VllmEngine, VllmEngineConfig
+
+    return VllmEngine(VllmEngineConfig(
+        model_dir=str(model_dir), served_name=name, max_model_len=eng.max_model_len,
+        kv_cache_space_gib=eng.kv_cache_space_gib,
+        gpu_memory_utilization=eng.gpu_memory_utilization, max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        enable_prefix_caching=eng.enable_prefix_caching), bus=bus)
+
+
+def price_function(prices: PriceList):
+    """Adapt the ledger's price list to the quota's ``price(model, tier, prompt, cached, completion)``.
+
+    Cached tokens are a part of the prompt: ``(prompt − cached) × input + cached × cached_input +
+    completion × output`` (Decimal). Raises ``KeyError`` for an unpriced model, which the quota
+    answers with 400 ``unpriced_model``.
+    """
+
+    def price(model: str, tier: str, prompt_tokens: int, cached_tokens: int,
+              completion_tokens: int) -> Decimal:
+        unit = {t: prices.unit_price(model, tier, t) for t in ("input", "cached_input", "output")}
+        if any(v is None for v in unit.values()):
+            raise KeyError(f"model {model!r} has no price")
+        return ((prompt_tokens - cached_tokens) * unit["input"] + cached_tokens * unit["cached_input"]
+                + completion_tokens * unit["output"])
+
+    return price
+
+
+def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfig | None = None,
+                                **options) -> SchedulerConfig:
+    """Scheduler tiers from the tenancy tiers (weight, priority and SLOs are the tenancy's; the
+    shedding behaviour of a known tier name comes from the scheduler's defaults)."""
+    base = base or SchedulerConfig()
+    tiers: dict[str, TierPolicy] = {}
+    for name in directory.snapshot.tiers:
+        policy = directory.tier_policy(name)
+        default = DEFAULT_TIER_POLICIES.get(name, TierPolicy(name))
+        tiers[name] = dataclasses.replace(default, weight=float(policy.weight), priority=policy.priority,
+                                          ttft_slo_s=policy.ttft_slo_s, itl_slo_s=policy.itl_slo_s)
+    default_tier = directory.snapshot.default_tier if directory.snapshot.default_tier in tiers else next(iter(tiers))
+    return dataclasses.replace(base, tiers=tiers, default_tier=default_tier, **options)
+
+
+class _LedgerRecorder:
+    """The gateway's recorder: the ledger once it is open."""
+
+    def __init__(self) -> None:
+        self.ledger: Ledger | None = None
+
+    async def record(self, event: UsageEvent) -> None:
+        if self.ledger is None:
+            raise RuntimeError("ledger not open")
+        await self.ledger.record(event)
+
+    async def record_attempt(self, attempt: AttemptRecord) -> None:
+        if self.ledger is None:
+            raise RuntimeError("ledger not open")
+        await self.ledger.record_attempt(attempt)
+
+
+class ServeRuntime:
+    """All of ``kvmeter serve``'s parts, built from one config.
+
+    Args:
+        config: the serve configuration.
+        clock: injected clock (tests); the system clock by default.
+        registry: Prometheus registry (tests pass a fresh one).
+        engine: an already-built engine (tests share one vLLM engine across apps).
+    """
+
+    def __init__(self, config: ServeConfig, *, clock: Clock = SYSTEM_CLOCK,
+                 registry: CollectorRegistry | None = REGISTRY, engine: Engine | None = None,
+                 bus: StatsBus | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.bus = bus or StatsBus()
+        self.registry = registry
+        self.directory = TenantDirectory.from_file(config.tenants_path(), bus=self.bus, clock=clock)
+        self.prices = load_price_list(config.prices)
+        self.engine = engine or build_engine(config, self.bus)
+        self._owns_engine = engine is None
+        self.quota = self._build_quota()
+        self.idempotency = (RedisIdempotencyManager(redis_client(config.quota_store), clock=clock, bus=self.bus)
+                            if config.quota_store.startswith("redis") else
+                            MemoryIdempotencyManager(clock=clock, bus=self.bus))
+        sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
+        self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
+        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats)]
+        self.recorder = _LedgerRecorder()
+        self.gateway = Gateway(
+            engine=self.engine, authenticator=self.directory, quota=self.quota,
+            scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
+            settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes),
+            slo_for=self._slo, idempotency=self.idempotency)
+        self.exporter = install_prometheus(
+            self.bus, registry, config=dataclasses.replace(
+                PrometheusConfig.from_env(), top_k_tenants=config.metrics_top_k_tenants), clock=clock)
+        self.otel = None
+        if config.otel:
+            from kvmeter.exporters.otel import install_otel
+
+            self.otel = install_otel(self.bus)
+        self.ready = False
+        self._watch: asyncio.Task | None = None
+
+    # -- parts ------------------------------------------------------------------------------------
+    def _build_quota(self) -> QuotaGate:
+        store_url = self.config.quota_store
+        if store_url.startswith("redis"):
+            store = FailoverQuotaStore(RedisQuotaStore(redis_client(store_url)),
+                                       replicas=self.config.quota_replicas, clock=self.clock, bus=self.bus)
+        elif store_url.startswith("memory"):
+            store = MemoryQuotaStore()
+        else:
+            raise ValueError(f"quota_store must be memory:// or redis://..., got {store_url!r}")
+        return HierarchicalQuota(self.directory, store, price=price_function(self.prices),
+                                 clock=self.clock, bus=self.bus, publish_decisions=False)
+
+    def _slo(self, tier: str) -> TierSLO | None:
+        policy = self.directory.tier_policy(tier)
+        return TierSLO(ttft_s=policy.ttft_slo_s, itl_s=policy.itl_slo_s)
+
+    def ledger_config(self) -> LedgerConfig:
+        base = LedgerConfig.from_env()
+        changes = {}
+        if self.config.ledger_dsn:
+            changes["dsn"] = self.config.ledger_dsn
+        if self.config.spool_dir:
+            changes["spool_dir"] = Path(self.config.spool_dir).expanduser().absolute()
+        if self.config.prices:
+            changes["prices_path"] = self.config.prices
+        return dataclasses.replace(base, **changes)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the ledger, load the engine, start the scheduler and config watcher."""
+        ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
+                                         clock=self.clock, prices=self.prices)
+        self.recorder.ledger = ledger
+        try:
+            if self._owns_engine:
+                await self.engine.start()
+        except BaseException:
+            ledger.close()
+            raise
+        await self.scheduler.start()
+        self.scheduler.on_engine_load(self.engine.load())
+        if self.directory.path is not None:
+            self._watch = self.directory.start_watching(2.0)
+        self.ready = True
+
+    async def stop(self) -> None:
+        """Stop taking work, drain the ledger's spool, shut the engine down."""
+        self.ready = False
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.scheduler.stop()
+        if self.recorder.ledger is not None:
+            await asyncio.to_thread(self.recorder.ledger.close)
+        if self._owns_engine:
+            await self.engine.shutdown()
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self.exporter.close()
+
+    def app(self) -> Starlette:
+        """The ASGI app: OpenAI API, /healthz, /metrics, the ledger's read API, tool-call reports."""
+        queries = _LazyQueries(self.recorder)
+        routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices),
+                               *tool_call_routes(self.gateway, self.quota)]
+        return create_app(self.gateway, extra_routes=routes, metrics_app=metrics_asgi_app(self.registry),
+                          on_startup=[self.start], on_shutdown=[self.stop], ready=lambda: self.ready)
+
+
+class _LazyQueries:
+    """The ledger's queries, resolved when a read arrives (the ledger opens in the lifespan)."""
+
+    def __init__(self, recorder: _LedgerRecorder) -> None:
+        self._recorder = recorder
+
+    def __getattr__(self, name: str):
+        ledger = self._recorder.ledger
+        if ledger is None:
+            raise RuntimeError("ledger not open")
+        return getattr(ledger.queries, name)

@@ -1,0 +1,72 @@
+"""``kvmeter serve`` — the OpenAI-compatible gateway in front of an engine, under uvicorn.
+
+Examples::
+
+    kvmeter serve                                   # SmolLM2-135M on vLLM (CPU), embedded ledger
+    kvmeter serve --config deploy/kvmeter/kvmeter.yaml
+    kvmeter serve --engine remote --remote-url http://gpu-node:8000 --model /models/llama
+
+Flags override the config file, which overrides environment variables (see
+:mod:`kvmeter.serving.config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="serve config YAML (default $KVMETER_CONFIG)")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--engine", choices=["vllm", "remote", "instant"], help="engine kind")
+    parser.add_argument("--model", help="smollm2 (default), a model directory or a .gguf file")
+    parser.add_argument("--max-model-len", type=int, help="context window in tokens")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV cache size on the CPU engine (GiB)")
+    parser.add_argument("--max-num-seqs", type=int, help="engine running-batch cap")
+    parser.add_argument("--remote-url", help="upstream OpenAI-compatible server (engine=remote)")
+    parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")
+    parser.add_argument("--quota-store", help="memory:// or redis://host:port/db")
+    parser.add_argument("--scheduler", choices=["vtc", "fcfs"], help="scheduling policy")
+    parser.add_argument("--ledger-dsn", help="chdb:///path or http(s)://user:pw@host:port/db")
+    parser.add_argument("--spool-dir", help="the ledger's durable spool directory")
+    parser.add_argument("--prices", help="price list YAML (default: the packaged one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvmeter.model import ModelError
+    from kvmeter.serving.config import ServeConfigError, load_serve_config
+    from kvmeter.serving.engines.base import EngineError
+    from kvmeter.serving.runtime import ServeRuntime
+
+    overrides = {
+        ("server", "host"): args.host, ("server", "port"): args.port,
+        ("engine", "kind"): args.engine, ("engine", "model"): args.model,
+        ("engine", "max_model_len"): args.max_model_len,
+        ("engine", "kv_cache_space_gib"): args.kv_cache_gib,
+        ("engine", "max_num_seqs"): args.max_num_seqs, ("engine", "remote_url"): args.remote_url,
+        ("tenants",): args.tenants, ("quota_store",): args.quota_store,
+        ("scheduler", "policy"): args.scheduler, ("ledger_dsn",): args.ledger_dsn,
+        ("spool_dir",): args.spool_dir, ("prices",): args.prices,
+    }
+    try:
+        config = load_serve_config(args.config, overrides)
+        runtime = ServeRuntime(config)
+    except (ServeConfigError, ModelError, EngineError, ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    app = runtime.app()
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+        lifespan="on", timeout_graceful_shutdown=30, access_log=False))
+    log.info("kvmeter serve: %s engine, model %s, on http://%s:%d", config.engine.kind,
+             runtime.engine.model_name, config.server.host, config.server.port)
+    server.run()
+    return 0 if server.started else 1
