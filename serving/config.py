@@ -56,7 +56,7 @@ class EngineSettings(_Section):
     kind: Literal["vllm", "remote", "instant"] = "vllm"
     model: str | None = None
     max_model_len: int | None = Field(None, gt=0)
-    kv_cache_space_gib: float | None = Field(2.0, gt=0)
+    kv_cache_space_gib: int | None = Field(2, gt=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(128, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)

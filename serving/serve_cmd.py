@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["vllm", "remote", "instant"], help="engine kind")
     parser.add_argument("--model", help="smollm2 (default), a model directory or a .gguf file")
     parser.add_argument("--max-model-len", type=int, help="context window in tokens")
-    parser.add_argument("--kv-cache-gib", type=float, help="KV cache size on the CPU engine (GiB)")
+    parser.add_argument("--kv-cache-gib", type=int, help="KV cache size on the CPU engine (whole GiB)")
     parser.add_argument("--max-num-seqs", type=int, help="engine running-batch cap")
     parser.add_argument("--remote-url", help="upstream OpenAI-compatible server (engine=remote)")
     parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")

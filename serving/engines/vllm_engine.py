@@ -59,7 +59,7 @@ class VllmEngineConfig:
     model_dir: str
     served_name: str
     max_model_len: int | None = None
-    kv_cache_space_gib: float | None = None
+    kv_cache_space_gib: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -95,7 +95,7 @@ class VllmEngine(Engine):
         if not Path(cfg.model_dir, "config.json").is_file():
             raise EngineError(f"no model at {cfg.model_dir} (config.json missing)")
         if cfg.kv_cache_space_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_space_gib))
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

@@ -10,7 +10,7 @@ import math
 
 from starlette.responses import JSONResponse
 
-__all__ = ["ApiError", "error_response", "retry_after_header"]
+__all__ = ["ApiError", "error_response", "retry_after_header", "merge_headers"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -59,13 +59,25 @@ class ApiError(Exception):
         return {"error": err}
 
 
+def merge_headers(*parts: dict[str, str] | None) -> dict[str, str]:
+    """Merge header dicts by lower-cased name, later parts winning, so a name is never sent
+    twice (``Retry-After`` and ``retry-after`` are one header)."""
+    out: dict[str, str] = {}
+    for part in parts:
+        for name, value in (part or {}).items():
+            out[name.lower()] = value
+    return out
+
+
 def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The JSON response for ``err`` (plus ``headers``)."""
-    return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **(headers or {})})
+    """The JSON response for ``err`` (plus ``headers``; each header name appears once)."""
+    return JSONResponse(err.body(), status_code=err.status, headers=merge_headers(err.headers, headers))
 
 
 def retry_after_header(seconds: float | None) -> dict[str, str]:
-    """``Retry-After`` in whole seconds, rounded up (RFC 9110 §10.2.3 delay-seconds); {} for None."""
+    """``retry-after`` in whole seconds, rounded up (RFC 9110 §10.2.3 delay-seconds), and
+    ``retry-after-ms`` unrounded in milliseconds (as OpenAI sends it); {} for None."""
     if seconds is None:
         return {}
-    return {"Retry-After": str(max(0, math.ceil(seconds)))}
+    s = max(0.0, seconds)
+    return {"retry-after": str(math.ceil(s)), "retry-after-ms": str(math.ceil(s * 1000))}

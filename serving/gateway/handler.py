@@ -25,7 +25,7 @@ import logging
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
 import orjson
@@ -38,7 +38,7 @@ from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from kvmeter.serving.gateway.body import read_json_object
-from kvmeter.serving.gateway.errors import ApiError, error_response, retry_after_header
+from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                               parse_request, usage_block)
@@ -168,14 +168,24 @@ _DONE = b"data: [DONE]\n\n"
 
 class _ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that disconnects
-    aborts the engine request at once rather than whenever the generator is garbage-collected."""
+    aborts the engine request at once rather than whenever the generator is garbage-collected,
+    then runs ``on_close``: closing a generator that never started does not run its ``finally``
+    (the client left before the first chunk was asked for), so the request is finalized there."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[union-attr]
+                try:
+                    await self.body_iterator.aclose()  # type: ignore[union-attr]
+                finally:
+                    await self._on_close()
 
 
 @dataclass(slots=True)
@@ -190,6 +200,7 @@ class _Admitted:
     ticket: IdempotencyTicket | None = None
     grant: Grant | None = None
     finalized: UsageEvent | None = None
+    ticket_settled: bool = False
 
 
 class CompletionEndpoint:
@@ -221,22 +232,32 @@ class CompletionEndpoint:
                 return error_response(err, rid_header)
         headers = {**rid_header, **admitted.reservation.headers}
         try:
-            admitted.grant = await self._dispatch(request, admitted)
-        except SchedulerRejected as exc:
-            await self._release_unrun(admitted)
-            err = ApiError(exc.status_code, exc.message, code=exc.reason,
-                           headers=retry_after_header(exc.retry_after_s))
-            await self._attempt(seen, request_id, err, adm=admitted)
-            return error_response(err, headers)
-        except _ClientGone:
-            await self._finalize(admitted, "aborted", status_code=499, finish_reason="abort")
-            return Response(status_code=499)
-        await self._attempt(seen, request_id, None, status="admitted", adm=admitted)
-        admitted.meter.dispatched()
-        if admitted.body.stream:
-            return _ClosingStreamingResponse(self._stream(admitted, headers), media_type="text/event-stream",
-                                             headers={**headers, "cache-control": "no-cache"})
-        return await self._complete(request, admitted, headers)
+            try:
+                admitted.grant = await self._dispatch(request, admitted)
+            except SchedulerRejected as exc:
+                await self._release_unrun(admitted)
+                err = ApiError(exc.status_code, exc.message, code=exc.reason,
+                               headers=retry_after_header(exc.retry_after_s))
+                await self._attempt(seen, request_id, err, adm=admitted)
+                return error_response(err, headers)
+            except _ClientGone:  # left while queued: nothing ran, nothing is billed
+                await self._close_unfinished(admitted, status_code=499)
+                await self._attempt(seen, request_id, ApiError(499, "client closed the request while queued",
+                                                               code="client_disconnected"),
+                                    status="error", adm=admitted)
+                return Response(status_code=499)
+            await self._attempt(seen, request_id, None, status="admitted", adm=admitted)
+            admitted.meter.dispatched()
+            if admitted.body.stream:
+                return _ClosingStreamingResponse(
+                    self._stream(admitted, headers), on_close=lambda: self._close_unfinished(admitted),
+                    media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+            return await self._complete(request, admitted, headers)
+        except BaseException:
+            # Cancelled (server shutdown) or an unexpected error: never leave the reservation,
+            # the scheduler slot or the idempotency ticket held.
+            await self._close_unfinished(admitted, status_code=500, outcome="error")
+            raise
 
     async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,
                        status: str | None = None, attempt: int = 1, adm: "_Admitted | None" = None) -> None:
@@ -280,7 +301,7 @@ class CompletionEndpoint:
             raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
                                 f"'{engine.model_name}'", param="model", code="model_not_found")
         prompt_ids = await self._tokenize(body)
-        max_tokens = self._output_budget(body, len(prompt_ids))
+        max_tokens = self._output_budget(body, len(prompt_ids), self._context_limit(principal, run_id))
         ticket = await self._idempotency(principal, idem, data)
         identity = RequestIdentity(
             request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
@@ -295,11 +316,14 @@ class CompletionEndpoint:
                                  request_id=request_id, attempt=identity.attempt)
         try:
             reservation = await gw.quota.reserve(principal, estimate)
-        except QuotaRejected as rej:
+        except BaseException as exc:
             if ticket is not None:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
+            if not isinstance(exc, QuotaRejected):
+                raise
+            rej = exc
             self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
-            headers = rej.headers or retry_after_header(rej.retry_after_s)
+            headers = merge_headers(retry_after_header(rej.retry_after_s), rej.headers)
             raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
                            extra={"level": rej.level, "dimension": rej.dimension}) from None
         engine_request = EngineRequest(
@@ -354,11 +378,23 @@ class CompletionEndpoint:
                            code="invalid_value")
         return ids
 
-    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> int:
-        """The output ceiling: the request's ``max_tokens``, else what the context window leaves.
+    def _context_limit(self, principal: Principal, run_id: str) -> int | None:
+        """The caller's tightest quota context limit (prompt + max_tokens), or None."""
+        try:
+            return self.gw.quota.context_limit(principal, run_id)
+        except QuotaRejected:
+            return None  # e.g. the key was removed by a reload: reserve() answers it
+
+    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int,
+                       context_limit: int | None = None) -> int:
+        """The output ceiling: the request's ``max_tokens``, else what the context window leaves —
+        the engine's window or, when tighter, the caller's quota ``max_context_tokens`` (a request
+        without ``max_tokens`` is not refused for a reservation it never asked for; at least 1
+        token, so a prompt over the quota limit is refused by the quota, naming its level).
 
         Raises:
-            ApiError: 400 ``context_length_exceeded`` when prompt (+ max_tokens) does not fit.
+            ApiError: 400 ``context_length_exceeded`` when prompt (+ max_tokens) does not fit the
+                engine's window.
         """
         window = self.gw.engine.max_model_len
         requested = body.output_ceiling()
@@ -368,6 +404,8 @@ class CompletionEndpoint:
                            param="messages" if self.chat else "prompt", code="context_length_exceeded")
         if requested is None:
             budget = window - prompt_tokens
+            if context_limit is not None and context_limit < window:
+                budget = max(1, context_limit - prompt_tokens)
         else:
             if prompt_tokens + requested > window:
                 raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
@@ -544,17 +582,27 @@ class CompletionEndpoint:
         gw.bus.publish(completion)
         return event
 
+    async def _close_unfinished(self, adm: _Admitted, *, status_code: int = 499,
+                                outcome: str = "aborted") -> None:
+        """Finalize (reconcile, release the slot, record) a request that did not end normally, and
+        abandon its idempotency ticket so a retry runs. A no-op for what already ended."""
+        with anyio.CancelScope(shield=True):
+            if adm.finalized is None:
+                await self._finalize(adm, outcome, status_code=status_code,
+                                     finish_reason="abort" if outcome == "aborted" else "error")
+            await self._settle_idempotency(adm, None)
+
     async def _release_unrun(self, adm: _Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
         await self.gw.quota.reconcile(adm.reservation, ActualUsage())
-        if adm.ticket is not None:
-            await self.gw.idempotency.abandon(adm.ticket)
+        await self._settle_idempotency(adm, None)
 
     async def _settle_idempotency(self, adm: _Admitted, stored: StoredResponse | None) -> None:
         """Store a complete response for replays, or abandon the attempt (the next retry runs)."""
         manager, ticket = self.gw.idempotency, adm.ticket
-        if manager is None or ticket is None:
+        if manager is None or ticket is None or adm.ticket_settled:
             return
+        adm.ticket_settled = True
         with anyio.CancelScope(shield=True):
             try:
                 if stored is None:

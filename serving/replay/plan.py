@@ -51,15 +51,16 @@ class ScalingRule:
     max_prompt_tokens: int = 2048
     max_output_tokens: int = 1024
     noisy_prompt_tokens: int = 4096
+    min_prompt_tokens: int = 1
 
     def __post_init__(self) -> None:
         for name in ("time_compression", "token_scale", "max_prompt_tokens", "max_output_tokens",
-                     "noisy_prompt_tokens"):
+                     "noisy_prompt_tokens", "min_prompt_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ScalingRule.{name} must be > 0, got {getattr(self, name)}")
 
-    def scale(self, n: int, cap: int) -> int:
-        return max(1, min(cap, round(n * self.token_scale)))
+    def scale(self, n: int, cap: int, floor: int = 1) -> int:
+        return max(floor, min(cap, round(n * self.token_scale)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,8 @@ def build_plan(trace: list[TraceRequest], tenants: list[ReplayTenant], rule: Sca
     plan: list[ReplayRequest] = []
     for i, req in enumerate(trace):
         tenant = rng.choices(tenants, weights)[0]
-        prompt = rule.noisy_prompt_tokens if tenant.noisy else rule.scale(req.input_tokens, rule.max_prompt_tokens)
+        prompt = (rule.noisy_prompt_tokens if tenant.noisy
+                  else rule.scale(req.input_tokens, rule.max_prompt_tokens, rule.min_prompt_tokens))
         plan.append(ReplayRequest(
             index=i, tenant=tenant, arrival_s=req.arrival_s / rule.time_compression,
             prompt_tokens=prompt, output_tokens=rule.scale(req.output_tokens, rule.max_output_tokens),

@@ -1,0 +1,202 @@
+"""``kvmeter demo`` — the main job on the embedded defaults, end to end on real input.
+
+1. prepares the bundled SmolLM2-135M-Instruct (once) and starts ``kvmeter serve`` on it: vLLM's CPU
+   engine in-process, the demo tenants, the fair scheduler, an embedded chDB ledger in a fresh run
+   directory under ``var/demo/``;
+2. replays the start of the real Azure LLM inference trace (2023, conversation) through the HTTP
+   API as five tenants — one of them a noisy neighbour with long prompts — scaled to the model by
+   the rule in :mod:`kvmeter.serving.replay.plan`;
+3. prints a per-tenant table computed by ClickHouse (through the serve process's read API, since
+   the embedded ledger belongs to the serve process): requests, input/cached/output tokens, TTFT
+   and ITL p50/p95 — beside each tenant's share of requests and of tokens, the gap the brief is
+   about;
+4. says where the metrics, the ledger and the dashboards are, and stops the server (unless
+   ``--keep-running``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+
+__all__ = ["add_arguments", "run", "DEMO_TENANTS"]
+
+log = logging.getLogger(__name__)
+
+#: (name, API key, share of the trace's requests, noisy) — the keys match serving/defaults/demo-tenants.yaml.
+DEMO_TENANTS = [
+    ("acme", "sk-demo-acme-0001", 3.0, False),          # enterprise
+    ("globex", "sk-demo-globex-0001", 2.0, False),      # paid interactive
+    ("initech", "sk-demo-initech-0001", 2.0, False),    # batch
+    ("hobbyist", "sk-demo-hobbyist-0001", 1.0, False),  # free: 20 requests/min, 2 at a time
+    ("umbrella", "sk-demo-umbrella-0001", 0.7, True),   # paid interactive, long prompts
+]
+ADMIN_KEY = "sk-demo-admin-0001"
+TIERS = {"acme": "enterprise", "globex": "paid_interactive", "initech": "batch", "hobbyist": "free",
+         "umbrella": "paid_interactive"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default="azure-conv", help="trace name or path (default azure-conv)")
+    parser.add_argument("--requests", type=int, default=300, help="requests taken from the trace's start")
+    parser.add_argument("--time-compression", type=float, default=2.0, help="arrival speed-up (default 2)")
+    parser.add_argument("--token-scale", type=float, default=1 / 8, help="token length scale (default 1/8)")
+    parser.add_argument("--port", type=int, default=0, help="serve port (default: a free one)")
+    parser.add_argument("--workdir", default="var/demo", help="where run directories go")
+    parser.add_argument("--scheduler", choices=["vtc", "fcfs"], default="vtc")
+    parser.add_argument("--keep-running", action="store_true", help="leave the server up at the end")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 900.0) -> None:
+    start = time.monotonic()
+    last = 0.0
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").splitlines()[-25:]
+            raise RuntimeError("kvmeter serve exited during start-up:\n  " + "\n  ".join(tail))
+        try:
+            if httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - last > 10:
+            last = time.monotonic()
+            print(f"  loading the engine ... {time.monotonic() - start:.0f}s", flush=True)
+        time.sleep(1)
+    raise RuntimeError(f"kvmeter serve was not ready after {timeout_s:.0f}s (log: {log_path})")
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f}ms" if unit == "s" and value < 1 else f"{value:.2f}{unit}"
+
+
+def print_table(rows: list[dict], client_results: list) -> None:
+    """The per-tenant table (ClickHouse figures) with request share beside token share."""
+    by_tenant = {r["tenant_id"]: r for r in rows}
+    total_req = sum(r["requests"] for r in rows) or 1
+    total_tok = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) or 1
+    rejected: dict[str, int] = {}
+    for res in client_results:
+        if res.status != 200:
+            rejected[res.tenant] = rejected.get(res.tenant, 0) + 1
+    head = (f"{'tenant':<10} {'tier':<17} {'reqs':>5} {'rej':>4} {'req%':>5} {'tok%':>5} {'input':>8} "
+            f"{'cached':>7} {'output':>7} {'TTFT p50':>9} {'p95':>8} {'ITL p50':>8} {'p95':>7}")
+    print(head)
+    print("-" * len(head))
+    for name, *_ in DEMO_TENANTS:
+        r = by_tenant.get(name)
+        if r is None:
+            print(f"{name:<10} {TIERS[name]:<17} {'0':>5} {rejected.get(name, 0):>4}")
+            continue
+        tokens = r["prompt_tokens"] + r["completion_tokens"]
+        print(f"{name:<10} {TIERS[name]:<17} {r['requests']:>5} {rejected.get(name, 0):>4} "
+              f"{100 * r['requests'] / total_req:>4.0f}% {100 * tokens / total_tok:>4.0f}% "
+              f"{r['prompt_tokens']:>8} {r['cached_prompt_tokens']:>7} {r['completion_tokens']:>7} "
+              f"{_fmt(r['ttft_p50_s']):>9} {_fmt(r['ttft_p95_s']):>8} {_fmt(r['itl_p50_s']):>8} "
+              f"{_fmt(r['itl_p95_s']):>7}")
+    noisy = by_tenant.get("umbrella")
+    if noisy:
+        ntok = noisy["prompt_tokens"] + noisy["completion_tokens"]
+        print(f"\nThe request is not the unit of load: umbrella sent {100 * noisy['requests'] / total_req:.0f}% "
+              f"of the requests and {100 * ntok / total_tok:.0f}% of the tokens.")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvmeter.ledger.http_client import LedgerHttpClient
+    from kvmeter.ledger.period import Period
+    from kvmeter.model import ModelError, resolve_model
+    from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+    from kvmeter.serving.replay.client import replay
+    from kvmeter.serving.replay.plan import ReplayTenant, ScalingRule, build_plan
+    from kvmeter.serving.replay.prompts import PromptSynthesizer
+    from kvmeter.traces import TraceError, load_trace
+
+    print("kvmeter demo: real trace → OpenAI gateway → vLLM (CPU) → ClickHouse ledger")
+    print("[1/4] preparing the model (dequantized once, then cached) ...", flush=True)
+    try:
+        model_dir, model_name = resolve_model(None)
+        trace = load_trace(args.trace, limit=args.requests)
+    except (ModelError, TraceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    run_dir = Path(args.workdir) / datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = args.port or _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = run_dir / "serve.log"
+    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", "--port", str(port),
+           "--ledger-dsn", f"chdb://{(run_dir / 'ledger').absolute()}",
+           "--spool-dir", str((run_dir / "spool").absolute()), "--scheduler", args.scheduler,
+           "--max-model-len", "8192", "--kv-cache-gib", "2"]
+    print(f"[2/4] starting kvmeter serve on {base_url} (log: {log_path}) ...", flush=True)
+    started_at = datetime.now(timezone.utc) - timedelta(minutes=1)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_ready(proc, base_url, log_path)
+        tenants = [ReplayTenant(n, k, s, noisy) for n, k, s, noisy in DEMO_TENANTS]
+        synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
+        rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,
+                           min_prompt_tokens=synth.overhead + 1)
+        plan = build_plan(trace, tenants, rule, seed=args.seed)
+        span = plan[-1].arrival_s if plan else 0.0
+        print(f"[3/4] replaying {len(plan)} requests of {args.trace} over {span:.0f}s as "
+              f"{len(tenants)} tenants (tokens × {rule.token_scale:g}, time ÷ {rule.time_compression:g}; "
+              f"umbrella sends {rule.noisy_prompt_tokens}-token prompts) ...", flush=True)
+        results = asyncio.run(replay(base_url, model_name, plan,
+                                     lambda r: synth.messages(r.prompt_tokens, seed=args.seed * 100_003 + r.index)))
+        print("[4/4] per-tenant results, computed by ClickHouse from the usage ledger:\n", flush=True)
+        period = Period(started_at, datetime.now(timezone.utc) + timedelta(minutes=1), "demo")
+        with LedgerHttpClient(base_url, ADMIN_KEY) as reader:
+            rows = []
+            for _ in range(30):  # the spool drains to ClickHouse within a second or two
+                rows = reader.usage_summary(period)
+                if sum(r["requests"] for r in rows) >= sum(1 for r in results if r.status == 200):
+                    break
+                time.sleep(1)
+        print_table(rows, results)
+        print(f"""
+Where to look next
+  metrics (Prometheus text):  {base_url}/metrics        (while the server runs)
+  usage read API:             {base_url}/v1/usage/summary?period=<YYYY-MM-DD>   (Bearer <tenant or admin key>)
+  ledger (embedded chDB):     {(run_dir / 'ledger').absolute()}
+  dashboards:                 kvmeter dashboard --ledger-dsn chdb://{(run_dir / 'ledger').absolute()}
+                              (or, with the server up: kvmeter dashboard --server {base_url} --api-key {ADMIN_KEY})
+  billing:                    kvmeter billing report --ledger-dsn chdb://{(run_dir / 'ledger').absolute()} --period <YYYY-MM>
+  server log:                 {log_path}""")
+        if args.keep_running:
+            print(f"\nThe server keeps running (pid {proc.pid}); stop it with: kill -INT {proc.pid}")
+            return 0
+        return 0
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.keep_running and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # graceful: drains the spool into ClickHouse
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
