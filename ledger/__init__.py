@@ -1,0 +1,45 @@
+"""kvmeter.ledger — exact, idempotent usage metering in ClickHouse; billing and reconciliation.
+
+Where a token is billed: the gateway hands each finished request's
+:class:`~kvmeter.events.UsageEvent` to :meth:`Ledger.record`, which returns once the event is
+fsynced in the spool (:mod:`.spool`); a writer thread (:mod:`.drain`) inserts it into ClickHouse
+exactly once (:mod:`.schema` for the tables); :mod:`.queries` reads it back deduplicated;
+:mod:`.billing` prices it (:mod:`.prices`) into invoice lines; :mod:`.reconcile` compares the
+engine, gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
+reads it from another process; :mod:`.cli` is ``kvmeter billing``.
+"""
+
+from .config import LedgerConfig
+from .errors import (ConfigError, InvalidRecord, LedgerError, LedgerLocked, LedgerUnavailable, MigrationError,
+                     PeriodError, PriceListError, SpoolWriteError)
+from .ledger import Ledger
+from .period import Period, parse_period
+from .prices import PriceList, load_price_list
+from .queries import LedgerQueries, UsageReader
+from .records import Adjustment, AttemptRecord, SignalSample, attempt_id_for
+from .stats import LedgerStats
+
+__all__ = [
+    "Ledger",
+    "LedgerConfig",
+    "LedgerQueries",
+    "UsageReader",
+    "LedgerStats",
+    "AttemptRecord",
+    "Adjustment",
+    "SignalSample",
+    "attempt_id_for",
+    "Period",
+    "parse_period",
+    "PriceList",
+    "load_price_list",
+    "LedgerError",
+    "InvalidRecord",
+    "LedgerUnavailable",
+    "LedgerLocked",
+    "SpoolWriteError",
+    "MigrationError",
+    "PeriodError",
+    "PriceListError",
+    "ConfigError",
+]

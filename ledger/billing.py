@@ -1,0 +1,158 @@
+"""Invoice lines: deduplicated usage × price list, computed with polars in exact decimals.
+
+One usage line per (period, tenant, org, workspace, project, API key, model, tier) — the
+attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus one line per adjustment.
+
+Token columns follow the metering rules: ``input_tokens`` are all prompt tokens, of which
+``cached_input_tokens`` were served from the prefix cache (a part, not an addition);
+``output_tokens`` are all generated tokens, of which ``reasoning_tokens`` were reasoning.
+Money (see :mod:`kvmeter.ledger.prices` for the rule):
+
+* ``subtotal`` — exact: Σ tokens × unit price, ``Decimal(38, 18)`` in polars (a product of an
+  integer and an 18-place decimal is exact; sums are exact).
+* ``cost`` — ``subtotal`` rounded once, by the price list's rule (Python ``Decimal.quantize``).
+* a tenant's total is the sum of its lines' ``cost``.
+
+KV token-seconds are reported, not priced (a float measure; pricing it would break exactness).
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any, Iterable
+
+import polars as pl
+
+from .period import Period
+from .prices import PriceList
+from .queries import INVOICE_KEYS
+
+__all__ = ["invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
+
+#: polars dtype of exact money and unit prices.
+MONEY = pl.Decimal(38, 18)
+
+_USAGE_INTS = ("requests", "aborted_requests", "error_requests", "prompt_tokens", "cached_prompt_tokens",
+               "completion_tokens", "reasoning_tokens")
+_ATTEMPT_INTS = ("attempts", "rejected_attempts", "replayed_attempts")
+_TYPES = (("input", "uncached"), ("cached_input", "cached_prompt_tokens"), ("output", "nonreasoning"),
+          ("reasoning", "reasoning_tokens"))
+
+#: Column order of the invoice line frame (and of the CSV / Parquet files).
+INVOICE_COLUMNS = (
+    "period", "period_start", "period_end", "line_type", *INVOICE_KEYS,
+    "requests", "attempts", "rejected_attempts", "replayed_attempts", "aborted_requests", "error_requests",
+    "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
+    "currency", "price_list_version", "priced", "subtotal", "cost", "note",
+)
+
+
+def _frame(rows: Iterable[dict[str, Any]], ints: tuple[str, ...], extra: dict[str, Any]) -> pl.DataFrame:
+    schema: dict[str, Any] = {k: pl.String for k in INVOICE_KEYS}
+    schema.update({k: pl.Int64 for k in ints})
+    schema.update(extra)
+    rows = list(rows)
+    if not rows:
+        return pl.DataFrame(schema=schema)
+    return pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
+
+
+def _unit_prices(pairs: pl.DataFrame, prices: PriceList) -> pl.DataFrame:
+    records = []
+    for model, tier in pairs.iter_rows():
+        row: dict[str, Any] = {"model": model, "tier": tier}
+        for token_type, _ in _TYPES:
+            row[f"unit_{token_type}"] = prices.unit_price(model, tier, token_type)
+        records.append(row)
+    schema = {"model": pl.String, "tier": pl.String, **{f"unit_{t}": MONEY for t, _ in _TYPES}}
+    return pl.DataFrame(records, schema=schema) if records else pl.DataFrame(schema=schema)
+
+
+def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, Any]],
+                  adjustments: Iterable[dict[str, Any]], prices: PriceList, period: Period) -> pl.DataFrame:
+    """Build the invoice lines of a period.
+
+    Args:
+        usage: rows of :meth:`LedgerQueries.invoice_usage` (deduplicated usage per line key).
+        attempts: rows of :meth:`LedgerQueries.invoice_attempts` (HTTP attempts per line key).
+        adjustments: rows of :meth:`LedgerQueries.adjustments`.
+        prices: the price list.
+        period: the billed period.
+    Returns:
+        A frame with :data:`INVOICE_COLUMNS`, usage lines (sorted by key) then adjustment lines.
+        ``priced`` is False (and ``subtotal``/``cost`` null) for a model the list does not price.
+    """
+    keys = list(INVOICE_KEYS)
+    u = _frame(usage, _USAGE_INTS, {"kv_token_seconds": pl.Float64})
+    a = _frame(attempts, _ATTEMPT_INTS, {})
+    df = u.join(a, on=keys, how="full", coalesce=True) if a.height else u.with_columns(
+        [pl.lit(0, pl.Int64).alias(c) for c in _ATTEMPT_INTS])
+    df = df.with_columns([pl.col(c).fill_null(0) for c in _USAGE_INTS + _ATTEMPT_INTS]
+                         + [pl.col("kv_token_seconds").fill_null(0.0)])
+    df = df.with_columns(
+        (pl.col("prompt_tokens") - pl.col("cached_prompt_tokens")).alias("uncached"),
+        (pl.col("completion_tokens") - pl.col("reasoning_tokens")).alias("nonreasoning"),
+    )
+    units = _unit_prices(df.select("model", "tier").unique(), prices)
+    df = df.join(units, on=["model", "tier"], how="left")
+    subtotal = None
+    for token_type, column in _TYPES:
+        term = pl.col(column).cast(pl.Decimal(38, 0)) * pl.col(f"unit_{token_type}")
+        subtotal = term if subtotal is None else subtotal + term
+    df = df.with_columns(subtotal.cast(MONEY).alias("subtotal")).sort(keys)
+    places = max(0, -int(prices.quantum.normalize().as_tuple().exponent))
+    cost_dtype = pl.Decimal(38, places)
+    costs = [prices.round(v) if v is not None else None for v in df["subtotal"].to_list()]
+    df = df.with_columns(
+        pl.Series("cost", costs, dtype=cost_dtype),
+        pl.col("subtotal").is_not_null().alias("priced"),
+        pl.lit("usage").alias("line_type"),
+        pl.col("prompt_tokens").alias("input_tokens"),
+        pl.col("cached_prompt_tokens").alias("cached_input_tokens"),
+        pl.col("completion_tokens").alias("output_tokens"),
+        pl.when(pl.col("subtotal").is_null()).then(pl.lit("model not in price list")).otherwise(pl.lit(""))
+          .alias("note"),
+    )
+    adj_rows = []
+    for r in adjustments:
+        amount = Decimal(r["amount"])
+        adj_rows.append({
+            **{k: r.get(k, "") or "" for k in ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id")},
+            "model": "", "tier": "", "subtotal": amount, "cost": prices.round(amount),
+            "note": f"adjustment {r.get('adjustment_id', '')}: {r.get('reason', '')}".strip(),
+        })
+    meta = [pl.lit(period.label).alias("period"), pl.lit(period.start).alias("period_start"),
+            pl.lit(period.end).alias("period_end"), pl.lit(prices.currency).alias("currency"),
+            pl.lit(prices.version).alias("price_list_version")]
+    df = df.with_columns(meta)
+    if adj_rows:
+        adj = pl.DataFrame(adj_rows, schema={**{k: pl.String for k in INVOICE_KEYS}, "subtotal": MONEY,
+                                             "cost": cost_dtype, "note": pl.String})
+        zeros = [pl.lit(0, pl.Int64).alias(c) for c in ("requests", "attempts", "rejected_attempts",
+                                                          "replayed_attempts", "aborted_requests", "error_requests",
+                                                          "input_tokens", "cached_input_tokens", "output_tokens",
+                                                          "reasoning_tokens")]
+        adj = adj.with_columns(zeros + meta + [pl.lit(0.0).alias("kv_token_seconds"), pl.lit(True).alias("priced"),
+                                               pl.lit("adjustment").alias("line_type")])
+        df = pl.concat([df.select(INVOICE_COLUMNS), adj.select(INVOICE_COLUMNS)], how="vertical")
+    return df.select(INVOICE_COLUMNS)
+
+
+def invoice_totals(lines: pl.DataFrame) -> pl.DataFrame:
+    """Per-tenant totals of an invoice line frame.
+
+    Returns:
+        ``tenant_id``, ``requests``, ``attempts``, ``input_tokens``, ``cached_input_tokens``,
+        ``output_tokens``, ``reasoning_tokens``, ``kv_token_seconds``, ``unpriced_lines``,
+        ``adjustments`` (sum of adjustment lines' cost), ``total`` (sum of every line's rounded
+        cost), ``currency``; sorted by tenant.
+    """
+    if lines.height == 0:
+        return pl.DataFrame(schema={"tenant_id": pl.String, "total": lines.schema.get("cost", MONEY)})
+    return (lines.group_by("tenant_id").agg(
+        pl.col("requests").sum(), pl.col("attempts").sum(), pl.col("input_tokens").sum(),
+        pl.col("cached_input_tokens").sum(), pl.col("output_tokens").sum(), pl.col("reasoning_tokens").sum(),
+        pl.col("kv_token_seconds").sum(), (~pl.col("priced")).sum().alias("unpriced_lines"),
+        pl.col("cost").filter(pl.col("line_type") == "adjustment").sum().alias("adjustments"),
+        pl.col("cost").sum().alias("total"), pl.col("currency").first(),
+    ).sort("tenant_id"))

@@ -1,0 +1,274 @@
+"""``kvmeter billing`` — invoice reports, three-way reconciliation and ledger maintenance.
+
+Examples::
+
+    kvmeter billing report --period 2026-11                  # CSV + Parquet + HTML in ./billing
+    kvmeter billing report --period 2026-11-29 --tenant acme --prices my-prices.yaml
+    kvmeter billing reconcile --period 2026-11-01/2026-11-15 --max-drift-ratio 0.001
+    kvmeter billing report --period 2026-11 --server http://127.0.0.1:8000 --api-key $KEY
+    kvmeter billing migrate
+    kvmeter billing prices --prices my-prices.yaml           # validate and print a price list
+
+Where the data comes from: ``--server URL`` reads through a running serve process's read API
+(needed while ``kvmeter serve`` owns the embedded chDB ledger); otherwise the ledger DSN
+(``--dsn`` > ``KVMETER_LEDGER_DSN`` > ``chdb://./var/ledger/chdb``). For an embedded ledger the
+command opens it, drains its spool first (progress lines on stderr), then reads.
+
+Exit status: 0 ok; 1 reconciliation found unexplained drift above the threshold; 2 bad
+arguments or configuration; 3 the report has usage the price list does not price; 4 the ledger
+is unavailable or held by another process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from datetime import datetime, timezone
+from decimal import Decimal, InvalidOperation
+from typing import Iterator
+
+from .billing import invoice_lines, invoice_totals
+from .config import LedgerConfig
+from .errors import LedgerError, LedgerLocked, LedgerUnavailable
+from .period import Period, parse_period
+from .prices import PriceList, load_price_list
+from .queries import UsageReader
+from .reconcile import reconcile
+from .report import FORMATS, HtmlSection, write_report
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_UNPRICED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+
+def _source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dsn", help="ledger DSN (chdb://PATH or http(s)://user:pass@host:port/db); "
+                                 "default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb")
+    p.add_argument("--spool-dir", help="spool directory (embedded ledger); default $KVMETER_SPOOL_DIR")
+    p.add_argument("--server", help="read through a running serve process instead, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=os.environ.get("KVMETER_API_KEY"),
+                   help="API key for --server (default $KVMETER_API_KEY); a tenant key sees its own tenant")
+    p.add_argument("--tenant", help="only this tenant")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``report``, ``reconcile``, ``migrate`` and ``prices`` under ``kvmeter billing``."""
+    sub = parser.add_subparsers(dest="billing_command", metavar="ACTION")
+    period_help = "2026-11 (month), 2026-11-29 (day), 2026 (year) or START/END in ISO 8601 (UTC, end exclusive)"
+
+    p = sub.add_parser("report", help="invoice lines per org/workspace/project/key: CSV, Parquet, HTML")
+    p.add_argument("--period", required=True, help=period_help)
+    p.add_argument("--prices", help="price list YAML (default: the packaged prices.yaml)")
+    p.add_argument("--out", default="billing", help="output directory (default ./billing)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of csv,parquet,html")
+    _source_args(p)
+
+    p = sub.add_parser("reconcile", help="engine vs gateway vs ledger per tenant: CSV, Parquet, HTML")
+    p.add_argument("--period", required=True, help=period_help)
+    p.add_argument("--out", default="billing", help="output directory (default ./billing)")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list of csv,parquet,html")
+    p.add_argument("--max-drift-ratio", type=float, default=0.0,
+                   help="fail (exit 1) when a tenant's unexplained drift ratio exceeds this (default 0)")
+    p.add_argument("--max-missing-finishes", type=int, default=None,
+                   help="also fail when a tenant has more admitted requests without any finish than this")
+    p.add_argument("--prices", help=argparse.SUPPRESS)
+    _source_args(p)
+
+    p = sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    p.add_argument("--dsn", help="ledger DSN (default $KVMETER_LEDGER_DSN or the embedded path)")
+
+    p = sub.add_parser("prices", help="validate a price list and print it")
+    p.add_argument("--prices", help="price list YAML (default: the packaged prices.yaml)")
+
+
+def _drain(ledger) -> None:  # noqa: ANN001 — a Ledger
+    stats = ledger.stats()
+    if stats.spool_depth_events == 0 and stats.spool_pending_events == 0:
+        return
+    print(f"ledger: draining {stats.spool_depth_events:,} spooled records into ClickHouse...", file=sys.stderr)
+    for _ in range(120):
+        if ledger.flush(timeout_s=5.0):
+            print("ledger: spool drained", file=sys.stderr)
+            return
+        stats = ledger.stats()
+        print(f"ledger: {stats.spool_depth_events:,} records left ({stats.last_error or 'working'})", file=sys.stderr)
+        if not stats.clickhouse_up and stats.last_error:
+            raise LedgerUnavailable(f"cannot drain the spool: {stats.last_error}")
+    raise LedgerUnavailable("the spool did not drain within 10 minutes")
+
+
+@contextlib.contextmanager
+def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[UsageReader, str]]:
+    if args.server:
+        from .http_client import LedgerHttpClient
+        if not args.api_key:
+            raise ValueError("--server needs --api-key (or $KVMETER_API_KEY)")
+        with LedgerHttpClient(args.server, args.api_key) as client:
+            yield client, f"read API {args.server}"
+        return
+    config = LedgerConfig.from_env(dsn=args.dsn, spool_dir=args.spool_dir)
+    if config.embedded:
+        from .ledger import Ledger
+        ledger = Ledger.open(config, prices=prices)
+        try:
+            _drain(ledger)
+            yield ledger.queries, config.parsed_dsn.redacted()
+        finally:
+            ledger.close()
+        return
+    from .connection import ClientHolder, connect
+    from .queries import LedgerQueries
+    from .schema import migrate
+    holder = ClientHolder(lambda: connect(config), lambda c: migrate(c, config.cluster))
+    try:
+        yield LedgerQueries(holder, prices), config.parsed_dsn.redacted()
+    finally:
+        holder.close()
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    formats = tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = set(formats) - set(FORMATS)
+    if unknown or not formats:
+        raise ValueError(f"--formats takes a comma list of {','.join(FORMATS)}, got {text!r}")
+    return formats
+
+
+def _meta(period: Period, source: str) -> dict[str, str]:
+    return {"period": period.label, "interval (UTC, end exclusive)": f"{period.start.isoformat()} .. {period.end.isoformat()}",
+            "source": source, "generated at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _report(args: argparse.Namespace) -> int:
+    period = parse_period(args.period)
+    formats = _formats(args.formats)
+    prices = load_price_list(args.prices)
+    with _reader(args, prices) as (reader, source):
+        lines = invoice_lines(reader.invoice_usage(period, args.tenant), reader.invoice_attempts(period, args.tenant),
+                              reader.adjustments(period, args.tenant), prices, period)
+    totals = invoice_totals(lines)
+    unpriced = lines.filter(~lines["priced"]) if lines.height else lines
+    meta = _meta(period, source) | {
+        "currency": prices.currency, "price list": f"{prices.version} ({prices.source})",
+        "rounding": prices.rounding_rule,
+        "token types": "input ⊇ cached input; output ⊇ reasoning (parts are not additions)",
+        "invoice lines": f"{lines.height:,}"}
+    headline = (f"{unpriced.height} line(s) use models the price list does not price: "
+                f"{sorted(set(unpriced['model'].to_list()))}" if unpriced.height else "")
+    shown = [c for c in lines.columns if c not in ("period", "period_start", "period_end", "currency",
+                                                   "price_list_version")]
+    paths = write_report(args.out, f"billing-{period.slug}", lines, title=f"kvmeter invoice lines — {period.label}",
+                         meta=meta, formats=formats, headline=headline, headline_ok=not unpriced.height,
+                         sections=[HtmlSection("Totals per tenant", totals,
+                                               note="total = sum of the lines' rounded costs (adjustments included)"),
+                                   HtmlSection("Invoice lines", lines.select(shown),
+                                               note="subtotal is exact; cost is rounded once per line.",
+                                               bad_column="priced", bad_values=(False,))])
+    for path in paths:
+        print(path)
+    grand = sum((t for t in totals["total"].to_list() if t is not None), Decimal(0)) if totals.height else Decimal(0)
+    print(f"{lines.height} invoice lines, {totals.height} tenants, total {grand} {prices.currency}", file=sys.stderr)
+    if unpriced.height:
+        print(f"error: {headline}", file=sys.stderr)
+        return EXIT_UNPRICED
+    return EXIT_OK
+
+
+def _reconcile(args: argparse.Namespace) -> int:
+    period = parse_period(args.period)
+    formats = _formats(args.formats)
+    prices = load_price_list(args.prices)
+    with _reader(args, prices) as (reader, source):
+        views = reader.reconcile_views(period, args.tenant)
+    result = reconcile(views, threshold_ratio=args.max_drift_ratio, max_missing_finishes=args.max_missing_finishes)
+    frame = result.frame
+    headline = (f"unexplained drift above {args.max_drift_ratio:g} for: {', '.join(result.failed_tenants)}"
+                if result.failed else f"{frame.height} tenant(s): no unexplained drift above {args.max_drift_ratio:g}")
+    views_cols = ["tenant_id", "status", "engine_requests", "engine_tokens", "gateway_attempts", "gateway_admitted",
+                  "rejected_attempts", "replayed_attempts", "ledger_requests", "ledger_tokens"]
+    explained = ["tenant_id", "matched_requests", "aborted_requests", "aborted_tokens", "frontend_only_requests",
+                 "frontend_only_tokens", "superseded_requests", "superseded_tokens", "duplicate_rows"]
+    unexplained = ["tenant_id", "status", "mismatched_requests", "matched_token_drift", "ledger_only_requests",
+                   "ledger_only_tokens", "engine_unbilled_requests", "engine_unbilled_tokens",
+                   "duplicate_billed_requests", "duplicate_billed_tokens", "missing_finishes",
+                   "missing_finish_reserved_tokens", "unexplained_drift_tokens", "unexplained_drift_ratio"]
+    reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens", "reservation_drift_ratio"]
+    paths = write_report(
+        args.out, f"reconcile-{period.slug}", frame, title=f"kvmeter reconciliation — {period.label}",
+        meta=_meta(period, source) | {"drift threshold (ratio)": f"{args.max_drift_ratio:g}"},
+        formats=formats, headline=headline, headline_ok=not result.failed,
+        sections=[
+            HtmlSection("The three views", frame.select(views_cols), bad_column="status", bad_values=("drift",),
+                        note="engine = the engine's own per-request counters (hooks); gateway = HTTP attempts; "
+                             "ledger = deduplicated usage events. Tokens = prompt + output."),
+            HtmlSection("Explained differences", frame.select(explained),
+                        note="aborted: vLLM's hooks never report aborted requests, so they are billed from the "
+                             "frontend's counts; superseded: engine work of an attempt whose logical request was "
+                             "billed under a later attempt; duplicate_rows: stored duplicates that billing's FINAL "
+                             "read removes."),
+            HtmlSection("Unexplained drift", frame.select(unexplained), bad_column="status", bad_values=("drift",),
+                        note="missing finishes are admitted attempts with neither an engine record nor a usage "
+                             "event: lost, or still running at the end of the period."),
+            HtmlSection("Reservation vs actual (quota quality, not billing drift)", frame.select(reservation)),
+        ])
+    for path in paths:
+        print(path)
+    print(headline, file=sys.stderr)
+    return EXIT_DRIFT if result.failed else EXIT_OK
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from .connection import connect
+    from .schema import migrate
+    config = LedgerConfig.from_env(dsn=args.dsn)
+    client = connect(config)
+    try:
+        done = migrate(client, config.cluster)
+    finally:
+        client.close()
+    print(f"ledger schema at {config.parsed_dsn.redacted()}: "
+          f"{'applied ' + ', '.join(map(str, done)) if done else 'already current'}")
+    return EXIT_OK
+
+
+def _prices(args: argparse.Namespace) -> int:
+    prices = load_price_list(args.prices)
+    print(f"price list {prices.version} ({prices.source}), {prices.currency}, {prices.rounding_rule}")
+    for model, price in sorted(prices.models.items()):
+        print(f"  {model}: input {price.input}, cached_input {price.cached_input}, output {price.output}, "
+              f"reasoning {price.reasoning} per 1M tokens")
+    for tier, discount in sorted(prices.tier_discounts.items()):
+        print(f"  tier {tier}: discount {discount}")
+    return EXIT_OK
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kvmeter billing ACTION``; returns the exit status (see the module docstring)."""
+    actions = {"report": _report, "reconcile": _reconcile, "migrate": _migrate, "prices": _prices}
+    action = actions.get(getattr(args, "billing_command", None) or "")
+    if action is None:
+        print("usage: kvmeter billing {report,reconcile,migrate,prices} ... (see --help)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return action(args)
+    except LedgerLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except LedgerUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (LedgerError, ValueError, InvalidOperation) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(run(argparse.ArgumentParser().parse_args()))

@@ -1,0 +1,366 @@
+"""The :class:`Ledger` facade the gateway holds: durable record, background drain, queries.
+
+Lifecycle::
+
+    ledger = Ledger.open(config, bus=bus)          # recovers the spool, connects, migrates
+    await ledger.record(usage_event)               # returns once the event is fsynced
+    await ledger.record_attempt(attempt)           # every HTTP attempt, same durability
+    ledger.queries.usage_summary(period, tenant)   # reads (also served by read_api)
+    ledger.flush()                                 # drain everything spooled so far
+    ledger.close()
+
+In embedded mode (``chdb://``) the opening process owns the chDB path and the spool; other
+processes read through its read API (:mod:`kvmeter.ledger.read_api`). With a server DSN the
+ledger opens even while ClickHouse is down: records stay durable in the spool and drain when it
+comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import datetime, timezone
+from typing import Iterable
+
+from clickhouse_connect.driver.client import Client
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.events import UsageEvent
+from kvmeter.stats import EngineRequestStats
+
+from .config import LedgerConfig
+from .connection import ClientFactory, ClientHolder, connect, describe_error
+from .drain import Writer
+from .errors import InvalidRecord, LedgerError, LedgerUnavailable
+from .prices import PriceList, load_price_list
+from .queries import LedgerQueries
+from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adjustment, AttemptRecord,
+                      SignalSample, encode_attempt, encode_engine, encode_usage)
+from .rollups import refresh_rollups
+from .schema import migrate
+from .spool import CommitTicket, Spool
+from .stats import INGEST_STATUSES, LedgerStats
+
+__all__ = ["Ledger", "sync_prices"]
+
+log = logging.getLogger(__name__)
+
+#: Event ids remembered to classify a re-recorded event as ``duplicate`` in the stats.
+RECENT_EVENT_IDS = 100_000
+#: Admitted requests remembered (per generation) to attribute their engine records to a tenant.
+ATTRIBUTED_REQUESTS = 200_000
+
+
+def sync_prices(client: Client, prices: PriceList) -> None:
+    """Store the price list in the ``prices`` / ``price_tier_discounts`` tables (idempotent:
+    the insert is deduplicated by a token over the list's content)."""
+    rows = [[prices.version, prices.currency, r["model"], r["token_type"], r["price_per_million"]]
+            for r in prices.rows()]
+    digest = hashlib.sha256(repr((rows, sorted(prices.tier_discounts.items()))).encode()).hexdigest()[:16]
+    token = f"kvmeter:prices:{prices.version}:{digest}"
+    client.insert("prices", rows, column_names=["version", "currency", "model", "token_type", "price_per_million"],
+                  settings={"insert_deduplication_token": token})
+    if prices.tier_discounts:
+        client.insert("price_tier_discounts", [[prices.version, t, d] for t, d in sorted(prices.tier_discounts.items())],
+                      column_names=["version", "tier", "discount_ratio"],
+                      settings={"insert_deduplication_token": token + ":tiers"})
+
+
+class Ledger:
+    """Exact, idempotent usage metering into ClickHouse through a durable spool.
+
+    Build with :meth:`open`. Thread-safe; ``record*`` may be awaited from any event loop.
+
+    Attributes:
+        queries: :class:`~kvmeter.ledger.queries.LedgerQueries` over this ledger's database.
+        config: the effective :class:`LedgerConfig`.
+        prices: the price list in use.
+    """
+
+    def __init__(self, *, config: LedgerConfig, spool: Spool, writer: Writer, query_holder: ClientHolder,
+                 prices: PriceList, bus: StatsBus | None, clock: Clock) -> None:
+        self.config = config
+        self.prices = prices
+        self.queries = LedgerQueries(query_holder, prices)
+        self._spool = spool
+        self._writer = writer
+        self._query_holder = query_holder
+        self._bus = bus
+        self._clock = clock
+        self._usage = spool.streams[USAGE_STREAM.name]
+        self._attempts = spool.streams[ATTEMPT_STREAM.name]
+        self._engine = spool.streams[ENGINE_STREAM.name]
+        self._ingested = dict.fromkeys(INGEST_STATUSES, 0)
+        self._recent: set[tuple[str, str]] = set()
+        self._recent_old: set[tuple[str, str]] = set()
+        self._late_after_s = config.late_after_s
+        # request id → tenant of admitted attempts, to attribute engine records (two generations,
+        # bounded: entries of requests the engine never reports, e.g. aborts, age out)
+        self._request_tenants: dict[str, str] = {}
+        self._request_tenants_old: dict[str, str] = {}
+        self._engine_invalid = 0
+        self._unsubscribe = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def open(cls, config: LedgerConfig | None = None, *, bus: StatsBus | None = None,
+             clock: Clock = SYSTEM_CLOCK, client_factory: ClientFactory | None = None,
+             prices: PriceList | None = None) -> "Ledger":
+        """Open the spool (recovering it), start the writer and connect.
+
+        Args:
+            config: defaults to :meth:`LedgerConfig.from_env`.
+            bus: subscribe to :class:`~kvmeter.stats.EngineRequestStats` on it (the engine view
+                for reconciliation) and publish :class:`~kvmeter.ledger.stats.LedgerStats` there
+                after every writer round. ``None``: neither.
+            clock: wall clock for record ages and lateness; monotonic for back-off.
+            client_factory: opens a ClickHouse client (default :func:`connect` on the config's
+                DSN); tests inject one that fails for a while.
+            prices: price list (default: ``config.prices_path`` or the packaged list).
+        Raises:
+            LedgerLocked: the spool or the embedded chDB path is held by another process.
+            MigrationError: the schema could not be brought up to date (embedded mode).
+            LedgerUnavailable: the embedded chDB path cannot be opened.
+            PriceListError, ConfigError: invalid configuration.
+        """
+        config = config or LedgerConfig.from_env()
+        prices = prices or load_price_list(config.prices_path)
+        factory = client_factory or (lambda: connect(config))
+
+        def prepare(client: Client) -> None:
+            migrate(client, config.cluster)
+            sync_prices(client, prices)
+
+        spool = Spool(config.spool_dir, STREAMS, clock=clock, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        try:
+            writer_holder = ClientHolder(factory, prepare)
+            query_holder = ClientHolder(factory, lambda client: migrate(client, config.cluster))
+            if config.embedded and client_factory is None:
+                writer_holder.get()  # fail loudly at construction: locked path, failed migration
+            ledger_box: list[Ledger] = []
+            writer = Writer(spool, writer_holder, config, clock,
+                            on_round=lambda: ledger_box and ledger_box[0]._publish(),
+                            refresh_rollups=refresh_rollups)
+            ledger = cls(config=config, spool=spool, writer=writer, query_holder=query_holder,
+                         prices=prices, bus=bus, clock=clock)
+            ledger_box.append(ledger)
+        except BaseException:
+            spool.close()
+            raise
+        writer.start()
+        if bus is not None:
+            ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
+        log.info("ledger open: %r", config)
+        return ledger
+
+    # ------------------------------------------------------------------ writes
+
+    def _submit_usage(self, event: UsageEvent) -> CommitTicket:
+        try:
+            line = encode_usage(event)
+        except InvalidRecord:
+            self._ingested["invalid"] += 1
+            raise
+        key = (event.tenant_id, event.event_id)
+        # stats only (a race between threads can at worst misclassify one event): two
+        # generations of recent ids, the older dropped when the newer fills up
+        if key in self._recent or key in self._recent_old:
+            status = "duplicate"
+        else:
+            if len(self._recent) >= RECENT_EVENT_IDS:
+                self._recent_old, self._recent = self._recent, set()
+            self._recent.add(key)
+            status = "late" if event.finish_ts < self._clock.wall() - self._late_after_s else "new"
+        self._ingested[status] += 1
+        return self._usage.submit(line)
+
+    async def record(self, event: UsageEvent) -> None:
+        """Make one usage event durable; returns once it is fsynced in the spool.
+
+        Concurrent calls share one fsync (group commit). The event reaches ClickHouse later
+        (background writer); recording the same event again is harmless (deduplicated).
+        Raises:
+            InvalidRecord: the event cannot be stored (nothing was written).
+            SpoolWriteError: the spool could not write it (disk full, I/O error).
+        """
+        ticket = self._submit_usage(event)
+        if not ticket.done:  # the inlined CommitTicket.wait_async: one coroutine frame less per event
+            fut = ticket.shared_future()
+            if fut is not None:
+                await fut
+        ticket.raise_if_failed()
+
+    def record_sync(self, event: UsageEvent, timeout_s: float | None = 10.0) -> None:
+        """Blocking :meth:`record` for code without an event loop.
+
+        Raises:
+            InvalidRecord, SpoolWriteError: as :meth:`record`; TimeoutError after ``timeout_s``.
+        """
+        self._submit_usage(event).wait(timeout_s)
+
+    def _submit_attempt(self, attempt: AttemptRecord) -> CommitTicket:
+        line = encode_attempt(attempt)
+        if attempt.status == "admitted":  # the engine record of this request will carry its tenant
+            tenants = self._request_tenants
+            if len(tenants) >= ATTRIBUTED_REQUESTS:
+                self._request_tenants_old, self._request_tenants = tenants, {}
+            self._request_tenants[attempt.request_id] = attempt.tenant_id
+        return self._attempts.submit(line)
+
+    async def record_attempt(self, attempt: AttemptRecord) -> None:
+        """Make one HTTP attempt record durable (same contract as :meth:`record`)."""
+        await self._submit_attempt(attempt).wait_async()
+
+    def record_attempt_sync(self, attempt: AttemptRecord, timeout_s: float | None = 10.0) -> None:
+        """Blocking :meth:`record_attempt`."""
+        self._submit_attempt(attempt).wait(timeout_s)
+
+    def _on_engine_stats(self, stats: EngineRequestStats) -> None:
+        """Bus callback: spool the engine's account of a request (cheap, never blocks), with the
+        tenant of the request's admitted attempt recorded earlier by this ledger ("" if none)."""
+        tenant = self._request_tenants.pop(stats.request_id, None) or \
+            self._request_tenants_old.pop(stats.request_id, "")
+        try:
+            line = encode_engine(stats, self._clock.wall(), tenant)
+        except InvalidRecord as exc:
+            self._engine_invalid += 1
+            log.warning("ledger: engine stats not stored: %s", exc)
+            return
+        self._engine.submit(line)
+
+    def write_signals(self, samples: Iterable[SignalSample]) -> None:
+        """Queue signal samples for the ``signals`` table (best effort, not spooled: the
+        newest ``signal_buffer`` samples are kept while ClickHouse is away).
+
+        Raises:
+            InvalidRecord: if an item is not a :class:`SignalSample`.
+        """
+        batch = list(samples)
+        for s in batch:
+            if type(s) is not SignalSample:
+                raise InvalidRecord(f"write_signals() takes SignalSample items, got {type(s).__name__}")
+        self._writer.add_signals(batch)
+
+    def adjust(self, adjustment: Adjustment) -> None:
+        """Store a signed money correction now (synchronous; idempotent by ``adjustment_id``).
+
+        Raises:
+            InvalidRecord: not an :class:`Adjustment`.
+            LedgerUnavailable: ClickHouse cannot be reached (nothing stored; retry).
+        """
+        if type(adjustment) is not Adjustment:
+            raise InvalidRecord(f"adjust() takes an Adjustment, got {type(adjustment).__name__}")
+        row = [adjustment.adjustment_id, adjustment.tenant_id, adjustment.org_id, adjustment.workspace_id,
+               adjustment.project_id, adjustment.api_key_id, datetime.fromtimestamp(adjustment.ts, tz=timezone.utc),
+               adjustment.amount, self.prices.currency, adjustment.reason, adjustment.reference, adjustment.created_by]
+        client = self._query_holder.get()
+        try:
+            client.insert("adjustments", [row], column_names=[
+                "adjustment_id", "tenant_id", "org_id", "workspace_id", "project_id", "api_key_id", "ts",
+                "amount", "currency", "reason", "reference", "created_by"],
+                settings={"insert_deduplication_token": f"kvmeter:adjustment:{adjustment.adjustment_id}"})
+        except Exception as exc:  # noqa: BLE001
+            self._query_holder.reset()
+            raise LedgerUnavailable(f"adjustment not stored: {describe_error(exc)}") from None
+
+    # ------------------------------------------------------------------ drain & maintenance
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Drain everything spooled so far into ClickHouse.
+
+        Returns:
+            True when every record recorded before the call is in ClickHouse; False if
+            ClickHouse is unreachable now or ``timeout_s`` passed (records stay in the spool).
+        """
+        return self._writer.flush(timeout_s)
+
+    def refresh_rollups(self, *, full: bool = False) -> int:
+        """Recompute the hourly rollups now (the writer also does it every ``rollup_interval_s``).
+
+        Returns:
+            Hours recomputed.
+        Raises:
+            LedgerUnavailable: ClickHouse cannot be reached.
+        """
+        client = self._query_holder.get()
+        try:
+            return refresh_rollups(client, full=full)
+        except Exception as exc:  # noqa: BLE001
+            raise LedgerUnavailable(f"rollup refresh failed: {describe_error(exc)}") from None
+
+    def stats(self) -> LedgerStats:
+        """A snapshot of spool depth/age and writer counters (see :class:`LedgerStats`)."""
+        now = self._clock.wall()
+        depth_events = depth_bytes = pending = 0
+        oldest: float | None = None
+        by_stream: dict[str, int] = {}
+        fsyncs = errors = 0
+        for name, stream in self._spool.streams.items():
+            n, b, first = stream.depth()
+            depth_events += n
+            depth_bytes += b
+            by_stream[name] = n
+            pending += stream.pending
+            fsyncs += stream.fsyncs_total
+            errors += stream.write_errors_total
+            if first is not None and (oldest is None or first < oldest):
+                oldest = first
+        w = self._writer
+        return LedgerStats(
+            wall_ts=now,
+            spool_depth_events=depth_events,
+            spool_depth_bytes=depth_bytes,
+            spool_oldest_age_seconds=max(0.0, now - oldest) if oldest is not None else 0.0,
+            spool_depth_by_stream=by_stream,
+            spool_pending_events=pending,
+            events_ingested_total=dict(self._ingested),
+            drained_records_total=dict(w.drained_total),
+            insert_batches_total=w.insert_batches_total,
+            insert_retries_total=w.insert_retries_total,
+            rejected_records_total=w.rejected_total,
+            spool_write_errors_total=errors,
+            fsyncs_total=fsyncs,
+            signals_dropped_total=w.signals_dropped_total,
+            clickhouse_up=w.clickhouse_up,
+            last_error=w.last_error,
+        )
+
+    def _publish(self) -> None:
+        if self._bus is not None and not self._closed:
+            self._bus.publish(self.stats())
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop taking records, try to drain for ``close_timeout_s``, release the spool.
+
+        What is not drained stays durable in the spool for the next :meth:`open`. Idempotent.
+        """
+        if self._closed:
+            return
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        try:
+            for stream in self._spool.streams.values():
+                stream.sync(self.config.close_timeout_s)
+        except (TimeoutError, LedgerError) as exc:
+            log.warning("ledger close: spool commit incomplete: %s", exc)
+        if not self._writer.stop(self.config.close_timeout_s):
+            log.warning("ledger close: writer still busy after %.1f s; undrained records stay in the spool",
+                        self.config.close_timeout_s)
+        self._closed = True
+        self._spool.close()
+        self._writer_holder_close()
+        self._query_holder.close()
+
+    def _writer_holder_close(self) -> None:
+        self._writer._holder.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

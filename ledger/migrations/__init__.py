@@ -1,0 +1,1 @@
+"""Versioned ClickHouse DDL of the ledger (data files; see kvmeter.ledger.schema)."""

@@ -1,0 +1,523 @@
+"""Read functions over the ledger — one set, used directly on ClickHouse and behind the read API.
+
+Every query reads deduplicated data (``FINAL``), takes its values as bound parameters
+(``{name:Type}`` server-side binding: user text is never spliced into SQL) and its identifiers
+(group-by columns) only from a fixed allow-list.
+
+:class:`UsageReader` is the protocol both :class:`LedgerQueries` (ClickHouse) and
+:class:`~kvmeter.ledger.http_client.LedgerHttpClient` (the serve process's read API) implement,
+so the billing CLI and the dashboards do not care which one they hold.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any, Callable, Protocol, Sequence
+
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import OperationalError
+
+from .connection import ClientHolder, describe_error
+from .errors import LedgerError, LedgerUnavailable
+from .period import Period
+from .prices import PriceList
+
+__all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S"]
+
+#: Allowed ``group_by`` names → SQL expression over usage_events.
+GROUP_BY_FIELDS: dict[str, str] = {
+    "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
+    "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint", "outcome": "outcome",
+    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(finish_ts)", "day": "toStartOfDay(finish_ts)",
+}
+#: The attribution of one invoice line.
+INVOICE_KEYS = ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id", "model", "tier")
+#: Engine and gateway records this close outside the period are read too, so a request that
+#: finished at 23:59:59.9 is matched with its engine record stamped 00:00:00.1.
+RECONCILE_SLACK_S = 600
+
+_PERIOD = "{start:DateTime64(6, 'UTC')}"
+_PERIOD_END = "{end:DateTime64(6, 'UTC')}"
+
+
+class UsageReader(Protocol):
+    """What billing, reconciliation and the dashboards read (see :class:`LedgerQueries`)."""
+
+    def usage_summary(self, period: Period, tenant_id: str | None = None,
+                      group_by: Sequence[str] = ("tenant_id",)) -> list[dict[str, Any]]: ...
+
+    def invoice_usage(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def invoice_attempts(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def adjustments(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def reconcile_views(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]: ...
+
+    def usage_timeseries(self, period: Period, tenant_id: str | None = None,
+                         step: str = "hour") -> list[dict[str, Any]]: ...
+
+
+def _tenant_clause(tenant_id: str | None, column: str = "tenant_id") -> str:
+    return f" AND {column} = {{tenant:String}}" if tenant_id is not None else ""
+
+
+def _params(period: Period, tenant_id: str | None, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"start": period.start, "end": period.end, **extra}
+    if tenant_id is not None:
+        if not isinstance(tenant_id, str) or not tenant_id:
+            raise ValueError("tenant_id must be a non-empty string or None")
+        params["tenant"] = tenant_id
+    return params
+
+
+def _nan_to_none(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+class LedgerQueries:
+    """Parameterised read queries on the ledger's ClickHouse database.
+
+    Args:
+        client: a :class:`ClientHolder` or a zero-argument function returning a connected client
+            whose database is the ledger's (schema migrated).
+        prices: the price list used for :meth:`usage_summary`'s cost column.
+    Raises (every method):
+        LedgerUnavailable: ClickHouse cannot be reached.
+        LedgerError: ClickHouse refused the query.
+        ValueError: a bad argument (unknown group-by field or step, empty tenant id).
+    """
+
+    def __init__(self, client: ClientHolder | Callable[[], Client], prices: PriceList) -> None:
+        self._holder = client if isinstance(client, ClientHolder) else None
+        self._get = client.get if isinstance(client, ClientHolder) else client
+        self.prices = prices
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _query(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        client = self._get()
+        try:
+            result = client.query(sql, parameters=params)
+        except LedgerError:
+            raise
+        except (OperationalError, OSError) as exc:  # the connection: reconnect next time
+            if self._holder is not None:
+                self._holder.reset()
+            raise LedgerUnavailable(f"ledger query failed: {describe_error(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 — translate at the boundary
+            raise LedgerError(f"ledger query failed: {describe_error(exc)}") from None
+        return list(result.named_results())
+
+    # ------------------------------------------------------------------ usage
+
+    def usage_summary(self, period: Period, tenant_id: str | None = None,
+                      group_by: Sequence[str] = ("tenant_id",)) -> list[dict[str, Any]]:
+        """Usage per group in a period.
+
+        Args:
+            period: the half-open UTC interval (events by ``finish_ts``).
+            tenant_id: restrict to one tenant, or ``None`` for all.
+            group_by: names from :data:`GROUP_BY_FIELDS` (at least one).
+        Returns:
+            One dict per group, ordered by the group keys: the group keys, then ``requests``,
+            ``aborted_requests``, ``error_requests``, ``prompt_tokens``, ``cached_prompt_tokens``
+            (⊆ prompt), ``completion_tokens``, ``reasoning_tokens`` (⊆ completion),
+            ``kv_token_seconds`` (float), ``ttft_p50_s``, ``ttft_p95_s``, ``itl_p50_s``,
+            ``itl_p95_s`` (exact percentiles with linear interpolation, over requests that have
+            the value; ITL is each request's mean ITL; ``None`` when no request has it),
+            ``attempts`` (gateway attempts of the group, when every group key exists on attempts,
+            else ``None``), ``cost`` (exact unrounded Decimal at the price list; ``None`` if any
+            model in the group is unpriced), ``currency``.
+        """
+        group = list(dict.fromkeys(group_by))
+        if not group:
+            raise ValueError("group_by needs at least one field")
+        unknown = [g for g in group if g not in GROUP_BY_FIELDS]
+        if unknown:
+            raise ValueError(f"unknown group_by field(s) {unknown}; allowed: {sorted(GROUP_BY_FIELDS)}")
+        select_keys = ", ".join(f"{GROUP_BY_FIELDS[g]} AS {g}" for g in group)
+        group_sql = ", ".join(group)
+        params = _params(period, tenant_id)
+        where = f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}"
+        metrics = self._query(f"""
+            SELECT {select_keys},
+                count() AS requests,
+                countIf(outcome = 'aborted') AS aborted_requests,
+                countIf(outcome = 'error') AS error_requests,
+                sum(prompt_tokens) AS prompt_tokens,
+                sum(cached_prompt_tokens) AS cached_prompt_tokens,
+                sum(completion_tokens) AS completion_tokens,
+                sum(reasoning_tokens) AS reasoning_tokens,
+                sum(kv_token_seconds) AS kv_token_seconds,
+                if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
+                if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
+                if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.5)(itl_mean_s)) AS itl_p50_s,
+                if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.95)(itl_mean_s)) AS itl_p95_s
+            FROM usage_events FINAL
+            WHERE {where}
+            GROUP BY {group_sql}
+            ORDER BY {group_sql}""", params)
+        priced_keys = list(dict.fromkeys(group + ["model", "tier"]))
+        token_rows = self._query(f"""
+            SELECT {", ".join(f"{GROUP_BY_FIELDS[g]} AS {g}" for g in priced_keys)},
+                sum(prompt_tokens) AS prompt_tokens,
+                sum(cached_prompt_tokens) AS cached_prompt_tokens,
+                sum(completion_tokens) AS completion_tokens,
+                sum(reasoning_tokens) AS reasoning_tokens
+            FROM usage_events FINAL
+            WHERE {where}
+            GROUP BY {", ".join(priced_keys)}""", params)
+        costs: dict[tuple, Decimal | None] = {}
+        for row in token_rows:
+            key = tuple(row[g] for g in group)
+            line = _line_cost(self.prices, row)
+            prev = costs.get(key, Decimal(0))
+            costs[key] = None if (line is None or prev is None) else prev + line
+        attempts: dict[tuple, int] | None = None
+        if all(g in _ATTEMPT_GROUPS for g in group):
+            attempt_keys = ", ".join(f"{_ATTEMPT_GROUPS[g]} AS {g}" for g in group)
+            rows = self._query(f"""
+                SELECT {attempt_keys}, count() AS attempts FROM attempts FINAL
+                WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+                GROUP BY {group_sql}""", params)
+            attempts = {tuple(r[g] for g in group): int(r["attempts"]) for r in rows}
+        out = []
+        for row in metrics:
+            key = tuple(row[g] for g in group)
+            for name in ("ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s"):
+                row[name] = _nan_to_none(row[name])
+            row["attempts"] = attempts.get(key, 0) if attempts is not None else None
+            row["cost"] = costs.get(key, Decimal(0))
+            row["currency"] = self.prices.currency
+            out.append(row)
+        return out
+
+    def invoice_usage(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """Billable usage per invoice line key (:data:`INVOICE_KEYS`) in a period.
+
+        Returns:
+            One dict per line: the keys, ``requests``, ``aborted_requests``, ``error_requests``,
+            ``prompt_tokens``, ``cached_prompt_tokens``, ``completion_tokens``,
+            ``reasoning_tokens`` (ints) and ``kv_token_seconds`` (float). Deduplicated (FINAL).
+        """
+        keys = ", ".join(INVOICE_KEYS)
+        return self._query(f"""
+            SELECT {keys},
+                count() AS requests,
+                countIf(outcome = 'aborted') AS aborted_requests,
+                countIf(outcome = 'error') AS error_requests,
+                sum(prompt_tokens) AS prompt_tokens,
+                sum(cached_prompt_tokens) AS cached_prompt_tokens,
+                sum(completion_tokens) AS completion_tokens,
+                sum(reasoning_tokens) AS reasoning_tokens,
+                sum(kv_token_seconds) AS kv_token_seconds
+            FROM usage_events FINAL
+            WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            GROUP BY {keys}
+            ORDER BY {keys}""", _params(period, tenant_id))
+
+    def invoice_attempts(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """HTTP attempts per invoice line key in a period (by attempt ``ts``).
+
+        Returns:
+            One dict per line key: the keys, ``attempts``, ``rejected_attempts``,
+            ``replayed_attempts`` (ints).
+        """
+        keys = ", ".join(INVOICE_KEYS)
+        return self._query(f"""
+            SELECT {keys},
+                count() AS attempts,
+                countIf(status = 'rejected') AS rejected_attempts,
+                countIf(status = 'replayed') AS replayed_attempts
+            FROM attempts FINAL
+            WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            GROUP BY {keys}
+            ORDER BY {keys}""", _params(period, tenant_id))
+
+    def adjustments(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        """Signed adjustments effective in the period.
+
+        Returns:
+            One dict per adjustment: ``adjustment_id`` (str), ``tenant_id``, ``org_id``,
+            ``workspace_id``, ``project_id``, ``api_key_id``, ``ts`` (UTC datetime),
+            ``amount`` (exact Decimal), ``currency``, ``reason``, ``reference``, ``created_by``.
+        """
+        rows = self._query(f"""
+            SELECT toString(adjustment_id) AS adjustment_id, tenant_id, org_id, workspace_id, project_id,
+                   api_key_id, ts, amount, currency, reason, reference, created_by
+            FROM adjustments FINAL
+            WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            ORDER BY tenant_id, ts, adjustment_id""", _params(period, tenant_id))
+        for row in rows:
+            row["amount"] = Decimal(row["amount"]).normalize() if row["amount"] is not None else Decimal(0)
+            row["ts"] = _utc(row["ts"])
+        return rows
+
+    def usage_timeseries(self, period: Period, tenant_id: str | None = None,
+                         step: str = "hour") -> list[dict[str, Any]]:
+        """Per-tenant usage per hour or day, from the hourly rollups (FINAL).
+
+        Returns:
+            Dicts with ``ts`` (bucket start, UTC datetime), ``tenant_id``, ``requests``,
+            ``aborted_requests``, ``prompt_tokens``, ``cached_prompt_tokens``,
+            ``completion_tokens``, ``kv_token_seconds``.
+        """
+        bucket = {"hour": "hour", "day": "toStartOfDay(hour)"}.get(step)
+        if bucket is None:
+            raise ValueError(f"step must be 'hour' or 'day', got {step!r}")
+        rows = self._query(f"""
+            SELECT {bucket} AS ts, tenant_id,
+                sum(requests) AS requests, sum(aborted_requests) AS aborted_requests,
+                sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
+                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds
+            FROM usage_hourly FINAL
+            WHERE hour >= {_PERIOD} AND hour < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            GROUP BY ts, tenant_id
+            ORDER BY ts, tenant_id""", _params(period, tenant_id))
+        for row in rows:
+            row["ts"] = _utc(row["ts"])
+        return rows
+
+    # ------------------------------------------------------------------ reconciliation
+
+    def reconcile_views(self, period: Period, tenant_id: str | None = None, *,
+                        detailed: bool = False) -> list[dict[str, Any]]:
+        """The three views — engine (engine_requests), gateway (attempts), ledger (usage_events
+        FINAL) — compared per tenant.
+
+        Two passes. The fast pass scans each table once and compares, per tenant, the ledger's
+        engine-counted requests with the engine's records and the admitted attempts with the
+        ledger's requests, as sets: same count and same checksum (a wrapping sum of
+        ``cityHash64(request_id, prompt, output)``, so any missing, extra or changed request
+        shows). A tenant whose sets agree needs nothing more. Only the other tenants go through
+        the per-request pass, which joins the three views on ``request_key`` and classifies each
+        request. ``detailed=True`` sends every tenant through it.
+
+        In the per-request pass a request belongs to the period by its ledger ``finish_ts``, else
+        its engine ``wall_ts``, else its attempt ``ts``; records up to :data:`RECONCILE_SLACK_S`
+        outside the period are read so boundary requests match. Engine records are attributed
+        to a tenant by the ledger when it stores them (from the request's admitted attempt);
+        records it could not attribute come back under ``tenant_id == ""``.
+
+        Returns:
+            One dict per tenant with ints (see :func:`kvmeter.ledger.reconcile.reconcile` for
+            the meaning of each): ``ledger_requests``, ``ledger_rows``, ``ledger_prompt_tokens``,
+            ``ledger_completion_tokens``, ``reserved_tokens``, ``actual_tokens``,
+            ``engine_requests``, ``engine_prompt_tokens``, ``engine_generation_tokens``,
+            ``gateway_admitted``, ``matched_requests``, ``mismatched_requests``,
+            ``matched_token_drift``, ``aborted_requests``, ``aborted_tokens``,
+            ``frontend_only_requests``, ``frontend_only_tokens``, ``ledger_only_requests``,
+            ``ledger_only_tokens``, ``engine_unbilled_requests``, ``engine_unbilled_tokens``,
+            ``superseded_requests``, ``superseded_tokens``, ``duplicate_billed_requests``,
+            ``duplicate_billed_tokens``, ``missing_finishes``, ``missing_finish_reserved_tokens``,
+            ``stored_rows`` (ledger rows before deduplication), and the gateway's ``attempts``,
+            ``rejected_attempts``, ``replayed_attempts``; plus ``checked`` = ``sets`` or
+            ``per_request`` (which pass produced the row).
+        """
+        params = _params(period, tenant_id)
+        t_filter = _tenant_clause(tenant_id)
+        ledger = {r["tenant_id"]: r for r in self._query(f"""
+            SELECT tenant_id,
+                count() AS ledger_requests,
+                sum(prompt_tokens) AS ledger_prompt_tokens,
+                sum(completion_tokens) AS ledger_completion_tokens,
+                sum(toUInt64(reserved_prompt_tokens) + reserved_completion_tokens) AS reserved_tokens,
+                sum(toUInt64(prompt_tokens) + completion_tokens) AS actual_tokens,
+                countIf(outcome = 'aborted') AS aborted_requests,
+                sumIf(toUInt64(prompt_tokens) + completion_tokens, outcome = 'aborted') AS aborted_tokens,
+                countIf(outcome != 'aborted' AND token_source != 'engine_hooks') AS frontend_only_requests,
+                sumIf(toUInt64(prompt_tokens) + completion_tokens,
+                      outcome != 'aborted' AND token_source != 'engine_hooks') AS frontend_only_tokens,
+                countIf(outcome != 'aborted' AND token_source = 'engine_hooks') AS hooks_requests,
+                sumWithOverflowIf(cityHash64(request_id, prompt_tokens, completion_tokens),
+                                  outcome != 'aborted' AND token_source = 'engine_hooks') AS hooks_sum,
+                sumWithOverflow(request_key) AS request_sum
+            FROM usage_events FINAL
+            WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{t_filter}
+            GROUP BY tenant_id""", params)}
+        engine = {r["tenant_id"]: r for r in self._query(f"""
+            SELECT tenant_id, count() AS engine_requests, sum(prompt_tokens) AS engine_prompt_tokens,
+                sum(generation_tokens) AS engine_generation_tokens,
+                sumWithOverflow(cityHash64(request_id, prompt_tokens, generation_tokens)) AS engine_sum
+            FROM engine_requests FINAL
+            WHERE wall_ts >= {_PERIOD} AND wall_ts < {_PERIOD_END}{t_filter}
+            GROUP BY tenant_id""", params)}
+        gateway = {r["tenant_id"]: r for r in self._query(f"""
+            SELECT tenant_id, count() AS attempts, countIf(status = 'rejected') AS rejected_attempts,
+                countIf(status = 'replayed') AS replayed_attempts, countIf(status = 'admitted') AS gateway_admitted,
+                sumWithOverflowIf(request_key, status = 'admitted') AS admitted_sum
+            FROM attempts FINAL
+            WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{t_filter}
+            GROUP BY tenant_id""", params)}
+        stored = {r["tenant_id"]: int(r["stored_rows"]) for r in self._query(f"""
+            SELECT tenant_id, count() AS stored_rows FROM usage_events
+            WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{t_filter}
+            GROUP BY tenant_id""", params)}
+
+        tenants = sorted(set(ledger) | set(engine) | set(gateway))
+        consistent: dict[str, dict[str, Any]] = {}
+        for tenant in tenants:
+            l, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
+            if detailed or tenant == "" or l is None:
+                continue
+            e_count, e_sum = (int(e["engine_requests"]), int(e["engine_sum"])) if e else (0, 0)
+            g_count, g_sum = (int(g["gateway_admitted"]), int(g["admitted_sum"])) if g else (0, 0)
+            if (int(l["hooks_requests"]), int(l["hooks_sum"])) == (e_count, e_sum) and \
+                    (int(l["ledger_requests"]), int(l["request_sum"])) == (g_count, g_sum):
+                row = _empty_view(tenant)
+                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_prompt_tokens",
+                                                   "ledger_completion_tokens", "reserved_tokens", "actual_tokens",
+                                                   "aborted_requests", "aborted_tokens", "frontend_only_requests",
+                                                   "frontend_only_tokens")})
+                row["ledger_rows"] = row["ledger_requests"]
+                row["matched_requests"] = e_count
+                if e:
+                    row.update({k: int(e[k]) for k in ("engine_requests", "engine_prompt_tokens",
+                                                       "engine_generation_tokens")})
+                row["gateway_admitted"] = g_count
+                row["checked"] = "sets"
+                consistent[tenant] = row
+        rest = [t for t in tenants if t not in consistent]
+        detail = {r["tenant_id"]: r for r in self._per_request(period, rest)} if rest else {}
+        out = []
+        for tenant in sorted(set(consistent) | set(detail) | set(gateway) | set(stored)):
+            row = consistent.get(tenant) or detail.get(tenant) or {**_empty_view(tenant), "checked": "per_request"}
+            g = gateway.get(tenant)
+            for f in ("attempts", "rejected_attempts", "replayed_attempts"):
+                row[f] = int(g[f]) if g else 0
+            row["stored_rows"] = stored.get(tenant, 0)
+            out.append({k: (int(v) if isinstance(v, (int, bool)) else v) for k, v in row.items()})
+        return out
+
+    def _per_request(self, period: Period, tenants: list[str]) -> list[dict[str, Any]]:
+        """The per-request pass of :meth:`reconcile_views` for ``tenants`` ("" = engine records
+        the ledger could not attribute)."""
+        slack = timedelta(seconds=RECONCILE_SLACK_S)
+        params = _params(period, None, wstart=period.start - slack, wend=period.end + slack, tenants=tenants)
+        w_start, w_end = "{wstart:DateTime64(6, 'UTC')}", "{wend:DateTime64(6, 'UTC')}"
+        in_set = " AND tenant_id IN {tenants:Array(String)}"
+        rows = self._query(f"""
+            SELECT
+                tenant AS tenant_id,
+                countIf(l_rows > 0) AS ledger_requests,
+                sum(l_rows) AS ledger_rows,
+                sum(l_prompt) AS ledger_prompt_tokens,
+                sum(l_completion) AS ledger_completion_tokens,
+                sumIf(l_reserved, l_rows > 0) AS reserved_tokens,
+                sumIf(l_prompt + l_completion, l_rows > 0) AS actual_tokens,
+                countIf(in_engine) AS engine_requests,
+                sumIf(e_prompt, in_engine) AS engine_prompt_tokens,
+                sumIf(e_gen, in_engine) AS engine_generation_tokens,
+                countIf(in_gateway) AS gateway_admitted,
+                countIf(l_rows = 1 AND in_engine) AS matched_requests,
+                countIf(l_rows = 1 AND in_engine AND (l_prompt != e_prompt OR l_completion != e_gen)) AS mismatched_requests,
+                sumIf(abs(toInt64(l_prompt) - e_prompt) + abs(toInt64(l_completion) - e_gen), l_rows = 1 AND in_engine) AS matched_token_drift,
+                countIf(l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_requests,
+                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
+                countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_requests,
+                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
+                countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_requests,
+                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
+                countIf(l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_requests,
+                sumIf(e_prompt + e_gen, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
+                countIf(l_rows = 0 AND in_engine AND superseded) AS superseded_requests,
+                sumIf(e_prompt + e_gen, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
+                countIf(l_rows > 1) AS duplicate_billed_requests,
+                sumIf(l_prompt + l_completion - intDivOrZero(l_prompt + l_completion, l_rows), l_rows > 1) AS duplicate_billed_tokens,
+                countIf(in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finishes,
+                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finish_reserved_tokens
+            FROM (
+                SELECT
+                    request_key,
+                    argMax(tenant_id, tenant_id != '') AS tenant,
+                    countIf(src = 1) AS l_rows,
+                    countIf(src = 2) > 0 AS in_engine,
+                    countIf(src = 3 AND flag) > 0 AS in_gateway,
+                    sumIf(p, src = 1) AS l_prompt,
+                    sumIf(c, src = 1) AS l_completion,
+                    sumIf(r, src = 1) AS l_reserved,
+                    maxIf(r, src = 3 AND flag) AS a_reserved,
+                    maxIf(p, src = 2) AS e_prompt,
+                    maxIf(c, src = 2) AS e_gen,
+                    maxIf(flag, src = 1) AS l_aborted,
+                    minIf(hooks, src = 1) AS l_hooks,
+                    maxIf(retried, src = 3) AS superseded,
+                    if(l_rows > 0, minIf(ts, src = 1), if(in_engine, minIf(ts, src = 2), min(ts))) AS anchor
+                FROM (
+                    SELECT 1 AS src, request_key, tenant_id, prompt_tokens AS p, completion_tokens AS c,
+                           toUInt64(reserved_prompt_tokens) + reserved_completion_tokens AS r,
+                           outcome = 'aborted' AS flag, token_source = 'engine_hooks' AS hooks,
+                           0 AS retried, finish_ts AS ts
+                    FROM usage_events FINAL
+                    WHERE finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}
+                    UNION ALL
+                    SELECT 2, request_key, tenant_id, prompt_tokens, generation_tokens, 0, 0, 0, 0, wall_ts
+                    FROM engine_requests
+                    WHERE wall_ts >= {w_start} AND wall_ts < {w_end}{in_set}
+                    UNION ALL
+                    SELECT 3, request_key, tenant_id, 0, 0,
+                           toUInt64(reserved_prompt_tokens) + reserved_completion_tokens, status = 'admitted', 0,
+                           event_key IN (SELECT event_key FROM usage_events
+                                         WHERE attempt > 1 AND finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}),
+                           ts
+                    FROM attempts
+                    WHERE ts >= {w_start} AND ts < {w_end}{in_set}
+                )
+                GROUP BY request_key
+                HAVING anchor >= {_PERIOD} AND anchor < {_PERIOD_END}
+            )
+            GROUP BY tenant
+            ORDER BY tenant""", params)
+        for row in rows:
+            row["checked"] = "per_request"
+        return rows
+
+
+#: group-by names that exist on the attempts table (same meaning).
+_ATTEMPT_GROUPS: dict[str, str] = {
+    "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
+    "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint",
+    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(ts)", "day": "toStartOfDay(ts)",
+}
+
+_VIEW_INT_FIELDS = (
+    "ledger_requests", "ledger_rows", "ledger_prompt_tokens", "ledger_completion_tokens", "reserved_tokens",
+    "actual_tokens", "engine_requests", "engine_prompt_tokens", "engine_generation_tokens", "gateway_admitted",
+    "matched_requests", "mismatched_requests", "matched_token_drift", "aborted_requests", "aborted_tokens",
+    "frontend_only_requests", "frontend_only_tokens", "ledger_only_requests", "ledger_only_tokens",
+    "engine_unbilled_requests", "engine_unbilled_tokens", "superseded_requests", "superseded_tokens",
+    "duplicate_billed_requests", "duplicate_billed_tokens", "missing_finishes", "missing_finish_reserved_tokens",
+)
+
+
+def _empty_view(tenant_id: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"tenant_id": tenant_id}
+    row.update(dict.fromkeys(_VIEW_INT_FIELDS, 0))
+    return row
+
+
+def _utc(value: Any) -> Any:
+    if isinstance(value, datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+def _line_cost(prices: PriceList, row: dict[str, Any]) -> Decimal | None:
+    """Exact (unrounded) cost of one (model, tier)'s token sums; ``None`` if the model is unpriced.
+
+    ``row`` holds ``model``, ``tier``, ``prompt_tokens``, ``cached_prompt_tokens``,
+    ``completion_tokens`` and ``reasoning_tokens``; see :mod:`kvmeter.ledger.prices` for the rule.
+    """
+    cached = int(row["cached_prompt_tokens"])
+    reasoning = int(row["reasoning_tokens"])
+    total = Decimal(0)
+    for token_type, tokens in (("input", int(row["prompt_tokens"]) - cached), ("cached_input", cached),
+                               ("output", int(row["completion_tokens"]) - reasoning), ("reasoning", reasoning)):
+        unit = prices.unit_price(row["model"], row["tier"], token_type)
+        if unit is None:
+            return None
+        total += unit * tokens
+    return total

@@ -1,0 +1,152 @@
+"""The ledger's read API: Starlette routes the serve process mounts under ``/v1/usage``.
+
+Why it exists: chDB on disk is single-process, so while ``kvmeter serve`` owns the embedded
+ledger, the dashboards, ``kvmeter billing --server`` and tenants read through it. With a
+ClickHouse server the same routes work (and readers may also query ClickHouse directly).
+
+Scope: the API key (``Authorization: Bearer KEY`` or ``X-API-Key: KEY``) is resolved by the
+injected ``authenticate`` to a :class:`~kvmeter.serving.tenancy.Principal`. A tenant key sees
+only its own tenant (``Principal.tenant_id``; asking for another tenant is 403); an admin key
+(``Principal.admin``) sees every tenant, or one with ``tenant_id=``.
+
+Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_period`):
+
+=================================  ===========================================================
+``/v1/usage/summary``              :meth:`LedgerQueries.usage_summary` (``group_by=a,b``)
+``/v1/usage/timeseries``           :meth:`LedgerQueries.usage_timeseries` (``step=hour|day``)
+``/v1/usage/invoice``              priced invoice lines (the server's price list)
+``/v1/usage/invoice_usage``        :meth:`LedgerQueries.invoice_usage`
+``/v1/usage/invoice_attempts``     :meth:`LedgerQueries.invoice_attempts`
+``/v1/usage/adjustments``          :meth:`LedgerQueries.adjustments`
+``/v1/usage/reconcile_views``      :meth:`LedgerQueries.reconcile_views`
+=================================  ===========================================================
+
+Errors use the OpenAI error shape ``{"error": {"message", "type", "code"}}``: 401 unknown key,
+403 other tenant, 400 bad parameter, 503 ClickHouse unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from decimal import Decimal
+from typing import Any, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvmeter.serving.tenancy import AuthError, Principal
+
+from .billing import invoice_lines
+from .errors import LedgerError, LedgerUnavailable, PeriodError
+from .period import parse_period
+from .prices import PriceList
+from .queries import UsageReader
+
+__all__ = ["read_routes", "dumps", "presented_key"]
+
+log = logging.getLogger(__name__)
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def dumps(data: Any) -> bytes:
+    """JSON with Decimals as strings (exact) and datetimes as ISO 8601."""
+    return json.dumps(data, default=_default, separators=(",", ":")).encode()
+
+
+class _JSON(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
+def _error(status: int, message: str, code: str) -> Response:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}.get(status, "api_error")
+    return _JSON({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+
+
+def presented_key(request: Request) -> str | None:
+    """The API key of a request: ``Authorization: Bearer KEY`` or ``X-API-Key``, else None."""
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Principal], *,
+                prices: PriceList | None = None, prefix: str = "/v1/usage") -> list[Route]:
+    """Starlette routes of the read API.
+
+    Args:
+        queries: the reader (normally ``ledger.queries``).
+        authenticate: maps the presented key (or ``None``) to a principal; raises
+            :class:`~kvmeter.serving.tenancy.AuthError` for a missing/unknown key.
+        prices: price list for ``/invoice`` (default: ``queries.prices`` if it has one).
+        prefix: URL prefix.
+    Returns:
+        Routes to add to the serve app (``routes=[..., *read_routes(...)]`` or ``app.router.routes``).
+    """
+    price_list = prices or getattr(queries, "prices", None)
+
+    def scoped(handler: Callable[[Request, Principal, Any, str | None], Any]) -> Callable[[Request], Response]:
+        def endpoint(request: Request) -> Response:
+            try:
+                principal = authenticate(presented_key(request))
+            except AuthError as exc:
+                return _error(401, exc.message, exc.code)
+            asked = request.query_params.get("tenant_id") or None
+            if principal.admin:
+                tenant = asked
+            elif asked is not None and asked != principal.tenant_id:
+                return _error(403, "this API key can read only its own tenant's usage", "forbidden_tenant")
+            else:
+                tenant = principal.tenant_id
+            try:
+                period = parse_period(request.query_params.get("period", ""))
+                return _JSON(handler(request, principal, period, tenant))
+            except (PeriodError, ValueError) as exc:
+                return _error(400, str(exc), "invalid_parameter")
+            except LedgerUnavailable as exc:
+                log.warning("read API: %s", exc)
+                return _error(503, "the ledger is unavailable; retry later", "ledger_unavailable")
+            except LedgerError as exc:
+                log.error("read API: %s", exc)
+                return _error(500, "ledger error", "ledger_error")
+
+        return endpoint
+
+    def summary(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
+        group_by = [g for g in request.query_params.get("group_by", "tenant_id").split(",") if g]
+        return queries.usage_summary(period, tenant, group_by=group_by)
+
+    def timeseries(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
+        return queries.usage_timeseries(period, tenant, step=request.query_params.get("step", "hour"))
+
+    def invoice(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
+        if price_list is None:
+            raise LedgerUnavailable("no price list configured")
+        frame = invoice_lines(queries.invoice_usage(period, tenant), queries.invoice_attempts(period, tenant),
+                              queries.adjustments(period, tenant), price_list, period)
+        return frame.to_dicts()
+
+    simple = {
+        "invoice_usage": lambda r, p, period, t: queries.invoice_usage(period, t),
+        "invoice_attempts": lambda r, p, period, t: queries.invoice_attempts(period, t),
+        "adjustments": lambda r, p, period, t: queries.adjustments(period, t),
+        "reconcile_views": lambda r, p, period, t: queries.reconcile_views(period, t),
+    }
+    routes = [
+        Route(f"{prefix}/summary", scoped(summary), methods=["GET"]),
+        Route(f"{prefix}/timeseries", scoped(timeseries), methods=["GET"]),
+        Route(f"{prefix}/invoice", scoped(invoice), methods=["GET"]),
+    ]
+    routes += [Route(f"{prefix}/{name}", scoped(fn), methods=["GET"]) for name, fn in simple.items()]
+    return routes

@@ -1,0 +1,132 @@
+"""Three-way reconciliation: engine counters vs gateway records vs ledger totals, per tenant.
+
+Input: :meth:`LedgerQueries.reconcile_views` (the SQL joins the three views per request id).
+Each difference is classified as *explained* or *unexplained*:
+
+explained (expected by design, reported, not drift)
+    ``aborted``         ledger events with outcome ``aborted`` and no engine record: vLLM's hooks
+                        never report aborted requests (ARCHITECTURE.md; vLLM issue 55634), so they
+                        are billed from the frontend's counts.
+    ``frontend_only``   non-aborted events counted by the frontend (``token_source != engine_hooks``,
+                        e.g. a remote engine without hooks).
+    ``superseded``      engine work of an attempt whose logical request was billed under a later
+                        attempt (one billable record per logical request).
+    ``duplicate_rows``  stored rows not yet merged by the ReplacingMergeTree (billing reads FINAL).
+    ``replayed``        idempotent replays served without engine work.
+unexplained (drift)
+    ``mismatched``      matched requests whose ledger tokens differ from the engine's.
+    ``ledger_only``     events that claim engine counts (``engine_hooks``) but have no engine record.
+    ``engine_unbilled`` engine work with no billable record and no later attempt billed.
+    ``duplicate_billed`` one request id billed under more than one event id.
+    ``missing_finishes`` admitted attempts with neither an engine record nor a usage event
+                        (lost, or still running at the end of the period); their reserved
+                        tokens are shown as ``missing_finish_reserved_tokens`` (an upper bound).
+
+``unexplained_drift_tokens`` = |matched token differences| + ledger-only tokens + engine-unbilled
+tokens + duplicate-billed tokens; ``unexplained_drift_ratio`` divides it by all work seen
+(ledger tokens + engine-unbilled tokens, at least 1). Reservation drift (what admission
+reserved vs what the requests used) is reported for quota tuning; it is not billing drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import polars as pl
+
+__all__ = ["ReconcileReport", "reconcile", "RECONCILE_COLUMNS", "UNATTRIBUTED"]
+
+UNATTRIBUTED = "(unattributed)"
+
+RECONCILE_COLUMNS = (
+    "tenant_id", "status",
+    # the three views
+    "engine_requests", "engine_tokens", "gateway_attempts", "gateway_admitted", "rejected_attempts",
+    "replayed_attempts", "ledger_requests", "ledger_tokens",
+    # explained
+    "matched_requests", "aborted_requests", "aborted_tokens", "frontend_only_requests", "frontend_only_tokens",
+    "superseded_requests", "superseded_tokens", "duplicate_rows",
+    # unexplained
+    "mismatched_requests", "matched_token_drift", "ledger_only_requests", "ledger_only_tokens",
+    "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests", "duplicate_billed_tokens",
+    "missing_finishes", "missing_finish_reserved_tokens",
+    "unexplained_requests", "unexplained_drift_tokens", "unexplained_drift_ratio",
+    # quota quality
+    "reserved_tokens", "actual_tokens", "reservation_drift_tokens", "reservation_drift_ratio",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    """The outcome of :func:`reconcile`.
+
+    Attributes:
+        frame: one row per tenant, :data:`RECONCILE_COLUMNS`.
+        threshold_ratio: the unexplained-drift ratio above which a tenant fails.
+        failed_tenants: tenants whose ``status`` is ``drift``.
+    """
+
+    frame: pl.DataFrame
+    threshold_ratio: float
+    failed_tenants: tuple[str, ...]
+
+    @property
+    def failed(self) -> bool:
+        """True when any tenant's unexplained drift passes the threshold."""
+        return bool(self.failed_tenants)
+
+
+def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
+              max_missing_finishes: int | None = None) -> ReconcileReport:
+    """Classify the three views' differences per tenant (see the module docstring).
+
+    Args:
+        views: rows of :meth:`LedgerQueries.reconcile_views`.
+        threshold_ratio: a tenant is ``drift`` when its ``unexplained_drift_ratio`` exceeds this
+            (0.0 = any unexplained token fails). Must be ≥ 0.
+        max_missing_finishes: also fail a tenant with more missing finishes than this
+            (``None``: missing finishes are reported but do not fail).
+    Raises:
+        ValueError: on a negative threshold.
+    """
+    if threshold_ratio < 0:
+        raise ValueError(f"threshold_ratio must be >= 0, got {threshold_ratio}")
+    rows = list(views)
+    base = pl.DataFrame(rows) if rows else pl.DataFrame({"tenant_id": []}, schema={"tenant_id": pl.String})
+    needed = ("engine_requests", "engine_prompt_tokens", "engine_generation_tokens", "attempts", "gateway_admitted",
+              "rejected_attempts", "replayed_attempts", "ledger_requests", "ledger_prompt_tokens",
+              "ledger_completion_tokens", "matched_requests", "aborted_requests", "aborted_tokens",
+              "frontend_only_requests", "frontend_only_tokens", "superseded_requests", "superseded_tokens",
+              "stored_rows", "mismatched_requests", "matched_token_drift", "ledger_only_requests", "ledger_only_tokens",
+              "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests",
+              "duplicate_billed_tokens", "missing_finishes", "missing_finish_reserved_tokens", "reserved_tokens",
+              "actual_tokens")
+    base = base.with_columns([pl.col(c).cast(pl.Int64).fill_null(0) if c in base.columns else pl.lit(0, pl.Int64).alias(c)
+                              for c in needed])
+    df = base.with_columns(
+        pl.when(pl.col("tenant_id") == "").then(pl.lit(UNATTRIBUTED)).otherwise(pl.col("tenant_id")).alias("tenant_id"),
+        (pl.col("engine_prompt_tokens") + pl.col("engine_generation_tokens")).alias("engine_tokens"),
+        pl.col("attempts").alias("gateway_attempts"),
+        (pl.col("ledger_prompt_tokens") + pl.col("ledger_completion_tokens")).alias("ledger_tokens"),
+        (pl.col("stored_rows") - pl.col("ledger_requests")).clip(lower_bound=0).alias("duplicate_rows"),
+        (pl.col("mismatched_requests") + pl.col("ledger_only_requests") + pl.col("engine_unbilled_requests")
+         + pl.col("duplicate_billed_requests") + pl.col("missing_finishes")).alias("unexplained_requests"),
+        (pl.col("matched_token_drift") + pl.col("ledger_only_tokens") + pl.col("engine_unbilled_tokens")
+         + pl.col("duplicate_billed_tokens")).alias("unexplained_drift_tokens"),
+        (pl.col("reserved_tokens") - pl.col("actual_tokens")).alias("reservation_drift_tokens"),
+    )
+    denominator = pl.max_horizontal(pl.col("ledger_tokens") + pl.col("engine_unbilled_tokens"), pl.lit(1))
+    df = df.with_columns(
+        (pl.col("unexplained_drift_tokens") / denominator).alias("unexplained_drift_ratio"),
+        pl.when(pl.col("reserved_tokens") > 0)
+          .then(pl.col("reservation_drift_tokens") / pl.col("reserved_tokens")).otherwise(None)
+          .alias("reservation_drift_ratio"),
+    )
+    fail = pl.col("unexplained_drift_ratio") > threshold_ratio
+    if max_missing_finishes is not None:
+        fail = fail | (pl.col("missing_finishes") > max_missing_finishes)
+    df = df.with_columns(pl.when(fail).then(pl.lit("drift")).otherwise(pl.lit("ok")).alias("status"))
+    df = df.select(RECONCILE_COLUMNS).sort("tenant_id")
+    failed = tuple(df.filter(pl.col("status") == "drift")["tenant_id"].to_list())
+    return ReconcileReport(frame=df, threshold_ratio=threshold_ratio, failed_tenants=failed)

@@ -1,0 +1,62 @@
+"""The ledger's own signals as a plain dataclass, published on the :class:`~kvmeter.bus.StatsBus`.
+
+The ledger never imports an exporter: the Prometheus/OTLP exporters subscribe to
+:class:`LedgerStats` and turn it into, e.g., ``kvmeter_ledger_spool_depth_events``,
+``kvmeter_ledger_spool_oldest_age_seconds``, ``kvmeter_ledger_events_ingested_total{status}``
+and ``kvmeter_ledger_insert_retries_total``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LedgerStats", "INGEST_STATUSES"]
+
+#: Statuses of :attr:`LedgerStats.events_ingested_total` (ARCHITECTURE.md, "Signals").
+INGEST_STATUSES = ("new", "duplicate", "invalid", "late")
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    """A snapshot of the ledger's spool and writer.
+
+    Counters (``*_total``) count since this process opened the ledger; gauges are current.
+
+    Attributes:
+        wall_ts: wall-clock epoch seconds of the snapshot (the injected clock).
+        spool_depth_events: records durable in the spool and not yet in ClickHouse (all streams).
+        spool_depth_bytes: their size on disk, block headers included.
+        spool_oldest_age_seconds: age of the oldest such record (0.0 when the spool is drained).
+        spool_depth_by_stream: ``{"usage": n, "attempts": n, "engine": n}``.
+        spool_pending_events: records accepted but not yet fsynced (the current commit group).
+        events_ingested_total: usage events accepted by ``record()``, by status: ``new``,
+            ``duplicate`` (event id already recorded by this process: stored again, deduplicated
+            by ClickHouse), ``invalid`` (refused with :class:`InvalidRecord`), ``late``
+            (``finish_ts`` older than ``late_after_s``).
+        drained_records_total: records inserted into ClickHouse, by stream.
+        insert_batches_total: successful insert statements.
+        insert_retries_total: failed insert attempts that will be retried (outages).
+        rejected_records_total: records ClickHouse refused as data (moved to ``rejected.ndjson``).
+        spool_write_errors_total: group commits that failed (disk full, I/O error).
+        fsyncs_total: spool group commits (one fsync each); appends / fsyncs = group size.
+        signals_dropped_total: signal samples dropped because the buffer was full.
+        clickhouse_up: True after the last insert/connect attempt succeeded.
+        last_error: the last writer error message ("" if none), password-free.
+    """
+
+    wall_ts: float
+    spool_depth_events: int = 0
+    spool_depth_bytes: int = 0
+    spool_oldest_age_seconds: float = 0.0
+    spool_depth_by_stream: dict[str, int] = field(default_factory=dict)
+    spool_pending_events: int = 0
+    events_ingested_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INGEST_STATUSES, 0))
+    drained_records_total: dict[str, int] = field(default_factory=dict)
+    insert_batches_total: int = 0
+    insert_retries_total: int = 0
+    rejected_records_total: int = 0
+    spool_write_errors_total: int = 0
+    fsyncs_total: int = 0
+    signals_dropped_total: int = 0
+    clickhouse_up: bool = False
+    last_error: str = ""

@@ -1,0 +1,1 @@
+"""Jinja2 templates of the billing and reconciliation HTML reports."""

@@ -1,0 +1,144 @@
+"""``kvmeter billing`` end to end, as a user runs it (a subprocess per command)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import polars as pl
+import pytest
+import uvicorn
+from ledgerkit import make_attempt, make_event
+from starlette.applications import Starlette
+
+from kvmeter.bus import StatsBus
+from kvmeter.ledger.read_api import read_routes
+from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
+from kvmeter.stats import EngineRequestStats
+
+
+def kvmeter(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvmeter.cli", *args],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+
+async def _fill(ledger, *, drift: bool = False, unpriced: bool = False) -> None:  # noqa: ANN001
+    bus = StatsBus()
+    ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
+    for i in range(40):
+        e = make_event(i, "acme" if i % 2 else "globex", api_key_id=f"key-{i % 4}",
+                       model="mystery-model" if unpriced and i == 0 else "SmolLM2-135M-Instruct")
+        await ledger.record_attempt(make_attempt(e))
+        bus.publish(EngineRequestStats(e.request_id, "stop", e.prompt_tokens,
+                                       e.completion_tokens + (1 if drift and i == 3 else 0), wall_ts=e.finish_ts))
+        await ledger.record(e)
+    assert ledger.flush()
+
+
+def _source(config) -> list[str]:  # noqa: ANN001
+    return ["--dsn", config.dsn, "--spool-dir", str(config.spool_dir)]
+
+
+async def test_report_writes_csv_parquet_and_html(open_ledger, config, tmp_path: Path) -> None:
+    ledger = open_ledger()
+    await _fill(ledger)
+    ledger.close()  # the CLI is another process: it may open the embedded ledger only when free
+    out = tmp_path / "out"
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(out), *_source(config))
+    assert run.returncode == 0, run.stderr
+    csv, parquet, html = (out / f"billing-2026-11.{ext}" for ext in ("csv", "parquet", "html"))
+    lines = pl.read_parquet(parquet)
+    assert lines.height == 4  # two tenants × two API keys each
+    assert lines["requests"].sum() == 40 and lines["attempts"].sum() == 40
+    assert lines["input_tokens"].sum() == 40 * 25
+    assert pl.read_csv(csv).height == 4
+    page = html.read_text()
+    assert "acme" in page and "globex" in page and "ROUND_HALF_EVEN to 0.01 USD per invoice line" in page
+    # 10 requests of 25 input + 10 output tokens per line: 0.000075 + 0.00006 = 0.000135 → 0.00
+    assert set(lines["subtotal"].to_list()) == {Decimal("0.000135")}
+    assert set(lines["cost"].to_list()) == {Decimal("0.00")}
+
+
+async def test_reconcile_exit_status_follows_the_drift_threshold(open_ledger, config, tmp_path: Path) -> None:
+    ledger = open_ledger()
+    await _fill(ledger, drift=True)
+    ledger.close()
+    run = kvmeter("billing", "reconcile", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
+    assert run.returncode == 1, run.stderr
+    assert "acme" in run.stderr
+    report = pl.read_csv(tmp_path / "reconcile-2026-11.csv")
+    assert dict(zip(report["tenant_id"], report["status"])) == {"acme": "drift", "globex": "ok"}
+    run = kvmeter("billing", "reconcile", "--period", "2026-11", "--max-drift-ratio", "0.01", "--out", str(tmp_path),
+                  "--formats", "csv", *_source(config))
+    assert run.returncode == 0, run.stderr
+
+
+async def test_unpriced_usage_fails_the_report(open_ledger, config, tmp_path: Path) -> None:
+    ledger = open_ledger()
+    await _fill(ledger, unpriced=True)
+    ledger.close()
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
+    assert run.returncode == 3 and "mystery-model" in run.stderr
+
+
+def test_bad_arguments_exit_2_with_a_message(config) -> None:
+    run = kvmeter("billing", "report", "--period", "Nov", *_source(config))
+    assert run.returncode == 2 and "2026-11" in run.stderr  # the error shows valid forms
+    run = kvmeter("billing", "report", "--period", "2026-11", "--prices", "/nonexistent.yaml", *_source(config))
+    assert run.returncode == 2 and "cannot read price list" in run.stderr
+
+
+async def test_a_held_ledger_is_read_through_the_serve_process(open_ledger, config, tmp_path: Path) -> None:
+    ledger = open_ledger()  # this process plays `kvmeter serve`: it holds the embedded ledger
+    await _fill(ledger)
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
+    assert run.returncode == 4 and "--server" in run.stderr
+    other_spool = ["--dsn", config.dsn, "--spool-dir", str(tmp_path / "other-spool")]
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *other_spool)
+    assert run.returncode == 4 and "held by another process" in run.stderr  # the chDB path itself
+
+    keys = {hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")}
+
+    def authenticate(key: str | None) -> Principal:
+        principal = constant_time_lookup(keys, key or "")
+        if principal is None:
+            raise AuthError("unknown API key")
+        return principal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=read_routes(ledger.queries, authenticate)),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:  # readiness wait, not timing logic
+        time.sleep(0.02)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvmeter.cli", "billing", "report", "--period", "2026-11", "--out",
+            str(tmp_path / "via-api"), "--server", f"http://127.0.0.1:{port}", "--api-key", "sk-acme",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 300)
+        assert proc.returncode == 0, err.decode()
+        lines = pl.read_parquet(tmp_path / "via-api" / "billing-2026-11.parquet")
+        assert set(lines["tenant_id"]) == {"acme"} and lines["requests"].sum() == 20
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.parametrize("action", ["prices", "migrate"])
+def test_maintenance_commands(action: str, config) -> None:
+    args = ["billing", action] + (["--dsn", config.dsn] if action == "migrate" else [])
+    run = kvmeter(*args)
+    assert run.returncode == 0, run.stderr
+    assert ("SmolLM2-135M-Instruct" in run.stdout) if action == "prices" else ("applied 1" in run.stdout)

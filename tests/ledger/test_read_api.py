@@ -1,0 +1,132 @@
+"""The read API: tenant isolation by API key, admin scope, errors; and its HTTP client on a real
+uvicorn server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from decimal import Decimal
+
+import pytest
+import uvicorn
+from ledgerkit import PERIOD, T0, make_attempt, make_event
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from kvmeter.ledger import Adjustment
+from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError
+from kvmeter.ledger.read_api import read_routes
+from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
+
+KEYS = {
+    hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "acme-key1"),
+    hash_api_key("sk-globex"): Principal("globex", "free", "globex", "ws1", "proj1", "globex-key1"),
+    hash_api_key("sk-admin"): Principal("ops", "enterprise", "ops", "", "", "ops-admin", admin=True),
+}
+
+
+def authenticate(key: str | None) -> Principal:
+    if not key:
+        raise AuthError("missing API key", code="missing_api_key")
+    principal = constant_time_lookup(KEYS, key)
+    if principal is None:
+        raise AuthError("unknown API key")
+    return principal
+
+
+@pytest.fixture
+async def app(open_ledger) -> Starlette:
+    ledger = open_ledger()
+    for tenant, n in (("acme", 30), ("globex", 20)):
+        events = [make_event(i, tenant) for i in range(n)]
+        await asyncio.gather(*(ledger.record(e) for e in events))
+        await asyncio.gather(*(ledger.record_attempt(make_attempt(e)) for e in events))
+    assert ledger.flush()
+    ledger.refresh_rollups()
+    for tenant in ("acme", "globex"):
+        ledger.adjust(Adjustment(tenant_id=tenant, amount=Decimal("-0.50"), ts=T0, reason="credit"))
+    return Starlette(routes=read_routes(ledger.queries, authenticate))
+
+
+def _get(client: TestClient, path: str, key: str | None, **params: str):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return client.get(f"/v1/usage/{path}", params={"period": "2026-11", **params}, headers=headers)
+
+
+def test_a_tenant_key_sees_only_its_own_tenant(app: Starlette) -> None:
+    with TestClient(app) as client:
+        for path in ("summary", "invoice_usage", "invoice_attempts", "invoice", "reconcile_views", "adjustments",
+                     "timeseries"):
+            response = _get(client, path, "sk-acme")
+            assert response.status_code == 200, (path, response.text)
+            assert {row["tenant_id"] for row in response.json()} == {"acme"}, path
+        (row,) = _get(client, "summary", "sk-acme").json()
+        assert row["requests"] == 30 and Decimal(row["cost"]) > 0
+
+
+def test_a_tenant_key_cannot_read_another_tenant(app: Starlette) -> None:
+    with TestClient(app) as client:
+        response = _get(client, "summary", "sk-acme", tenant_id="globex")
+        assert response.status_code == 403 and response.json()["error"]["code"] == "forbidden_tenant"
+        response = client.get("/v1/usage/invoice", params={"period": "2026-11", "tenant_id": "globex"},
+                              headers={"X-API-Key": "sk-acme"})
+        assert response.status_code == 403
+
+
+def test_admin_sees_every_tenant_or_one(app: Starlette) -> None:
+    with TestClient(app) as client:
+        rows = {r["tenant_id"]: r["requests"] for r in _get(client, "summary", "sk-admin").json()}
+        assert rows == {"acme": 30, "globex": 20}
+        (one,) = _get(client, "summary", "sk-admin", tenant_id="globex").json()
+        assert one["tenant_id"] == "globex"
+
+
+@pytest.mark.parametrize("key,params,status,code", [
+    (None, {}, 401, "missing_api_key"),
+    ("sk-wrong", {}, 401, "invalid_api_key"),
+    ("sk-acme", {"period": "November"}, 400, "invalid_parameter"),
+    ("sk-acme", {"group_by": "tenant_id;DROP TABLE usage_events"}, 400, "invalid_parameter"),
+])
+def test_bad_requests_get_clear_errors(app: Starlette, key, params, status, code) -> None:
+    with TestClient(app) as client:
+        response = _get(client, "summary", key, **params)
+        assert response.status_code == status and response.json()["error"]["code"] == code
+
+
+def test_tenant_text_is_bound_not_spliced(app: Starlette) -> None:
+    with TestClient(app) as client:
+        response = _get(client, "summary", "sk-admin", tenant_id="acme' OR '1'='1")
+        assert response.status_code == 200 and response.json() == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_client_over_a_real_loopback_server(app: Starlette) -> None:
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:  # readiness wait, not timing logic
+        time.sleep(0.02)
+    try:
+        with LedgerHttpClient(f"http://127.0.0.1:{port}", "sk-globex") as reader:
+            (row,) = reader.usage_summary(PERIOD)
+            assert (row["tenant_id"], row["requests"]) == ("globex", 20)
+            assert isinstance(row["cost"], Decimal)
+            assert reader.invoice_usage(PERIOD)[0]["prompt_tokens"] == 20 * 25
+            assert reader.reconcile_views(PERIOD)[0]["gateway_admitted"] == 20
+            with pytest.raises(ReadApiError) as err:
+                reader.usage_summary(PERIOD, tenant_id="acme")
+            assert err.value.status_code == 403
+        with LedgerHttpClient(f"http://127.0.0.1:{port}", "sk-admin") as admin:
+            assert {r["tenant_id"] for r in admin.invoice_usage(PERIOD)} == {"acme", "globex"}
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,245 @@
+"""The durable spool on its own: group commit, recovery from torn writes, drain positions, locking."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+from ledgerkit import T0, make_attempt, make_event
+
+from kvmeter.clock import ManualClock
+from kvmeter.ledger import InvalidRecord, LedgerLocked
+from kvmeter.ledger.records import STREAMS, USAGE_STREAM, encode_attempt, encode_engine, encode_usage
+from kvmeter.ledger.spool import HEADER, Spool
+from kvmeter.stats import EngineRequestStats
+
+
+def _open(root: Path, clock: ManualClock | None = None, **kw) -> Spool:
+    return Spool(root, STREAMS, clock=clock or ManualClock(start_wall=T0), **kw)
+
+
+def _lines(spool: Spool, name: str = "usage") -> list[bytes]:
+    stream = spool.streams[name]
+    out: list[bytes] = []
+    while (batch := stream.next_batch(10**6)) is not None:
+        out += stream.read_batch(batch).rstrip(b"\n").split(b"\n")
+        stream.complete(batch)
+    return out
+
+
+def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
+    event = make_event(1)
+    row = json.loads(encode_usage(event))
+    assert len(row) == len(USAGE_STREAM.columns_for(1))
+    assert dict(zip(USAGE_STREAM.columns_for(1), row)) == event.to_dict()
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"ttft_s": math.nan}, "ttft_s"), ({"ttft_s": math.inf}, "ttft_s"), ({"event_id": "not-a-uuid"}, "event_id"),
+    ({"tenant_id": 7}, "tenant_id"), ({"prompt_tokens": 2**33}, "prompt_tokens"), ({"arrival_ts": 12.0}, "arrival_ts"),
+    ({"finish_ts": T0 - 10}, "finish_ts"), ({"status_code": 1000}, "status_code"), ({"model": "x" * 5000}, "model"),
+])
+def test_unstorable_events_are_refused_naming_the_field(change: dict, field: str) -> None:
+    event = make_event(1)
+    for name, value in change.items():  # bypass UsageEvent's own checks: test the ledger's layer
+        object.__setattr__(event, name, value)
+    with pytest.raises(InvalidRecord, match=field):
+        encode_usage(event)
+
+
+def test_attempt_and_engine_records_encode_and_validate() -> None:
+    attempt = make_attempt(make_event(3), event_id="")
+    row = json.loads(encode_attempt(attempt))
+    assert row[1] == "00000000-0000-0000-0000-000000000000"  # no event id → nil UUID
+    assert row[0] == attempt.attempt_id
+    assert json.loads(encode_engine(EngineRequestStats("r1", "stop", 5, 6), now_wall=T0))[-2:] == [T0, ""]
+    assert json.loads(encode_engine(EngineRequestStats("r1", "stop", 5, 6, wall_ts=T0 + 1), T0, "acme"))[-2:] == \
+        [T0 + 1, "acme"]
+    with pytest.raises(InvalidRecord, match="request_id"):
+        encode_engine(EngineRequestStats("", "stop", 5, 6), now_wall=T0)
+    with pytest.raises(InvalidRecord, match="status"):
+        make_attempt(make_event(3), status="maybe")
+
+
+def test_sync_waits_for_the_group_being_written(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    writing, release = threading.Event(), threading.Event()
+    real_write = stream._write
+
+    def held_write(lines, ts):  # noqa: ANN001 — the committer has taken the group, fsync pending
+        writing.set()
+        release.wait(30)
+        real_write(lines, ts)
+
+    stream._write = held_write
+    stream.submit(encode_usage(make_event(1)))
+    assert writing.wait(30)
+    seen: list[int] = []
+    synced = threading.Event()
+
+    def syncer() -> None:
+        stream.sync(30)
+        seen.append(stream.depth()[0])
+        synced.set()
+
+    thread = threading.Thread(target=syncer)
+    thread.start()
+    returned_early = synced.wait(0.5)  # a bound, not timing logic: sync must still be waiting
+    release.set()
+    thread.join(30)
+    assert not returned_early and seen == [1]  # sync returned only once the record was durable
+    spool.close()
+
+
+def test_group_commit_shares_fsyncs_and_everything_reads_back(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    events = [encode_usage(make_event(i)) for i in range(2000)]
+    tickets = []
+
+    def writer(chunk: list[bytes]) -> None:
+        for line in chunk:
+            tickets.append(stream.submit(line))
+
+    threads = [threading.Thread(target=writer, args=(events[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for ticket in set(tickets):
+        ticket.wait(10)
+    assert stream.fsyncs_total < len(events)  # records shared fsyncs
+    assert stream.depth()[0] == len(events)
+    assert sorted(_lines(spool)) == sorted(events)
+    spool.close()
+
+
+async def test_async_waiters_share_one_future_and_survive_a_cancelled_neighbour(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    ticket = stream.submit(encode_usage(make_event(1)))
+    waiters = [asyncio.ensure_future(ticket.wait_async()) for _ in range(50)]
+    waiters[0].cancel()
+    done = await asyncio.gather(*waiters, return_exceptions=True)
+    assert isinstance(done[0], asyncio.CancelledError)
+    assert all(d is None for d in done[1:])
+    assert ticket.done
+    spool.close()
+
+
+def test_a_torn_tail_is_truncated_and_earlier_records_survive(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    stream.submit_many([encode_usage(make_event(i)) for i in range(10)]).wait(10)
+    stream.submit_many([encode_usage(make_event(i)) for i in range(10, 20)]).wait(10)
+    segment = sorted((tmp_path / "usage").glob("*.wal"))[-1]
+    spool.close()
+    data = segment.read_bytes()
+    # simulate a crash in the middle of writing a third group: a full header and half a payload
+    segment.write_bytes(data + data[:HEADER.size + 40])
+    spool = _open(tmp_path)
+    assert segment.stat().st_size == len(data)
+    assert len(_lines(spool)) == 20
+    spool.close()
+
+
+def test_a_corrupted_block_stops_recovery_there(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    first = [encode_usage(make_event(i)) for i in range(5)]
+    stream.submit_many(first).wait(10)
+    stream.submit_many([encode_usage(make_event(i)) for i in range(5, 10)]).wait(10)
+    spool.close()
+    segment = sorted((tmp_path / "usage").glob("*.wal"))[-1]
+    data = bytearray(segment.read_bytes())
+    data[-5] ^= 0xFF  # flip a bit in the last block's payload: its CRC no longer matches
+    segment.write_bytes(bytes(data))
+    spool = _open(tmp_path)
+    assert _lines(spool) == first
+    spool.close()
+
+
+def test_drain_position_and_in_flight_batch_survive_a_restart(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    stream.submit_many([encode_usage(make_event(i)) for i in range(10)]).wait(10)
+    stream.submit_many([encode_usage(make_event(i)) for i in range(10, 20)]).wait(10)
+    first = stream.next_batch(10)
+    assert first.count == 10
+    stream.begin(first)
+    stream.complete(first)
+    second = stream.next_batch(100)
+    stream.begin(second)  # "crash" after marking it in flight, before the insert was confirmed
+    spool.close()
+    spool = _open(tmp_path)
+    again = spool.streams["usage"].next_batch(5)  # a smaller limit: the in-flight range still wins
+    assert (again.segment, again.start, again.end, again.token) == \
+        (second.segment, second.start, second.end, second.token)
+    assert again.count == 10
+    spool.close()
+
+
+def test_segments_rotate_and_drained_segments_are_deleted(tmp_path: Path) -> None:
+    spool = _open(tmp_path, segment_bytes=1024 * 1024)
+    stream = spool.streams["usage"]
+    big = [encode_usage(make_event(i, key=f"k{i}")) for i in range(6000)]  # ~0.26 MB per 1,000
+    for i in range(0, 6000, 500):
+        stream.submit_many(big[i:i + 500]).wait(10)
+    segments = sorted((tmp_path / "usage").glob("*.wal"))
+    assert len(segments) >= 2
+    assert len(_lines(spool)) == 6000
+    assert len(sorted((tmp_path / "usage").glob("*.wal"))) == 1  # only the active one is left
+    spool.close()
+
+
+def test_one_process_holds_a_spool(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    with pytest.raises(LedgerLocked, match="--server"):
+        _open(tmp_path)
+    spool.close()
+    _open(tmp_path).close()  # released on close
+
+
+def test_age_of_the_oldest_record_reads_the_injected_clock(tmp_path: Path) -> None:
+    clock = ManualClock(start_wall=T0)
+    spool = _open(tmp_path, clock=clock)
+    stream = spool.streams["usage"]
+    stream.submit(encode_usage(make_event(1))).wait(10)
+    clock.advance(30)
+    stream.submit(encode_usage(make_event(2))).wait(10)
+    count, size, oldest = stream.depth()
+    assert count == 2 and size > 0 and clock.wall() - oldest == 30
+    spool.close()
+
+
+def test_a_failed_fsync_fails_that_group_only_and_the_segment_stays_valid(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    from kvmeter.ledger import SpoolWriteError
+
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    stream.submit(encode_usage(make_event(1))).wait(10)
+    real = os.fdatasync
+    calls = {"n": 0}
+
+    def full_disk(fd: int) -> None:  # the disk fills up during the second group's fsync
+        calls["n"] += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdatasync", full_disk)
+    with pytest.raises(SpoolWriteError, match="No space left"):
+        stream.submit(encode_usage(make_event(2))).wait(10)
+    monkeypatch.setattr(os, "fdatasync", real)
+    stream.submit(encode_usage(make_event(3))).wait(10)
+    assert calls["n"] == 1 and stream.write_errors_total == 1
+    spool.close()
+    spool = _open(tmp_path)  # the failed group was cut from the segment: 1 and 3 remain, intact
+    assert [json.loads(line)[2] for line in _lines(spool)] == ["acme-r1", "acme-r3"]
+    spool.close()
