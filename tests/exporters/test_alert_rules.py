@@ -71,17 +71,26 @@ def test_every_alert_has_severity_and_summary():
             assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
 
 
+_NAME_REGEX = re.compile(r'__name__\s*=~\s*"([^"]+)"')
+
+
 def test_rules_read_only_declared_metrics():
     declared = {s.name: s for s in SIGNALS}
     for name, rule in _alerts():
-        for metric in set(re.findall(r"\bkvmeter_[a-z0-9_]+", rule["expr"])):
+        # {__name__=~"kvmeter_a_(x|y)_total"}: every alternative must be declared
+        for pattern in _NAME_REGEX.findall(rule["expr"]):
+            head, alternatives, tail = re.fullmatch(r"([a-z0-9_]*)\(([a-z0-9_|]+)\)([a-z0-9_]*)", pattern).groups()
+            for alt in alternatives.split("|"):
+                assert head + alt + tail in declared, f"{name}: {rule.get('alert')} reads undeclared {head + alt + tail}"
+        expr = _NAME_REGEX.sub("", rule["expr"])
+        for metric in set(re.findall(r"\bkvmeter_[a-z0-9_]+", expr)):
             base = metric
             for suffix in ("_bucket", "_count", "_sum"):
                 if base.endswith(suffix) and base.removesuffix(suffix) in declared:
                     base = base.removesuffix(suffix)
             assert base in declared, f"{name}: {rule.get('alert') or rule.get('record')} reads undeclared {metric}"
             sig = declared[base]
-            used = set(re.findall(rf"{metric}\{{([^}}]*)\}}", rule["expr"]))
+            used = set(re.findall(rf"{metric}\{{([^}}]*)\}}", expr))
             for selector in used:
                 for label in re.findall(r"(\w+)\s*[!=]~?", selector):
                     assert label in sig.labels or label == "le", f"{metric} has no label {label}"

@@ -1,14 +1,21 @@
-"""A real Prometheus (Debian package) scrapes the exporter's /metrics over loopback, evaluates the
-shipped rule files unmodified, and an alert fires — checked through Prometheus' HTTP API.
+"""A real Prometheus (Debian package) scrapes kvmeter's /metrics over loopback, evaluates the
+shipped rule files unmodified, and alerts fire — checked through Prometheus' HTTP API.
 
-Round 2 points the same fixture at a running ``kvmeter serve``; here the target is a tiny uvicorn
-app serving the exporter's registry, fed by synthetic bus events.
+Two targets: a tiny uvicorn app serving the exporter's registry, fed by bus events (an XID fires
+the critical GPU alert, which has no ``for``); and a running ``kvmeter serve`` (its own process:
+real uvicorn, ServeRuntime, the instant engine, an embedded ledger) under a retry storm, whose
+rule goes pending (its ``for: 5m`` is the product's setting; the pending → firing step is covered
+by the promtool unit tests).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -22,6 +29,7 @@ from starlette.routing import Route
 
 from kvmeter.collectors.gpu import GpuSample, XidEvent
 from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus, metrics_asgi_app, rule_files
+from kvmeter.serving.tenancy import hash_api_key
 from kvmeter.stats import EngineStepStats
 
 PROMETHEUS = shutil.which("prometheus")
@@ -109,6 +117,11 @@ def alerts(api: httpx.Client) -> dict[str, str]:
     return {a["labels"]["alertname"]: a["state"] for a in body["data"]["alerts"]}
 
 
+def alert_labels(api: httpx.Client, name: str) -> list[dict[str, str]]:
+    return [a["labels"] for a in api.get("/api/v1/alerts").json()["data"]["alerts"]
+            if a["labels"]["alertname"] == name]
+
+
 def test_prometheus_scrapes_and_an_alert_fires(bus, exporter_target, prometheus_server):
     by_name = {p.name: p for p in rule_files()}
     api = prometheus_server(exporter_target, [by_name["gpu.yml"], by_name["engine.yml"]])
@@ -131,3 +144,87 @@ def test_prometheus_scrapes_and_an_alert_fires(bus, exporter_target, prometheus_
     # the KV rule (for: 5m) is evaluated on the same live data and is pending
     assert alerts(api).get("KvmeterKvWatermarkHigh") == "pending"
     assert "KvmeterGpuXidError" not in alerts(api)  # XID 79 is in the critical list only
+
+
+AGENT_KEY = "sk-live-agent-0001"
+TENANTS_YAML = textwrap.dedent(f"""\
+    version: 1
+    default_tier: free
+    orgs:
+      agent-co:
+        tier: enterprise
+        workspaces:
+          default:
+            projects:
+              loop:
+                api_keys:
+                  agent-key:
+                    key_sha256: {hash_api_key(AGENT_KEY)}
+    """)
+
+
+@pytest.fixture
+def kvmeter_serve(tmp_path, free_port):
+    """``kvmeter serve --engine instant`` in its own process on loopback; yields its base URL."""
+    port = free_port()
+    (tmp_path / "tenants.yaml").write_text(TENANTS_YAML)
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", "--engine", "instant", "--port", str(port),
+           "--tenants", str(tmp_path / "tenants.yaml"), "--ledger-dsn", f"chdb://{tmp_path / 'chdb'}",
+           "--spool-dir", str(tmp_path / "spool")]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for("kvmeter serve to be ready", healthy, 120)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        finally:
+            log.close()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM (exit status -15)
+    log_text = (tmp_path / "serve.log").read_text()
+    assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in log_text, log_text
+
+
+def test_retry_storm_on_a_running_kvmeter_serve(kvmeter_serve, prometheus_server):
+    by_name = {p.name: p for p in rule_files()}
+    api = prometheus_server(kvmeter_serve.removeprefix("http://"),
+                            [by_name["requests.yml"], by_name["tenants.yml"]])
+    client = httpx.Client(base_url=kvmeter_serve, timeout=30,
+                          headers={"authorization": f"Bearer {AGENT_KEY}", "idempotency-key": "run-7-step-3"})
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": [100 + i for i in range(64)], "max_tokens": 16}
+    first = client.post("/v1/completions", json=body)
+    assert first.status_code == 200, first.text
+
+    # an agent loop re-sending the same step (same Idempotency-Key), ~10 times a second: every
+    # retry is answered from the stored result — no engine work, no second bill
+    def storm():
+        for _ in range(10):
+            again = client.post("/v1/completions", json=body)
+            assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+            time.sleep(0.1)  # paces the load generator (not timing logic)
+        return alerts(api).get("KvmeterRetryStorm") == "pending"
+
+    wait_for("KvmeterRetryStorm to go pending", storm, 90)
+    assert alert_labels(api, "KvmeterRetryStorm") == [
+        {"alertname": "KvmeterRetryStorm", "severity": "warning", "tier": "enterprise"}]
+    replays = query(api, 'kvmeter_gateway_idempotent_replays_total{tier="enterprise"}')
+    retries = query(api, 'kvmeter_gateway_retries_total{tier="enterprise",tenant="agent-co"}')
+    assert float(replays[0]["value"][1]) >= 10 and float(retries[0]["value"][1]) >= 10
+    admitted = query(api, 'sum(kvmeter_admission_admitted_requests_total{tier="enterprise"})')
+    assert float(admitted[0]["value"][1]) == 1  # only the first attempt was admitted
+    # the scheduler and ledger sources are wired into serve and scraped
+    assert query(api, "kvmeter_scheduler_jain_index_ratio") and query(api, "kvmeter_ledger_spool_depth_events")
+    assert query(api, "kvmeter_gpu_nvml_available")
+    client.close()

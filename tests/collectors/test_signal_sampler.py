@@ -1,0 +1,242 @@
+"""Signal history into ClickHouse: the sampler turns the current signal set into ``signals`` rows,
+written through a real embedded ledger (chDB in a temporary directory), timed by a ManualClock.
+
+chDB hosts one engine path per process: each test's ledger is closed at teardown before the next
+one opens its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from kvmeter.bus import StatsBus
+from kvmeter.clock import ManualClock
+from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
+from kvmeter.collectors.signals import SignalRecorder, SignalSampler, SignalSamplerConfig
+from kvmeter.ledger import Ledger, LedgerConfig
+from kvmeter.ledger.records import SignalSample
+from kvmeter.serving.quota.signals import QuotaStoreState
+from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
+from kvmeter.stats import EngineStepStats, RequestCompletion
+
+MIB = 1024 * 1024
+T0 = 1_790_000_000.0  # 2026-09-21 UTC
+H200 = "linux-x86_64__nvidia-h200__590.48.01.txt"
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(start_wall=T0)
+
+
+@pytest.fixture
+def bus():
+    bus = StatsBus()
+    yield bus
+    assert bus.errors_total == 0
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, clock: ManualClock):
+    """A real embedded ledger; background rounds rare (the tests drain with flush())."""
+    led = Ledger.open(LedgerConfig(dsn=f"chdb://{tmp_path / 'chdb'}", spool_dir=tmp_path / "spool",
+                                   flush_interval_s=3600, rollup_interval_s=3600, close_timeout_s=10),
+                      clock=clock)
+    yield led
+    led.close()
+
+
+def stored(ledger: Ledger) -> dict[tuple[str, tuple], list[tuple[float, float]]]:
+    """Every row of ``signals``: (name, sorted labels) → [(ts, value), ...] in time order."""
+    assert ledger.flush(30.0), "ledger did not drain"
+    result = ledger.queries._get().query("SELECT name, labels, ts, value FROM signals ORDER BY ts")
+    out: dict[tuple[str, tuple], list[tuple[float, float]]] = {}
+    for name, labels, ts, value in result.result_rows:
+        ts = ts.replace(tzinfo=timezone.utc).timestamp() if isinstance(ts, datetime) else float(ts)
+        out.setdefault((name, tuple(sorted(labels.items()))), []).append((ts, value))
+    return out
+
+
+def one(rows, name, **labels) -> float:
+    points = rows[(name, tuple(sorted(labels.items())))]
+    assert len(points) == 1, points
+    return points[0][1]
+
+
+def tenant(tid, tier, *, depth=0, kv=0, running=0, oldest=0.0) -> TenantSchedulerStats:
+    return TenantSchedulerStats(
+        tenant_id=tid, tier=tier, weight=1.0, queue_depth=depth, queued_prompt_tokens=depth * 100,
+        queue_wait_oldest_s=oldest, queue_wait_mean_s=0.0, projected_wait_s=0.0, running=running,
+        active_kv_tokens=kv, kv_budget_tokens=0, service_total=0.0, input_tokens_total=0,
+        output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0)
+
+
+def sched(tenants, **kw) -> SchedulerStats:
+    fields = dict(wall_ts=T0, policy="vtc", pressure_level=0, queued_total=sum(t.queue_depth for t in tenants),
+                  running_total=sum(t.running for t in tenants), service_rate_per_s=0.0, jain_index=0.9,
+                  max_service_gap=0.0, service_gap=12.0)
+    fields.update(kw)
+    return SchedulerStats(tenants=list(tenants), **fields)
+
+
+def completion(tenant_id, tier, prompt, output, *, outcome="ok", slo_met=True) -> RequestCompletion:
+    return RequestCompletion(tenant_id=tenant_id, tier=tier, model="m", outcome=outcome,
+                             prompt_tokens=prompt, completion_tokens=output, slo_met=slo_met)
+
+
+def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, shared_data):
+    sampler = SignalSampler(bus, clock=clock, model="smollm2", config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, ledger.write_signals, clock=clock, interval_s=10)
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=7,
+                                num_waiting=2, generation_tokens=100, num_preempted=1))
+    bus.publish(EngineStepStats(wall_ts=T0 + 1, kv_watermark_ratio=0.75, kv_blocks_total=4000, num_running=9,
+                                num_waiting=1, generation_tokens=50))
+    bus.publish(sched([tenant("acme", "enterprise", depth=2, kv=3000, running=1, oldest=1.5),
+                       tenant("hob", "free", depth=5, oldest=40.0),
+                       tenant("idle", "free")], pressure_level=1))
+    for c in (completion("acme", "enterprise", 1000, 200),
+              completion("acme", "enterprise", 500, 100, slo_met=False),   # missed its SLO
+              completion("hob", "free", 40, 60, outcome="aborted"),
+              completion("hob", "free", 10, 20)):
+        bus.publish(c)
+    gpu = NvmlCollector(CaptureNvml.from_file(shared_data / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock)
+    gpu.collect()
+    bus.publish(ledger.stats())  # the real ledger's own stats
+    bus.publish(QuotaStoreState(store="redis", degraded=True))
+
+    clock.advance(9.9)
+    assert recorder.tick() == 0  # not due yet
+    clock.advance(0.1)
+    written = recorder.tick()
+    rows = stored(ledger)
+    assert written == sum(len(p) for p in rows.values()) > 0
+    assert {ts for points in rows.values() for ts, _ in points} == {T0 + 10}  # stamped clock.wall()
+
+    e = {"engine": "0", "model": "smollm2"}
+    assert one(rows, "kvmeter_engine_kv_watermark_ratio", **e) == 0.75  # the latest step
+    assert one(rows, "kvmeter_engine_kv_used_blocks", **e) == 3000
+    assert one(rows, "kvmeter_engine_running_requests", **e) == 9
+    assert one(rows, "kvmeter_engine_generation_tokens_per_second", **e) == pytest.approx(15.0)  # 150 / 10 s
+    assert one(rows, "kvmeter_engine_preemptions_per_second", **e) == pytest.approx(0.1)
+    assert one(rows, "kvmeter_scheduler_pressure_level") == 1
+    assert one(rows, "kvmeter_scheduler_jain_index_ratio") == 0.9
+    assert one(rows, "kvmeter_scheduler_queued_requests") == 7
+    # every tenant with work, unbounded; the idle one has no rows
+    assert one(rows, "kvmeter_tenant_active_kv_tokens", tier="enterprise", tenant="acme") == 3000
+    assert one(rows, "kvmeter_scheduler_queue_depth_requests", tier="free", tenant="hob") == 5
+    assert one(rows, "kvmeter_scheduler_queue_oldest_wait_seconds", tier="free", tenant="hob") == 40.0
+    assert not [k for k in rows if ("tenant", "idle") in k[1]]
+    # tokens/s by tier over the 10 s interval; goodput = ok and inside the SLO
+    assert one(rows, "kvmeter_throughput_tokens_per_second", tier="enterprise", type="output") == pytest.approx(30.0)
+    assert one(rows, "kvmeter_goodput_tokens_per_second", tier="enterprise", type="output") == pytest.approx(20.0)
+    assert one(rows, "kvmeter_goodput_ratio", tier="enterprise") == pytest.approx(200 / 300)
+    assert one(rows, "kvmeter_goodput_ratio", tier="free") == pytest.approx(20 / 80)  # the abort is not goodput
+    assert one(rows, "kvmeter_requests_per_second", tier="free", outcome="aborted") == pytest.approx(0.1)
+    # GPU from the real H200 capture; what the capture lacks has no row (never a 0)
+    assert one(rows, "kvmeter_gpu_memory_used_bytes", gpu="0") == 32362 * MIB
+    assert one(rows, "kvmeter_gpu_temperature_celsius", gpu="0", sensor="memory") == 41.0
+    assert ("kvmeter_gpu_sm_active_ratio", (("gpu", "0"),)) not in rows
+    assert one(rows, "kvmeter_ledger_spool_depth_events") == 0
+    assert one(rows, "kvmeter_quota_store_degraded", store="redis") == 1
+
+
+def test_idle_tenants_and_tiers_get_one_zero_row_then_none(bus, clock, ledger):
+    sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, ledger.write_signals, clock=clock, interval_s=10)
+    bus.publish(sched([tenant("acme", "enterprise", depth=3, kv=500, running=1)]))
+    bus.publish(completion("acme", "enterprise", 100, 50))
+    for _ in range(3):
+        clock.advance(10)
+        recorder.tick()
+        bus.publish(sched([tenant("acme", "enterprise")]))  # acme finished everything
+    rows = stored(ledger)
+    kv = rows[("kvmeter_tenant_active_kv_tokens", (("tenant", "acme"), ("tier", "enterprise")))]
+    assert kv == [(T0 + 10, 500.0), (T0 + 20, 0.0)]  # drops to 0 once, then no rows
+    out = rows[("kvmeter_throughput_tokens_per_second", (("tier", "enterprise"), ("type", "output")))]
+    assert out == [(T0 + 10, 5.0), (T0 + 20, 0.0)]
+    assert len(rows[("kvmeter_scheduler_queued_requests", ())]) == 3  # scheduler-wide rows every sample
+
+
+def test_stale_gpu_readings_are_not_sampled_but_engine_state_stands(bus, clock, shared_data):
+    written: list[list[SignalSample]] = []
+    sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig(stale_after_s=60))
+    recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
+    NvmlCollector(CaptureNvml.from_file(shared_data / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock).collect()
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.2, num_running=1))
+    clock.advance(60)
+    recorder.tick()
+    clock.advance(10)  # the GPU poller stopped 70 s ago; the engine is merely idle
+    recorder.tick()
+    names = [{s.name for s in batch} for batch in written]
+    assert "kvmeter_gpu_power_watts" in names[0] and "kvmeter_gpu_power_watts" not in names[1]
+    assert "kvmeter_engine_kv_watermark_ratio" in names[1]
+
+
+def test_recorder_schedule_on_the_injected_clock(bus, clock):
+    written: list[list[SignalSample]] = []
+    recorder = SignalRecorder(SignalSampler(bus, clock=clock), written.append, clock=clock, interval_s=10)
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.2))
+    due = []
+    for step in (5, 5, 3, 9, 100, 5, 5):  # t = 5, 10, 13, 22, 122, 127, 132
+        clock.advance(step)
+        if recorder.tick():
+            due.append(clock.monotonic())
+    # every 10 s; a late tick keeps the schedule; after a long pause it restarts from then
+    assert due == [10, 22, 122, 132]
+    assert recorder.samples_total == 4 and len(written) == 4
+    assert recorder.tick(force=True) > 0 and recorder.samples_total == 5
+
+
+def test_a_failing_write_is_counted_not_raised(bus, clock, caplog):
+    def broken(rows):
+        raise ConnectionError("ClickHouse is away")
+
+    recorder = SignalRecorder(SignalSampler(bus, clock=clock), broken, clock=clock, interval_s=1)
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.2))
+    clock.advance(1)
+    assert recorder.tick() == 0
+    assert recorder.write_errors_total == 1 and "signal sample not written" in caplog.text
+
+
+async def test_recorder_task_writes_a_last_sample_on_stop(bus, clock):
+    written: list[list[SignalSample]] = []
+    recorder = SignalRecorder(SignalSampler(bus, clock=clock), written.append, clock=clock, interval_s=3600)
+    recorder.start()
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.4))
+    await recorder.stop()
+    assert [s.value for s in written[-1] if s.name == "kvmeter_engine_kv_watermark_ratio"] == [0.4]
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.9))  # unsubscribed: not seen
+    assert recorder.sampler.sample() and all(
+        s.value == 0.4 for s in recorder.sampler.sample() if s.name == "kvmeter_engine_kv_watermark_ratio")
+
+
+async def test_recorder_task_samples_when_the_clock_says_so(bus, clock):
+    written: list[list[SignalSample]] = []
+    recorder = SignalRecorder(SignalSampler(bus, clock=clock), written.append, clock=clock, interval_s=30)
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.4))
+    recorder.start()
+    try:
+        await asyncio.sleep(1.5)  # the task wakes every second of real time: nothing is due
+        assert written == []
+        clock.advance(30)
+        for _ in range(100):  # wait for the task's next wake-up (not timing logic)
+            if written:
+                break
+            await asyncio.sleep(0.05)
+        assert len(written) == 1 and recorder.samples_total == 1
+    finally:
+        await recorder.stop(final_sample=False)
+
+
+def test_config_from_env():
+    assert SignalSamplerConfig.from_env({}) == SignalSamplerConfig(10.0, 60.0)
+    cfg = SignalSamplerConfig.from_env({"KVMETER_SIGNALS_INTERVAL_S": "2.5"}, stale_after_s=30)
+    assert (cfg.interval_s, cfg.stale_after_s) == (2.5, 30)
+    with pytest.raises(ValueError, match="KVMETER_SIGNALS_INTERVAL_S"):
+        SignalSamplerConfig.from_env({"KVMETER_SIGNALS_INTERVAL_S": "often"})
+    with pytest.raises(ValueError, match="interval_s"):
+        SignalSamplerConfig(interval_s=0)

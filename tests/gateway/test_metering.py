@@ -1,0 +1,87 @@
+"""RequestMeter on a hand-driven clock: TTFT, ITL, KV token-seconds and the usage event."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmeter.clock import ManualClock
+from kvmeter.events import event_id_for
+from kvmeter.serving.engines.base import EngineOutput
+from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
+from kvmeter.stats import EngineRequestStats
+
+IDENT = RequestIdentity(request_id="kvm-1", tenant_id="acme", tier="enterprise", model="m",
+                        endpoint="chat.completions", stream=True)
+
+
+def _out(total: int, new: int, *, prompt: int = 100, cached: int = 0, finished: bool = False,
+         stats: EngineRequestStats | None = None) -> EngineOutput:
+    return EngineOutput(new_token_ids=[1] * new, new_text="x" * new, num_output_tokens=total,
+                        num_prompt_tokens=prompt, num_cached_tokens=cached, finished=finished,
+                        finish_reason="length" if finished else None, stats=stats)
+
+
+def test_ttft_itl_and_kv_token_seconds_by_hand():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=100, reserved_completion_tokens=4)
+    clock.advance(0.5)
+    meter.dispatched()                       # queued 0.5 s
+    clock.advance(1.0)
+    meter.on_output(_out(1, 1))              # first token at 1.5 s; prompt (100) held 1.0 s
+    clock.advance(0.2)
+    meter.on_output(_out(3, 2))              # 2 tokens after 0.2 s → two ITLs of 0.1 s; held 101 × 0.2
+    clock.advance(0.3)
+    stats = EngineRequestStats("kvm-1", "length", prompt_tokens=100, generation_tokens=4,
+                               cached_prompt_tokens=40, queued_s=0.05, prefill_s=0.9, decode_s=0.5)
+    meter.on_output(_out(4, 1, finished=True, stats=stats))  # held 103 × 0.3, then KV freed
+    clock.advance(5.0)                       # time after the engine finished does not hold KV
+    event, done = meter.finish("ok", status_code=200, slo=TierSLO(ttft_s=2.0, itl_s=0.2))
+    assert event.ttft_s == pytest.approx(1.5)
+    assert done.itls_s == pytest.approx([0.1, 0.1, 0.3])
+    assert event.itl_mean_s == pytest.approx(0.5 / 3)
+    assert event.kv_token_seconds == pytest.approx(100 * 1.0 + 101 * 0.2 + 103 * 0.3)
+    assert event.queue_s == pytest.approx(0.5 + 0.05)
+    # engine-true counts from the engine's own stats, cached ⊆ prompt
+    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (100, 40, 4)
+    assert event.token_source == "engine_hooks"
+    assert event.e2e_s == pytest.approx(7.0)
+    assert done.slo_met is True
+    assert event.event_id == event_id_for("acme", "kvm-1")
+
+
+def test_abort_bills_what_the_frontend_saw_and_misses_its_slo():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=50, reserved_completion_tokens=500)
+    meter.dispatched()
+    clock.advance(0.1)
+    meter.on_output(_out(7, 7, prompt=50, cached=16))
+    clock.advance(0.1)
+    event, done = meter.finish("aborted", status_code=200, slo=TierSLO(ttft_s=2.0), finish_reason="abort")
+    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (50, 16, 7)
+    assert event.token_source == "frontend" and event.outcome == "aborted"
+    assert event.reserved_completion_tokens == 500
+    assert event.kv_token_seconds == pytest.approx(50 * 0.1 + 57 * 0.1)  # held until the abort
+    assert done.slo_met is False
+
+
+def test_abort_before_any_output_bills_nothing():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=4000, reserved_completion_tokens=10)
+    meter.dispatched()
+    clock.advance(3.0)
+    event, _ = meter.finish("aborted", status_code=499, finish_reason="abort")
+    assert (event.prompt_tokens, event.completion_tokens, event.kv_token_seconds) == (0, 0, 0.0)
+    assert event.ttft_s is None
+
+
+def test_idempotency_key_decides_the_event_id_and_slow_ttft_misses_the_slo():
+    clock = ManualClock()
+    ident = RequestIdentity(request_id="kvm-2", tenant_id="acme", tier="t", model="m", endpoint="e",
+                            stream=False, idempotency_key="order-17", attempt=2)
+    meter = RequestMeter(ident, clock, prompt_tokens=10, reserved_completion_tokens=1)
+    meter.dispatched()
+    clock.advance(3.0)
+    meter.on_output(_out(1, 1, prompt=10, finished=True))
+    event, done = meter.finish("ok", status_code=200, slo=TierSLO(ttft_s=2.0))
+    assert event.event_id == event_id_for("acme", "order-17") and event.attempt == 2
+    assert done.slo_met is False

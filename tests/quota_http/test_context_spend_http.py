@@ -1,0 +1,94 @@
+"""400 for a request over a node's context limit, 402 for an exhausted spend budget."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from tests.quota_http.conftest import tenants
+
+CFG = tenants("""
+acme:
+  limits: {spend_per_day: "0.0005", spend_per_month: "0.0020"}
+  workspaces:
+    ws:
+      projects:
+        p:
+          api_keys:
+            short: {key: sk-test-short-0001, limits: {max_context_tokens: 64}}
+            spender: {key: sk-test-spend-0001}
+other:
+  workspaces:
+    ws:
+      projects:
+        p:
+          api_keys:
+            o1: {key: sk-test-other-0001}
+""")
+SHORT, SPENDER, OTHER = "sk-test-short-0001", "sk-test-spend-0001", "sk-test-other-0001"
+
+
+async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
+    s = await serve(CFG)
+    long_prompt = await s.complete(SHORT, n_prompt=80, max_tokens=5)
+    too_much = await s.complete(SHORT, n_prompt=50, max_tokens=20)
+    for resp in (long_prompt, too_much):
+        assert resp.status_code == 400
+        err = resp.json()["error"]
+        assert (err["type"], err["code"], err["level"], err["dimension"]) == (
+            "invalid_request_error", "context_length_exceeded", "api_key", "max_context_tokens")
+        assert "64 tokens" in err["message"]
+        assert "retry-after" not in resp.headers
+    assert "the prompt has 80 tokens" in long_prompt.json()["error"]["message"]
+    assert "70 tokens" in too_much.json()["error"]["message"]
+    assert s.runtime.engine.requests_total == 0
+
+    # without max_tokens the output reservation is bounded by the node's limit, not refused
+    fits = await s.complete(SHORT, n_prompt=50, max_tokens=None)
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["usage"]["completion_tokens"] == 14
+    [event] = s.billed(api_key_id="short")
+    assert (event["reserved_prompt_tokens"], event["reserved_completion_tokens"]) == (50, 14)
+    # the engine's own window still answers its own 400 (no quota level)
+    over_engine = await s.complete(SPENDER, n_prompt=50, max_tokens=5000)
+    assert over_engine.status_code == 400 and "level" not in over_engine.json()["error"]
+
+
+async def test_exhausted_spend_budget_is_a_402_until_the_next_utc_day(serve):
+    s = await serve(CFG)
+    # prices: 1.00 / 2.00 per 1M input / output tokens → 100 + 2 × 100 = 0.0003 per request
+    assert (await s.complete(SPENDER, n_prompt=100, max_tokens=100)).status_code == 200
+    refused = await s.complete(SPENDER, n_prompt=100, max_tokens=100)  # 0.0006 > 0.0005
+    assert refused.status_code == 402
+    err = refused.json()["error"]
+    assert (err["type"], err["code"], err["level"], err["dimension"]) == (
+        "insufficient_quota", "spend_exhausted", "org", "spend_per_day")
+    assert "0.0005" in err["message"] and "0.0003" in err["message"]
+    assert refused.headers.get_list("retry-after") == [str(12 * 3600)]  # T0 is 12:00 UTC
+    # the budget is money, not requests: a cheaper request still fits (0.0003 + 0.0001)
+    assert (await s.complete(SPENDER, n_prompt=50, max_tokens=25)).status_code == 200
+    assert (await s.complete(OTHER, n_prompt=100, max_tokens=100)).status_code == 200  # another org
+
+    s.clock.advance(12 * 3600)  # the next UTC day: the daily budget is back
+    assert (await s.complete(SPENDER, n_prompt=100, max_tokens=100)).status_code == 200
+    events = s.billed(tenant_id="acme")
+    spent = sum(Decimal(e["prompt_tokens"]) / 10**6 + 2 * Decimal(e["completion_tokens"]) / 10**6
+                for e in events)
+    assert len(events) == 3 and spent == Decimal("0.0007")  # 0.0003 + 0.0001 + 0.0003
+    assert s.runtime.engine.requests_total == 4
+    [attempt] = s.attempts(status="rejected")
+    assert (attempt["reason"], attempt["status_code"]) == ("spend_exhausted", 402)
+
+
+async def test_monthly_budget_binds_when_the_daily_one_does_not(serve):
+    s = await serve(CFG)
+    for _ in range(5):  # 200 + 2 × 100 = 0.0004 a request: one a day fits 0.0005, five the month
+        assert (await s.complete(SPENDER, n_prompt=200, max_tokens=100)).status_code == 200
+        daily = await s.complete(SPENDER, n_prompt=200, max_tokens=100)
+        assert daily.status_code == 402 and daily.json()["error"]["dimension"] == "spend_per_day"
+        s.clock.advance(24 * 3600)
+    refused = await s.complete(SPENDER, n_prompt=200, max_tokens=100)  # 0.0024 > 0.0020
+    assert refused.status_code == 402
+    assert refused.json()["error"]["dimension"] == "spend_per_month"
+    # T0 + 5 days is 2024-05-22 12:00 UTC: 9.5 days to June 1st
+    assert refused.headers["retry-after"] == str(int(9.5 * 86400))
+    assert len(s.billed(api_key_id="spender")) == 5
