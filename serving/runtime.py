@@ -23,6 +23,8 @@ from starlette.routing import Route
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.collectors.gpu import GpuPoller, NvmlCollector
+from kvmeter.collectors.signals import SignalRecorder, SignalSampler
 from kvmeter.events import UsageEvent
 from kvmeter.exporters.prometheus import install_prometheus, metrics_asgi_app
 from kvmeter.exporters.prometheus.config import PrometheusConfig
@@ -144,11 +146,13 @@ class ServeRuntime:
         clock: injected clock (tests); the system clock by default.
         registry: Prometheus registry (tests pass a fresh one).
         engine: an already-built engine (tests share one vLLM engine across apps).
+        nvml: the NVML module for the GPU poller (default: the real ``pynvml``; tests pass the
+            capture-backed stand-in).
     """
 
     def __init__(self, config: ServeConfig, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = REGISTRY, engine: Engine | None = None,
-                 bus: StatsBus | None = None) -> None:
+                 bus: StatsBus | None = None, nvml: object | None = None) -> None:
         self.config = config
         self.clock = clock
         self.bus = bus or StatsBus()
@@ -178,6 +182,11 @@ class ServeRuntime:
             from kvmeter.exporters.otel import install_otel
 
             self.otel = install_otel(self.bus)
+        # GPU signals with no flag: polled on a GPU machine; without one, a "no GPU" line at start
+        self.gpu = GpuPoller(NvmlCollector(nvml, bus=self.bus, clock=clock))
+        # signal history (ClickHouse ``signals``): sampled from now, written once the ledger is open
+        self.signals = SignalSampler(self.bus, clock=clock, model=self.engine.model_name)
+        self.signal_recorder: SignalRecorder | None = None
         self.ready = False
         self._watch: asyncio.Task | None = None
 
@@ -211,7 +220,8 @@ class ServeRuntime:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Open the ledger, load the engine, start the scheduler and config watcher."""
+        """Open the ledger, load the engine, start the scheduler, GPU poller, signal recorder
+        and config watcher."""
         ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
                                          clock=self.clock, prices=self.prices)
         self.recorder.ledger = ledger
@@ -222,17 +232,31 @@ class ServeRuntime:
             ledger.close()
             raise
         await self.scheduler.start()
-        self.scheduler.on_engine_load(self.engine.load())
+        load = self.engine.load()
+        if load.kv_capacity_tokens > 0:
+            # Only an engine that measures its KV cache keeps reporting its load (vLLM's step
+            # stats). One empty report from an engine that never reports again (instant, remote
+            # without a scraper) would make the scheduler count every dispatch as still waiting
+            # in the engine, and stall all traffic after max_engine_waiting requests; without
+            # reports it counts dispatched requests that have no first token yet instead.
+            self.scheduler.on_engine_load(load)
+        await asyncio.to_thread(self.gpu.start)
+        self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
+        self.signal_recorder.start()
         if self.directory.path is not None:
             self._watch = self.directory.start_watching(2.0)
         self.ready = True
 
     async def stop(self) -> None:
-        """Stop taking work, drain the ledger's spool, shut the engine down."""
+        """Stop taking work, write a last signal sample, drain the ledger's spool, shut the engine
+        and the GPU poller down."""
         self.ready = False
         if self._watch is not None:
             self._watch.cancel()
         await self.scheduler.stop()
+        if self.signal_recorder is not None:  # its last sample goes in before the ledger closes
+            await self.signal_recorder.stop()
+        await asyncio.to_thread(self.gpu.stop)
         if self.recorder.ledger is not None:
             await asyncio.to_thread(self.recorder.ledger.close)
         if self._owns_engine:

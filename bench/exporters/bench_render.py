@@ -7,11 +7,15 @@ Populates one registry through the real bus and exporter with:
     admission decisions (admitted and 3 rejection reasons);
   * 8 local engines (steps and finished requests), 4 scraped remote engines;
   * 8 GPUs (the real H200 capture, replicated) and one MIG GPU (the real H100 MIG capture);
-  * the round-2 tenant-labelled families reserved in names.py (queue depth, active KV, service,
-    retries), filled through the same top-K labeler, so "all signals" includes what round 2 adds.
+  * the scheduler, quota and ledger sources through their producers' real stats types: a
+    ``SchedulerStats`` snapshot listing all 1,000 tenants (queue depth, queued tokens, oldest
+    wait, active KV, service) once per round, a ``ReservationDrift`` pair per completion, client
+    retries and idempotent replays (``IdempotencyAttempt``), dropped-by-reason, a degraded quota
+    store, tool-call reports, config reloads and ``LedgerStats``.
 Then times ``generate_latest`` (what /metrics serves) with top-K bounding and unbounded (K =
 number of tenants), in single-process mode and — with --multiprocess — in prometheus-client's
-multiprocess mode (the several-gateway-workers set-up) reading the merged files.
+multiprocess mode (the several-gateway-workers set-up) reading the merged files. Also reports the
+cost of publishing one 1,000-tenant ``SchedulerStats`` (the scheduler does it once a second).
 """
 
 from __future__ import annotations
@@ -32,24 +36,45 @@ SHARED = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "da
 TIERS = ("enterprise", "paid_interactive", "batch", "free")
 
 
+def scheduler_snapshot(rng, tenants: int, round_: int):
+    """A ``SchedulerStats`` as FairScheduler publishes it, listing every tenant."""
+    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
+
+    rows = []
+    for i in range(tenants):
+        depth = rng.randint(0, 6)
+        running = rng.randint(0, 4)
+        rows.append(TenantSchedulerStats(
+            tenant_id=f"tenant-{i:04d}", tier=TIERS[i % 4], weight=1.0, queue_depth=depth,
+            queued_prompt_tokens=depth * rng.randint(50, 4000), queue_wait_oldest_s=rng.random() * 30 if depth else 0.0,
+            queue_wait_mean_s=rng.random(), projected_wait_s=rng.random() * 10, running=running,
+            active_kv_tokens=running * rng.randint(100, 12_000), kv_budget_tokens=200_000,
+            service_total=(round_ + 1) * rng.randint(1_000, 100_000), input_tokens_total=0,
+            output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0))
+    return SchedulerStats(wall_ts=1.75e9 + round_, policy="vtc", pressure_level=1, queued_total=0, running_total=0,
+                          service_rate_per_s=50_000.0, jain_index=0.8, max_service_gap=9_000.0, service_gap=4_000.0,
+                          dropped_total={"deadline": 10 * round_, "shed": 5 * round_, "cancelled": round_},
+                          tenants=rows)
+
+
 def populate(registry, k: int, tenants: int, seed: int = 1):
     from kvmeter.bus import StatsBus
     from kvmeter.clock import ManualClock
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
     from kvmeter.collectors.remote_vllm import RemoteVllmScraper
-    from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus, make_metric, signal
+    from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus
+    from kvmeter.ledger.stats import LedgerStats
+    from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
+                                               ToolCallReported)
+    from kvmeter.serving.tenancy import ConfigReloaded
     from kvmeter.stats import AdmissionDecision, EngineRequestStats, EngineStepStats, RequestCompletion
 
     rng = random.Random(seed)
     clock = ManualClock()
     bus = StatsBus()
-    exporter = install_prometheus(bus, registry, clock=clock,
-                                  config=PrometheusConfig(top_k_tenants=k, model="llama-70b"))
-    reserved = {name: make_metric(signal(name), registry) for name in (
-        "kvmeter_scheduler_queue_depth_requests", "kvmeter_scheduler_queue_depth_tokens",
-        "kvmeter_tenant_active_kv_tokens", "kvmeter_scheduler_service_tokens_total",
-        "kvmeter_gateway_retries_total")}
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=k, model="llama-70b"))
     publish_times = []
+    snapshot_times = []
     for round_ in range(3):
         for i in range(tenants):
             tenant, tier = f"tenant-{i:04d}", TIERS[i % 4]
@@ -63,15 +88,28 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
                 t0 = time.perf_counter()
                 bus.publish(c)
                 publish_times.append(time.perf_counter() - t0)
+                for dim, reserved, actual in (("input_tokens", c.prompt_tokens, c.prompt_tokens),
+                                              ("output_tokens", 2048, c.completion_tokens)):
+                    bus.publish(ReservationDrift(tenant_id=tenant, tier=tier, api_key_id="k", dimension=dim,
+                                                 reserved=reserved, actual=actual))
             bus.publish(AdmissionDecision(tenant_id=tenant, tier=tier, admitted=True))
             reason = ("rate_limited", "quota_exceeded", "queue_full")[i % 3]
             bus.publish(AdmissionDecision(tenant_id=tenant, tier=tier, admitted=False, reason=reason,
                                           level="org", dimension="requests_per_minute", status_code=429))
-            labels = exporter.tenants
-            labels.set_active(tenant, rng.randint(0, 50_000))
-            for name, metric in reserved.items():
-                child = labels.child(metric, 1, (tier, tenant))
-                child.inc(rng.randint(1, 100)) if name.endswith("_total") else child.set(rng.randint(0, 500))
+            if i % 5 == 0:  # an agent retrying a step: one replay, one conflict
+                bus.publish(IdempotencyAttempt(tenant_id=tenant, outcome="replayed", attempt=1, replayed=True))
+                bus.publish(IdempotencyAttempt(tenant_id=tenant, outcome="conflict", attempt=1, replayed=False))
+        snap = scheduler_snapshot(rng, tenants, round_)
+        t0 = time.perf_counter()
+        bus.publish(snap)
+        snapshot_times.append(time.perf_counter() - t0)
+        bus.publish(QuotaStoreState(store="redis", degraded=round_ == 1, pending_settles=3 * round_))
+        bus.publish(ToolCallReported("tenant-0001", "k", "run-1", tool_calls=round_, max_tool_calls=1,
+                                     exceeded=round_ > 1))
+        bus.publish(ConfigReloaded(ok=round_ != 1, version=round_ + 1))
+        bus.publish(LedgerStats(wall_ts=1.75e9 + round_, spool_depth_events=1200, spool_oldest_age_seconds=4.5,
+                                events_ingested_total={"new": 4000 * (round_ + 1), "duplicate": 7, "invalid": 1,
+                                                       "late": 2}, insert_retries_total=round_, clickhouse_up=True))
         clock.advance(20)  # let the labeler refresh between rounds
     for engine in range(8):
         for _ in range(50):
@@ -99,8 +137,14 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
         scraper = RemoteVllmScraper(f"http://vllm-{r}:8000/metrics", clock=clock, bus=bus)
         scraper.ingest(v0)
         scraper.ingest(v0.replace("} 955.0", "} 1955.0"))
+    for _ in range(10):  # steady state: the once-a-second snapshot, labels settled
+        snap = scheduler_snapshot(rng, tenants, 3)
+        t0 = time.perf_counter()
+        bus.publish(snap)
+        snapshot_times.append(time.perf_counter() - t0)
+        clock.advance(1)
     assert bus.errors_total == 0
-    return publish_times
+    return publish_times, snapshot_times
 
 
 def time_render(collect_registry, runs: int) -> tuple[list[float], int, int]:
@@ -126,11 +170,12 @@ def single(args) -> None:
 
     for k in (args.k, args.tenants):
         registry = CollectorRegistry()
-        publish = populate(registry, k, args.tenants)
+        publish, snapshots = populate(registry, k, args.tenants)
         times, size, samples = time_render(registry, args.runs)
         label = "bounded" if k < args.tenants else "unbounded"
         print(f"| single process | {label} K={k} | {samples} | {size / 1024:.0f} KiB | {fmt(times)} |"
-              f" publish {statistics.median(publish) * 1e6:.0f} µs/completion |")
+              f" publish {statistics.median(publish) * 1e6:.0f} µs/completion,"
+              f" {statistics.median(snapshots) * 1e3:.1f} ms/SchedulerStats |")
 
 
 def multiprocess_child(args) -> None:

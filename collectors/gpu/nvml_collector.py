@@ -110,6 +110,11 @@ class NvmlCollector:
         self.status = GpuCollectorStatus(state="not_started")
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` ran (whatever its outcome)."""
+        return self._started
+
     def start(self) -> GpuCollectorStatus:
         """Initialise NVML, enumerate GPUs, register XID events. Never raises for NVML errors.
 
@@ -131,7 +136,7 @@ class NvmlCollector:
         except nvml.NVMLError as exc:
             state = "no_gpu" if exc.value in _NO_GPU_CODES else "error"
             self.status = GpuCollectorStatus(state, f"nvmlInit failed: {exc}", wall_ts=now)
-            log.info("GPU collector: %s (%s)", state, exc)
+            log.debug("GPU collector: %s (%s)", state, exc)  # the caller reports the state once
             return self.status
         try:
             count = nvml.nvmlDeviceGetCount()

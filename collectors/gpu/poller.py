@@ -8,13 +8,18 @@ poll. Without XID support the thread simply waits for the interval.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from .nvml_collector import NvmlCollector
+from .samples import GpuCollectorStatus
 
-__all__ = ["GpuPoller"]
+__all__ = ["GpuPoller", "INTERVAL_ENV"]
 
 log = logging.getLogger(__name__)
+
+#: environment variable with the default poll interval, seconds
+INTERVAL_ENV = "KVMETER_GPU_POLL_INTERVAL_S"
 
 
 class GpuPoller:
@@ -22,12 +27,19 @@ class GpuPoller:
 
     Args:
         collector: the collector (started here if it was not).
-        interval_s: seconds between collections (> 0; 10 s is a usual Prometheus pace).
+        interval_s: seconds between collections (> 0); default ``$KVMETER_GPU_POLL_INTERVAL_S``,
+            else 10 s (a usual Prometheus pace).
     Raises:
-        ValueError: if ``interval_s`` is not positive.
+        ValueError: if ``interval_s`` is not positive or the variable is not a number.
     """
 
-    def __init__(self, collector: NvmlCollector, interval_s: float = 10.0) -> None:
+    def __init__(self, collector: NvmlCollector, interval_s: float | None = None) -> None:
+        if interval_s is None:
+            raw = os.environ.get(INTERVAL_ENV, "10")
+            try:
+                interval_s = float(raw)
+            except ValueError:
+                raise ValueError(f"{INTERVAL_ENV}={raw!r} is not a number") from None
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.collector = collector
@@ -35,12 +47,32 @@ class GpuPoller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        """Start the thread (no-op if running). A GPU-less machine still gets status updates."""
+    def start(self) -> GpuCollectorStatus:
+        """Initialise NVML and, if a GPU is readable, start the thread (no-op if running).
+
+        Without a usable GPU (``no_gpu``, ``error``) it logs one line, publishes the status once
+        (so ``kvmeter_gpu_nvml_available`` reads 0) and starts no thread: everything else keeps
+        working. Blocks for NVML's initialisation — call it off the event loop.
+
+        Returns:
+            The collector's status.
+        """
         if self._thread is not None:
-            return
+            return self.collector.status
+        status = self.collector.status if self.collector.started else self.collector.start()
+        if status.state != "ok":
+            log.info("no GPU: %s (%s); GPU signals are off, everything else runs",
+                     status.state, status.reason or "no reason given")
+            self.collector.collect()  # publishes the status only
+            return status
         self._thread = threading.Thread(target=self._run, name="kvmeter-gpu-poller", daemon=True)
         self._thread.start()
+        return status
+
+    @property
+    def running(self) -> bool:
+        """True while the polling thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the thread to finish, wait for it, and close NVML."""

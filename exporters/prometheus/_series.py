@@ -35,7 +35,8 @@ class CumulativeMirror:
     The first reading increments by the whole value, so the counter mirrors the device; later
     readings increment by the difference. A reading below the last one means the device counter
     restarted (driver reload, reset): the counter increments by the new value. Unknown readings
-    (``None``) are skipped.
+    (``None``) are skipped. ``labels=()`` updates a counter declared without labels. Used for
+    devices (energy, ECC) and for producers that report running totals (scheduler, ledger).
     """
 
     def __init__(self) -> None:
@@ -48,7 +49,6 @@ class CumulativeMirror:
         last = self._last.get(key)
         delta = value if last is None or value < last else value - last
         self._last[key] = value
+        child = counter.labels(*labels) if labels else counter  # () → a label-less counter
         if delta > 0:
-            counter.labels(*labels).inc(delta)
-        elif last is None:
-            counter.labels(*labels)  # expose the series at 0
+            child.inc(delta)

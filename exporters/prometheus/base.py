@@ -1,21 +1,22 @@
 """What every metric source of the Prometheus exporter shares.
 
 A *source* is one small module that turns one producer's plain stats into metrics: it creates its
-metrics from the :mod:`.names` table and subscribes to the bus. Round 2 adds one module per new
-producer (scheduler queues, per-tenant KV, fairness, quota drift, ledger spool)::
+metrics from the :mod:`.names` table and subscribes to the bus (see :mod:`.ledger` for a short
+one)::
 
-    class SchedulerMetrics(MetricSource):
+    class LedgerMetrics(MetricSource):
         def __init__(self, ctx: SourceContext) -> None:
             super().__init__(ctx)
-            self.depth = self.metric("kvmeter_scheduler_queue_depth_requests")
+            self.depth = self.metric("kvmeter_ledger_spool_depth_events")
         def attach(self, bus):
-            return [bus.subscribe(SchedulerSample, self.on_sample)]
-        def on_sample(self, s):
-            self.tenant_child(self.depth, 1, (s.tier, s.tenant_id)).set(s.depth)
+            return [bus.subscribe(LedgerStats, self.on_stats)]
+        def on_stats(self, s):
+            self.depth.set(s.spool_depth_events)
 
-and lists it in :data:`kvmeter.exporters.prometheus.install.DEFAULT_SOURCES` (or passes it to
-``install_prometheus(sources=...)``). The module never computes anything the producer should
-have: it maps fields to metrics.
+and is listed in :func:`kvmeter.exporters.prometheus.install.default_sources` (or passed to
+``install_prometheus(extra_sources=...)``). The module never computes anything the producer should
+have: it maps fields to metrics (summing tenants folded into ``other`` is labelling, not
+computing). Tenant-labelled series go through :meth:`MetricSource.tenant_child`.
 """
 
 from __future__ import annotations

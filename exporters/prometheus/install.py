@@ -15,8 +15,11 @@ from .base import MetricSource, SourceContext
 from .config import PrometheusConfig
 from .engine import EngineMetrics
 from .gpu import GpuMetrics
+from .ledger import LedgerMetrics
+from .quota import QuotaMetrics
 from .remote import RemoteEngineMetrics
 from .requests import RequestMetrics
+from .scheduler import SchedulerMetrics
 from .tenants import TenantLabels
 
 __all__ = ["PrometheusExporter", "install_prometheus", "default_sources"]
@@ -25,10 +28,11 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
-    """The sources of round 1: engine (local + scraped), requests, admission, GPU."""
+    """Every source: engine (local + scraped), requests, admission, GPU, scheduler, quota
+    (with retries and tenancy reloads), ledger."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
-            GpuMetrics(ctx)]
+            GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), LedgerMetrics(ctx)]
 
 
 @dataclass
@@ -62,7 +66,7 @@ def install_prometheus(bus: StatsBus, registry: CollectorRegistry | None = REGIS
             fresh ``CollectorRegistry()``).
         config: labels and bounds (default: ``PrometheusConfig.from_env()``).
         clock: for the tenant top-K decay and refresh.
-        extra_sources: factories of more sources (round-2 producers).
+        extra_sources: factories of more sources (a producer outside kvmeter's own).
     Raises:
         ValueError: if the metrics are already registered in ``registry``.
     """

@@ -3,10 +3,14 @@
 One table, read by the source modules (which create their metrics from it), by the alert rules'
 tests (every metric a rule reads must be declared here) and by people wiring a new producer.
 
-``emitted=True`` signals are produced today by a module of this package. ``emitted=False`` ones
-are **reserved**: their names and labels are fixed now so that the alert rules can use them, and
-the package that owns the data (scheduler, gateway, quota, ledger) emits exactly these in round 2
-through a module of its own here (see :mod:`.base`).
+``emitted=True`` signals are produced today by a module of this package (one module per producer:
+:mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.gpu`, :mod:`.scheduler`,
+:mod:`.quota`, :mod:`.ledger`). ``emitted=False`` ones are **reserved**: their names and labels are
+fixed so that the alert rules can use them, and a source module emits exactly these once their
+producer publishes the data on the bus (today: the reconciliation gauges).
+
+Flags without a unit word: ``kvmeter_*_up``, ``kvmeter_quota_store_degraded`` (0/1) and
+``kvmeter_scheduler_pressure_level`` (0/1/2).
 
 Conventions: prefix ``kvmeter_``; the unit is the last word before ``_total`` (``_seconds``,
 ``_tokens``, ``_bytes``, ``_ratio``, ``_requests``, ``_events``...); counters end in ``_total``
@@ -34,7 +38,7 @@ class Signal:
         labels: label names, in order.
         help: one line, with the unit.
         source: the producer (``engine``, ``gateway``, ``gpu``, ``scheduler``, ``ledger``...).
-        emitted: produced today (True) or reserved for a round-2 producer (False).
+        emitted: produced today (True) or reserved for a producer not publishing yet (False).
         buckets: histogram upper bounds.
         multiprocess_mode: how prometheus-client merges a gauge across worker processes.
     """
@@ -166,46 +170,73 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvmeter_gpu_mig_sm_occupancy_ratio", "gauge", _MIG, "GPM: instance warp occupancy", "gpu"),
     Signal("kvmeter_gpu_mig_tensor_active_ratio", "gauge", _MIG, "GPM: instance tensor activity", "gpu"),
     Signal("kvmeter_gpu_mig_dram_bandwidth_ratio", "gauge", _MIG, "GPM: instance DRAM bandwidth used / peak", "gpu"),
-    # ---- reserved for round 2: scheduler
+    # ---- scheduler (SchedulerStats, published by FairScheduler every second): scheduler.py
     Signal("kvmeter_scheduler_queue_depth_requests", "gauge", ("tier", "tenant"),
-           "requests waiting in the tenant's fair queue", "scheduler", emitted=False, multiprocess_mode="livesum"),
+           "requests waiting in the tenant's fair queue", "scheduler", multiprocess_mode="livesum"),
+    # the scheduler knows a queued request's prompt only (its output is unknown until generated),
+    # so this is prompt tokens, not "prompt + reserved output" as first reserved
     Signal("kvmeter_scheduler_queue_depth_tokens", "gauge", ("tier", "tenant"),
-           "estimated tokens (prompt + reserved output) waiting in the tenant's queue", "scheduler",
-           emitted=False, multiprocess_mode="livesum"),
+           "prompt tokens of the requests waiting in the tenant's fair queue", "scheduler",
+           multiprocess_mode="livesum"),
     Signal("kvmeter_scheduler_queue_oldest_wait_seconds", "gauge", ("tier", "tenant"),
-           "age of the tenant's oldest queued request, seconds (0 when none)", "scheduler", emitted=False,
+           "age of the tenant's oldest queued request, seconds (0 when none)", "scheduler",
            multiprocess_mode="livemax"),
     Signal("kvmeter_tenant_active_kv_tokens", "gauge", ("tier", "tenant"),
-           "KV tokens held by the tenant's running requests", "scheduler", emitted=False,
+           "KV tokens (prompt + output so far) held by the tenant's running requests", "scheduler",
            multiprocess_mode="livesum"),
     Signal("kvmeter_scheduler_service_tokens_total", "counter", ("tier", "tenant"),
-           "weighted service (VTC, Sheng et al. OSDI 2024) given to the tenant, tokens", "scheduler", emitted=False),
+           "weighted service (VTC, Sheng et al. OSDI 2024) given to the tenant, tokens", "scheduler"),
     Signal("kvmeter_scheduler_jain_index_ratio", "gauge", (),
-           "Jain's fairness index over backlogged tenants' normalised service, 0-1", "scheduler",
-           emitted=False),
+           "Jain's fairness index over backlogged tenants' weight-normalised service rates, 0-1", "scheduler"),
+    # the producer's current gap (SchedulerStats.service_gap); its since-start high-water mark is
+    # max_over_time() of this series
     Signal("kvmeter_scheduler_max_service_gap_tokens", "gauge", (),
-           "largest service difference between two backlogged tenants, tokens", "scheduler", emitted=False),
+           "largest difference of weight-normalised service (VTC counters) between two backlogged "
+           "tenants of one tier, now; tokens per unit weight", "scheduler"),
     Signal("kvmeter_scheduler_dropped_requests_total", "counter", ("reason",),
            "queued requests dropped by the scheduler (deadline, shed, cancelled, kv_capacity_exceeded)",
-           "scheduler", emitted=False),
-    # ---- reserved for round 2: gateway retries, quota
+           "scheduler"),
+    Signal("kvmeter_scheduler_pressure_level", "gauge", (),
+           "overload control level: 0 normal, 1 elevated (batch paused, new free refused), 2 overload",
+           "scheduler", multiprocess_mode="max"),
+    # ---- gateway retries, quota, tenancy (quota/tenancy signals, AdmissionDecision): quota.py
     Signal("kvmeter_gateway_retries_total", "counter", ("tier", "tenant"),
-           "client retries of an already-seen logical request (same idempotency key)", "gateway", emitted=False),
+           "client retries of an already-seen logical request (same idempotency key)", "gateway"),
     Signal("kvmeter_gateway_idempotent_replays_total", "counter", ("tier",),
-           "retries answered from the idempotency cache without engine work", "gateway", emitted=False),
+           "retries answered from the idempotency cache without engine work", "gateway"),
     Signal("kvmeter_quota_reserved_tokens_total", "counter", ("tier", "type"),
-           "tokens reserved at admission (input, output)", "quota", emitted=False),
+           "tokens reserved at admission (input, output), counted when the reservation is reconciled",
+           "quota"),
     Signal("kvmeter_quota_reservation_drift_tokens_total", "counter", ("tier", "type", "direction"),
-           "|reserved - actual| tokens at reconciliation, by direction (over, under)", "quota", emitted=False),
-    # ---- reserved for round 2: ledger
+           "|reserved - actual| tokens at reconciliation, by direction (over, under)", "quota"),
+    Signal("kvmeter_quota_store_degraded", "gauge", ("store",),
+           "1 while the shared quota store is unreachable and admission runs on the outage policy",
+           "quota", multiprocess_mode="max"),
+    Signal("kvmeter_quota_store_pending_settles_requests", "gauge", ("store",),
+           "reconciliations queued for replay into the shared quota store", "quota",
+           multiprocess_mode="livesum"),
+    Signal("kvmeter_agent_tool_call_reports_total", "counter", ("result",),
+           "agent-run tool-call reports by result (within_budget, exceeded)", "quota"),
+    Signal("kvmeter_tenancy_config_reloads_total", "counter", ("result",),
+           "tenancy configuration reload attempts by result (ok, error: the old config stays live)",
+           "tenancy"),
+    # ---- ledger (LedgerStats, after every writer round): ledger.py
     Signal("kvmeter_ledger_events_ingested_total", "counter", ("status",),
-           "usage events ingested by status (new, duplicate, invalid, late)", "ledger", emitted=False),
+           "usage events ingested by status (new, duplicate, invalid, late)", "ledger"),
     Signal("kvmeter_ledger_spool_depth_events", "gauge", (), "usage events in the local spool not yet in ClickHouse",
-           "ledger", emitted=False, multiprocess_mode="livesum"),
+           "ledger", multiprocess_mode="livesum"),
     Signal("kvmeter_ledger_spool_oldest_age_seconds", "gauge", (),
-           "age of the oldest event still in the spool, seconds (0 when empty)", "ledger", emitted=False,
+           "age of the oldest event still in the spool, seconds (0 when empty)", "ledger",
            multiprocess_mode="livemax"),
-    Signal("kvmeter_ledger_insert_retries_total", "counter", (), "ClickHouse insert retries", "ledger", emitted=False),
+    Signal("kvmeter_ledger_insert_retries_total", "counter", (), "ClickHouse insert retries", "ledger"),
+    Signal("kvmeter_ledger_rejected_records_total", "counter", (),
+           "records ClickHouse refused as data (moved to rejected.ndjson)", "ledger"),
+    Signal("kvmeter_ledger_spool_write_errors_total", "counter", (),
+           "spool group commits that failed (disk full, I/O error): those records are not durable",
+           "ledger"),
+    Signal("kvmeter_ledger_clickhouse_up", "gauge", (),
+           "1 if the ledger's last ClickHouse insert or connect succeeded", "ledger", multiprocess_mode="min"),
+    # ---- reserved: reconciliation (no producer publishes these on the bus yet)
     Signal("kvmeter_reconciliation_drift_ratio", "gauge", ("view",),
            "|view total - ledger total| / ledger total over the last reconciled period (view: engine, gateway)",
            "ledger", emitted=False, multiprocess_mode="max"),
@@ -237,5 +268,5 @@ def emitted_names() -> list[str]:
 
 
 def reserved_names() -> list[str]:
-    """Names fixed for round-2 producers."""
+    """Names fixed for producers that do not publish yet (the reconciliation gauges)."""
     return [s.name for s in SIGNALS if not s.emitted]

@@ -5,7 +5,7 @@ it. kvmeter keeps full per-tenant detail in ClickHouse and puts only a bounded s
 
 * **Work score.** Each tenant's score is its recent token work, decayed exponentially with a
   half-life (default 5 min): ``score ← score·2^(−Δt/half_life) + tokens``, plus the tokens it
-  holds right now when a producer reports them (active KV tokens, round 2). Token work, not
+  holds right now as the scheduler reports it (active KV + queued prompt tokens). Token work, not
   request count, because the request is not the unit of load.
 * **Top-K with hysteresis.** While fewer than K tenants hold a label, a tenant with work gets one
   at once. Every ``refresh_s`` the set is recomputed: free slots go to the highest scores, and a
@@ -101,6 +101,16 @@ class TenantLabels:
                 self._active.pop(tenant, None)
 
     # ------------------------------------------------------------------ labels
+    def refresh_if_due(self) -> None:
+        """Recompute the top-K set if ``refresh_s`` has passed (what :meth:`label` does first).
+
+        A source that labels many tenants from one snapshot calls it once, under :attr:`lock`,
+        so the whole snapshot is labelled from one top-K set.
+        """
+        with self.lock:
+            if self._clock.monotonic() >= self._next_refresh:
+                self.refresh()
+
     def label(self, tenant: str) -> str:
         """The label value for ``tenant``: itself if in the top K, else ``other``."""
         with self.lock:

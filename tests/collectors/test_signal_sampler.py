@@ -92,7 +92,8 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, shared_data
     sampler = SignalSampler(bus, clock=clock, model="smollm2", config=SignalSamplerConfig())
     recorder = SignalRecorder(sampler, ledger.write_signals, clock=clock, interval_s=10)
     bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=7,
-                                num_waiting=2, generation_tokens=100, num_preempted=1))
+                                num_waiting=2, generation_tokens=100, num_preempted=1,
+                                prefix_cache_queries_tokens=800, prefix_cache_hits_tokens=200))
     bus.publish(EngineStepStats(wall_ts=T0 + 1, kv_watermark_ratio=0.75, kv_blocks_total=4000, num_running=9,
                                 num_waiting=1, generation_tokens=50))
     bus.publish(sched([tenant("acme", "enterprise", depth=2, kv=3000, running=1, oldest=1.5),
@@ -122,6 +123,7 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, shared_data
     assert one(rows, "kvmeter_engine_running_requests", **e) == 9
     assert one(rows, "kvmeter_engine_generation_tokens_per_second", **e) == pytest.approx(15.0)  # 150 / 10 s
     assert one(rows, "kvmeter_engine_preemptions_per_second", **e) == pytest.approx(0.1)
+    assert one(rows, "kvmeter_engine_prefix_cache_hit_ratio", **e) == pytest.approx(0.25)
     assert one(rows, "kvmeter_scheduler_pressure_level") == 1
     assert one(rows, "kvmeter_scheduler_jain_index_ratio") == 0.9
     assert one(rows, "kvmeter_scheduler_queued_requests") == 7

@@ -25,6 +25,8 @@ WORKER = textwrap.dedent("""
     from kvmeter.exporters.prometheus import install_prometheus
     from kvmeter.stats import EngineStepStats, RequestCompletion
     from kvmeter.collectors.gpu import GpuCollectorStatus
+    from kvmeter.ledger.stats import LedgerStats
+    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
 
     n, kv, gpu_state = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     bus = StatsBus()
@@ -34,6 +36,15 @@ WORKER = textwrap.dedent("""
                                       prompt_tokens=100, completion_tokens=10, ttft_s=0.2, e2e_s=1.0))
     bus.publish(EngineStepStats(wall_ts=0.0, kv_watermark_ratio=kv, num_running=n))
     bus.publish(GpuCollectorStatus(state=gpu_state))
+    # this worker's scheduler: acme has n queued, n * 100 active KV tokens, oldest wait n seconds
+    bus.publish(SchedulerStats(
+        wall_ts=1.75e9, policy="vtc", pressure_level=0, queued_total=n, running_total=1, service_rate_per_s=0.0,
+        jain_index=1.0, max_service_gap=0.0, service_gap=0.0, tenants=[TenantSchedulerStats(
+            tenant_id="acme", tier="free", weight=1.0, queue_depth=n, queued_prompt_tokens=n * 10,
+            queue_wait_oldest_s=float(n), queue_wait_mean_s=0.0, projected_wait_s=0.0, running=1,
+            active_kv_tokens=n * 100, kv_budget_tokens=0, service_total=float(n), input_tokens_total=0,
+            output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0)]))
+    bus.publish(LedgerStats(wall_ts=1.75e9, spool_depth_events=n, spool_oldest_age_seconds=float(n)))
     assert bus.errors_total == 0
 """)
 
@@ -60,6 +71,13 @@ def test_worker_processes_are_merged(tmp_path):
     assert registry.get_sample_value("kvmeter_engine_running_requests", e) == 2
     # "max": one worker that can read NVML is enough
     assert registry.get_sample_value("kvmeter_gpu_nvml_available", {}) == 1
+    # each worker's scheduler queues its own requests: depth and active KV add up ("livesum"),
+    # the oldest wait is the oldest anywhere ("livemax"); service is a counter (summed)
+    assert registry.get_sample_value("kvmeter_scheduler_queue_depth_requests", t) == 10
+    assert registry.get_sample_value("kvmeter_tenant_active_kv_tokens", t) == 1000
+    assert registry.get_sample_value("kvmeter_scheduler_queue_oldest_wait_seconds", t) == 5
+    assert registry.get_sample_value("kvmeter_scheduler_service_tokens_total", t) == 10
+    assert registry.get_sample_value("kvmeter_ledger_spool_depth_events", {}) == 10
 
 
 def test_asgi_app_serves_the_merged_files(tmp_path):
