@@ -95,6 +95,8 @@ class AttemptRecord:
             idempotency_key: attribution, as in :class:`~kvmeter.events.UsageEvent`.
         reserved_prompt_tokens, reserved_completion_tokens: what admission reserved (0 if none).
         attempt: 1 for the logical request's first attempt, counting up on retries.
+        level, dimension: for a quota rejection, the principal level and limit dimension that
+            refused it (``project`` / ``input_tokens_per_minute``); ``""`` otherwise.
         attempt_id: deterministic id; empty → :func:`attempt_id_for` (tenant, request id).
     Raises:
         InvalidRecord: on an unknown status or empty tenant/request id.
@@ -120,6 +122,8 @@ class AttemptRecord:
     reserved_completion_tokens: int = 0
     attempt: int = 1
     attempt_id: str = ""
+    level: str = ""
+    dimension: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_id, str) or not self.tenant_id:
@@ -248,11 +252,13 @@ class StreamSpec:
 
 
 USAGE_COLUMNS: tuple[str, ...] = UsageEvent.field_names()
-ATTEMPT_COLUMNS: tuple[str, ...] = (
+#: Attempt columns; schema 2 added the refusing limit's ``level`` and ``dimension``.
+_ATTEMPT_COLUMNS_V1: tuple[str, ...] = (
     "attempt_id", "event_id", "tenant_id", "request_id", "status", "reason", "status_code", "ts",
     "tier", "model", "endpoint", "org_id", "workspace_id", "project_id", "api_key_id", "agent_run_id",
     "idempotency_key", "reserved_prompt_tokens", "reserved_completion_tokens", "attempt",
 )
+ATTEMPT_COLUMNS: tuple[str, ...] = _ATTEMPT_COLUMNS_V1 + ("level", "dimension")
 #: Engine record columns: EngineRequestStats' fields, then the tenant the ledger attributed the
 #: request to from its admitted attempt ("" when unknown). Schema 1 lacked the tenant.
 _ENGINE_STATS_COLUMNS: tuple[str, ...] = (
@@ -262,7 +268,7 @@ _ENGINE_STATS_COLUMNS: tuple[str, ...] = (
 ENGINE_COLUMNS: tuple[str, ...] = _ENGINE_STATS_COLUMNS + ("tenant_id",)
 
 USAGE_STREAM = StreamSpec("usage", "usage_events", 1, {1: USAGE_COLUMNS})
-ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 1, {1: ATTEMPT_COLUMNS})
+ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 2, {1: _ATTEMPT_COLUMNS_V1, 2: ATTEMPT_COLUMNS})
 ENGINE_STREAM = StreamSpec("engine", "engine_requests", 2, {1: _ENGINE_STATS_COLUMNS, 2: ENGINE_COLUMNS})
 STREAMS: tuple[StreamSpec, ...] = (USAGE_STREAM, ATTEMPT_STREAM, ENGINE_STREAM)
 
@@ -335,6 +341,8 @@ class _AttemptRow(msgspec.Struct, array_like=True):
     reserved_prompt_tokens: _U32
     reserved_completion_tokens: _U32
     attempt: _U32
+    level: _Str
+    dimension: _Str
 
 
 class _EngineRow(msgspec.Struct, array_like=True):

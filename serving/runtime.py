@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 from decimal import Decimal
 from pathlib import Path
@@ -95,13 +96,18 @@ def price_function(prices: PriceList):
     answers with 400 ``unpriced_model``.
     """
 
+    units: dict[tuple[str, str], tuple[Decimal, Decimal, Decimal]] = {}  # the list never changes
+
     def price(model: str, tier: str, prompt_tokens: int, cached_tokens: int,
               completion_tokens: int) -> Decimal:
-        unit = {t: prices.unit_price(model, tier, t) for t in ("input", "cached_input", "output")}
-        if any(v is None for v in unit.values()):
-            raise KeyError(f"model {model!r} has no price")
-        return ((prompt_tokens - cached_tokens) * unit["input"] + cached_tokens * unit["cached_input"]
-                + completion_tokens * unit["output"])
+        unit = units.get((model, tier))
+        if unit is None:
+            found = tuple(prices.unit_price(model, tier, t) for t in ("input", "cached_input", "output"))
+            if any(v is None for v in found):
+                raise KeyError(f"model {model!r} has no price")
+            unit = units[(model, tier)] = found  # type: ignore[assignment]
+        p_in, p_cached, p_out = unit
+        return (prompt_tokens - cached_tokens) * p_in + cached_tokens * p_cached + completion_tokens * p_out
 
     return price
 
@@ -189,6 +195,7 @@ class ServeRuntime:
         self.signal_recorder: SignalRecorder | None = None
         self.ready = False
         self._watch: asyncio.Task | None = None
+        self._dashboard_routes = None
 
     # -- parts ------------------------------------------------------------------------------------
     def _build_quota(self) -> QuotaGate:
@@ -245,18 +252,27 @@ class ServeRuntime:
         self.signal_recorder.start()
         if self.directory.path is not None:
             self._watch = self.directory.start_watching(2.0)
+        # Everything built so far (model tokenizer, price list, tenancy, ledger, modules) lives as
+        # long as the process: move it out of the collector's reach, so the full collections that
+        # per-request garbage triggers do not walk it again and again (each took ~0.2 s, a latency
+        # spike, on the instant-engine benchmark; bench/quota/RESULTS.md).
+        gc.collect()
+        gc.freeze()
         self.ready = True
 
     async def stop(self) -> None:
         """Stop taking work, write a last signal sample, drain the ledger's spool, shut the engine
         and the GPU poller down."""
         self.ready = False
+        gc.unfreeze()  # back to the collector: frozen objects are never finalized at exit otherwise
         if self._watch is not None:
             self._watch.cancel()
         await self.scheduler.stop()
         if self.signal_recorder is not None:  # its last sample goes in before the ledger closes
             await self.signal_recorder.stop()
         await asyncio.to_thread(self.gpu.stop)
+        if self._dashboard_routes is not None:
+            self._dashboard_routes.close()  # its ClickHouse client, before the ledger closes
         if self.recorder.ledger is not None:
             await asyncio.to_thread(self.recorder.ledger.close)
         if self._owns_engine:
@@ -266,9 +282,15 @@ class ServeRuntime:
         self.exporter.close()
 
     def app(self) -> Starlette:
-        """The ASGI app: OpenAI API, /healthz, /metrics, the ledger's read API, tool-call reports."""
+        """The ASGI app: OpenAI API, /healthz, /metrics, the ledger's read API (with the
+        dashboards' reads: the embedded ledger can only be read through this process), tool-call
+        reports."""
+        from kvmeter.dashboards.routes import serve_routes
+
         queries = _LazyQueries(self.recorder)
+        self._dashboard_routes = serve_routes(self)
         routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices),
+                               *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota)]
         return create_app(self.gateway, extra_routes=routes, metrics_app=metrics_asgi_app(self.registry),
                           on_startup=[self.start], on_shutdown=[self.stop], ready=lambda: self.ready)

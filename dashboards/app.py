@@ -1,0 +1,32 @@
+"""The Streamlit entry point of ``kvmeter dashboard`` (``streamlit run`` this file).
+
+Settings come from the environment (see :mod:`kvmeter.dashboards.config`; the CLI sets it).
+Eight pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
+auto-refresh) is drawn here before the chosen page runs.
+"""
+
+from pathlib import Path
+
+import streamlit as st
+
+from kvmeter.dashboards import ui
+
+HERE = Path(__file__).parent
+
+#: (file under pages/, title, icon) in menu order.
+PAGES = (
+    ("overview.py", "Overview", ":material/monitoring:"),
+    ("kv.py", "KV cache", ":material/memory:"),
+    ("latency.py", "Latency vs SLO", ":material/timer:"),
+    ("tenants.py", "Tenants & fairness", ":material/balance:"),
+    ("goodput.py", "Goodput", ":material/verified:"),
+    ("quota.py", "Quota", ":material/block:"),
+    ("billing.py", "Billing & reconciliation", ":material/receipt_long:"),
+    ("gpu.py", "GPU", ":material/developer_board:"),
+)
+
+st.set_page_config(page_title="kvmeter", page_icon=":material/monitoring:", layout="wide")
+navigation = st.navigation([st.Page(HERE / "pages" / name, title=title, icon=icon, default=i == 0)
+                            for i, (name, title, icon) in enumerate(PAGES)])
+ui.sidebar()
+navigation.run()

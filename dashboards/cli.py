@@ -1,0 +1,80 @@
+"""``kvmeter dashboard`` — start the Streamlit dashboards (``streamlit run`` on ``app.py``).
+
+Examples::
+
+    kvmeter dashboard --server http://127.0.0.1:8000          # while kvmeter serve runs (embedded ledger)
+    kvmeter dashboard --ledger-dsn http://user:pw@ch:8123/kvmeter
+    kvmeter dashboard --ledger-dsn chdb://./var/ledger/chdb   # a chDB path no process holds
+
+The API key is read from ``KVMETER_DASHBOARD_API_KEY`` (or typed into the sign-in form), never
+from the command line, where other users could see it in the process list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import ENV, DashboardConfig
+from .errors import ConfigError
+from .window import RANGES
+
+__all__ = ["add_arguments", "run", "streamlit_command", "APP"]
+
+#: The Streamlit entry point.
+APP = Path(__file__).with_name("app.py")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kvmeter dashboard`` flags (settings without a flag come from the environment)."""
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--server", metavar="URL", help="read through a running kvmeter serve (needed for the "
+                      "embedded ledger while serve holds it), e.g. http://127.0.0.1:8000")
+    mode.add_argument("--ledger-dsn", metavar="DSN", help="query ClickHouse directly: http(s)://user:pw@host:port/db "
+                      "or chdb:///path no process holds (default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb)")
+    parser.add_argument("--tenants", metavar="YAML", help="tenancy file for API keys and tier SLOs with --ledger-dsn "
+                        "(default $KVMETER_TENANTS or the demo tenants)")
+    parser.add_argument("--prices", metavar="YAML", help="price list for invoice lines with --ledger-dsn")
+    parser.add_argument("--refresh", type=float, metavar="S",
+                        help="auto-refresh period in seconds, 0 = off (default 30)")
+    parser.add_argument("--cache-ttl", type=float, metavar="S", help="query cache lifetime in seconds (default 30)")
+    parser.add_argument("--range", choices=list(RANGES), help="initial time range (default 'last 1 h')")
+    parser.add_argument("--until", metavar="ISO", help="pin the window's end, e.g. 2026-11-29T02:30:00Z")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
+
+
+def streamlit_command(host: str, port: int) -> list[str]:
+    """The ``streamlit run`` command line (headless, no usage statistics)."""
+    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
+            "--server.address", host, "--server.port", str(port), "--browser.gatherUsageStats", "false",
+            "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the settings, then run Streamlit in the foreground; its exit status is ours."""
+    explicit = {"server_url": args.server, "ledger_dsn": args.ledger_dsn, "tenants_path": args.tenants,
+                "prices_path": args.prices, "refresh_s": args.refresh, "cache_ttl_s": args.cache_ttl,
+                "default_range": args.range, "until": args.until}
+    try:
+        config = DashboardConfig.from_env(**explicit)
+    except ConfigError as exc:
+        print(f"kvmeter dashboard: {exc}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    for name, var in ENV.items():
+        value = getattr(config, name)
+        if name == "ledger_dsn" and config.mode == "server":
+            continue
+        if value is not None and name != "api_key":
+            env[var] = value.isoformat() if hasattr(value, "isoformat") else str(value)
+    if config.mode == "server":
+        env.pop(ENV["ledger_dsn"], None)
+    print(f"kvmeter dashboard: {config.mode} mode on {config.target}; http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        return subprocess.call(streamlit_command(args.host, args.port), env=env)
+    except KeyboardInterrupt:
+        return 0

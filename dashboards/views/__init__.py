@@ -1,0 +1,1 @@
+"""One render function per dashboard page (rendering only; reads go through ``ui.PageContext``)."""

@@ -1,0 +1,106 @@
+"""Settings precedence, the ``kvmeter dashboard`` command, and the signal-name contract with the
+exporters' sampler."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+
+import pytest
+
+from kvmeter.cli import build_parser
+from kvmeter.dashboards import cli
+from kvmeter.dashboards.config import DashboardConfig
+from kvmeter.dashboards.errors import ConfigError
+
+
+def test_explicit_beats_environment_beats_default():
+    env = {"KVMETER_LEDGER_DSN": "http://u:secret@ch:8123/kv", "KVMETER_DASHBOARD_REFRESH_S": "60"}
+    cfg = DashboardConfig.from_env(env)
+    assert cfg.mode == "dsn" and cfg.refresh_s == 60.0 and cfg.target == "http://u@ch:8123/kv"  # no password
+    assert DashboardConfig.from_env(env, refresh_s=10).refresh_s == 10
+    server = DashboardConfig.from_env(env, server_url="http://127.0.0.1:8000")
+    assert server.mode == "server" and server.target == "http://127.0.0.1:8000"  # the env DSN is unused
+    assert DashboardConfig.from_env({}).ledger_dsn.startswith("chdb://")
+    pinned = DashboardConfig.from_env({"KVMETER_DASHBOARD_UNTIL": "2026-11-27T02:30:00Z"})
+    assert pinned.until == datetime(2026, 11, 27, 2, 30, tzinfo=timezone.utc)
+
+
+def test_the_key_never_shows():
+    cfg = DashboardConfig.from_env({"KVMETER_DASHBOARD_API_KEY": "sk-very-secret"})
+    assert cfg.api_key == "sk-very-secret" and "sk-very-secret" not in repr(cfg)
+
+
+@pytest.mark.parametrize("bad", [
+    {"server_url": "http://a:1", "ledger_dsn": "chdb:///x"},
+    {"server_url": "ftp://a"},
+    {"ledger_dsn": "mysql://a"},
+    {"refresh_s": 2},
+    {"cache_ttl_s": 0},
+    {"default_range": "last century"},
+])
+def test_invalid_settings_fail_at_construction(bad):
+    with pytest.raises(ConfigError):
+        DashboardConfig.from_env({}, **bad)
+
+
+def test_the_command_runs_streamlit_on_the_app_with_settings_in_the_environment(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    monkeypatch.setenv("KVMETER_LEDGER_DSN", "chdb:///should/not/leak")
+    args = build_parser(["dashboard"]).parse_args(
+        ["dashboard", "--server", "http://127.0.0.1:8000", "--refresh", "15", "--port", "8600"])
+    assert cli.run(args) == 0
+    argv, env = calls[0]
+    assert argv[1:4] == ["-m", "streamlit", "run"] and argv[4] == str(cli.APP) and cli.APP.is_file()
+    assert argv[argv.index("--server.port") + 1] == "8600" and "--server.headless" in argv
+    assert env["KVMETER_DASHBOARD_SERVER"] == "http://127.0.0.1:8000" and env["KVMETER_DASHBOARD_REFRESH_S"] == "15.0"
+    assert "KVMETER_LEDGER_DSN" not in env  # server mode reads through serve only
+
+
+def test_the_command_refuses_both_modes(capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--server", "http://a:1", "--ledger-dsn", "chdb:///x"])
+    args = parser.parse_args(["--refresh", "1"])
+    assert cli.run(args) == 2 and "refresh_s" in capsys.readouterr().err
+
+
+def test_every_signal_the_pages_read_is_one_the_sampler_writes():
+    """Drive the exporters' real SignalSampler with one of each stats object it subscribes to
+    (GPU readings from the real H200 and H100-MIG captures) and check the names it writes."""
+    from kvmeter.bus import StatsBus
+    from kvmeter.clock import ManualClock
+    from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
+    from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
+    from kvmeter.dashboards import signals
+    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
+    from kvmeter.stats import EngineStepStats, RequestCompletion
+
+    from dashkit import H200_CAPTURE
+
+    bus, clock = StatsBus(), ManualClock(start_wall=1_795_000_000.0)
+    sampler = SignalSampler(bus, clock=clock, model="m", config=SignalSamplerConfig(interval_s=1.0))
+    written: set[str] = set()
+    for capture in (H200_CAPTURE.with_name("linux-x86_64__nvidia-h100-mig__590.48.01.txt"), H200_CAPTURE):
+        collector = NvmlCollector(CaptureNvml.from_file(capture), bus=bus, clock=clock)
+        collector.start()
+        collector.collect()
+        clock.advance(1.0)
+        written |= {row.name for row in sampler.sample()}  # both captures are GPU 0: one at a time
+    bus.publish(EngineStepStats(wall_ts=clock.wall(), kv_watermark_ratio=0.4, kv_blocks_total=100, num_running=3,
+                                num_waiting=1, generation_tokens=50, num_preempted=1))
+    bus.publish(SchedulerStats(wall_ts=clock.wall(), policy="vtc", pressure_level=0, queued_total=1, running_total=3,
+                               service_rate_per_s=10.0, jain_index=0.9, max_service_gap=5.0, service_gap=2.0,
+                               tenants=[TenantSchedulerStats("acme", "enterprise", 1.0, 1, 10, 0.5, 0.2, 0.1, 3, 300,
+                                                             0, 1.0, 10, 20, 1.0, 3, 2)]))
+    bus.publish(RequestCompletion(tenant_id="acme", tier="enterprise", model="m", outcome="ok", prompt_tokens=10,
+                                  completion_tokens=5, slo_met=True))
+    clock.advance(1.0)
+    written |= {row.name for row in sampler.sample()}
+    sampler.close()
+    read = set(signals.ALL)
+    # GPM fields (SM/tensor/DRAM activity) are absent from nvidia-smi captures: missing stays missing
+    gpm = {signals.GPU["sm_active"], signals.GPU["tensor_active"], signals.GPU["dram_bandwidth"], signals.MIG["sm_active"]}
+    assert read - gpm <= written, sorted(read - gpm - written)

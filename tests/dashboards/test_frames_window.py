@@ -1,0 +1,137 @@
+"""Pure transforms and the time window (no I/O)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import polars as pl
+import pytest
+
+from kvmeter.dashboards.frames import (OTHER, fill_buckets, jain_by_bucket, jain_index, reservation_drift, service,
+                                       tenant_ranking, to_csv_bytes, to_parquet_bytes, top_n, traffic_rates)
+from kvmeter.dashboards.schemas import TENANT_TOTALS, TRAFFIC, TRAFFIC_BY_TENANT
+from kvmeter.dashboards.frames import frame
+from kvmeter.dashboards.viewer import TierInfo
+from kvmeter.dashboards.window import Window, choose_step
+
+T0 = datetime(2026, 11, 27, 2, 0, tzinfo=timezone.utc)
+TIERS = [TierInfo("enterprise", weight=8.0, ttft_slo_s=1.0, itl_slo_s=0.05), TierInfo("free", weight=1.0)]
+
+
+def test_step_keeps_charts_under_240_points():
+    assert choose_step(900) == 5        # 15 min → 180 buckets of 5 s
+    assert choose_step(3600) == 15      # 1 h → 240 buckets of 15 s
+    assert choose_step(86400) == 600    # 1 day → 144 buckets of 10 min
+    assert choose_step(7 * 86400) == 3600
+    with pytest.raises(ValueError):
+        choose_step(0)
+
+
+def test_live_window_includes_the_filling_bucket_and_pinned_one_stops_at_its_end():
+    now = T0 + timedelta(seconds=7)
+    live = Window.last(3600, now)
+    assert live.step_s == 15 and live.end == T0 + timedelta(seconds=15) and live.span_s == 3600
+    assert Window.last(3600, now + timedelta(seconds=3)) == live  # same bucket, same window (cache key)
+    pinned = Window.ending(3600, now)
+    assert pinned.end == now and pinned.start == now - timedelta(hours=1)
+    assert len(live.bucket_starts()) == 240
+    assert Window.from_query(live.to_query()) == live
+    with pytest.raises(ValueError):
+        Window(T0, T0, 15)
+    with pytest.raises(ValueError):
+        Window(T0, T0 + timedelta(hours=1), 7)
+
+
+def test_rates_divide_by_the_seconds_each_bucket_covered():
+    w = Window(T0, T0 + timedelta(seconds=60), 15)
+    traffic = frame([{"ts": T0, "requests": 30, "prompt_tokens": 3000, "completion_tokens": 600,
+                      "kv_token_seconds": 1500.0, "queue_seconds": 7.5},
+                     {"ts": T0 + timedelta(seconds=30), "requests": 5, "prompt_tokens": 500, "completion_tokens": 50,
+                      "kv_token_seconds": 50.0, "queue_seconds": 0.0}], TRAFFIC)
+    now = T0 + timedelta(seconds=35)  # the 30 s bucket has run 5 s; the 45 s one has not started
+    r = traffic_rates(traffic, w, now).sort("ts")
+    assert r.get_column("requests").to_list() == [30, 0, 5, 0]  # quiet buckets are 0, not gaps
+    assert r.get_column("requests_per_s").to_list() == [2.0, 0.0, 1.0, None]
+    assert r.get_column("input_tokens_per_s")[0] == 200.0
+    assert r.get_column("active_kv_tokens")[0] == 100.0   # 1500 token·s over 15 s
+    assert r.get_column("queue_depth")[0] == 0.5          # Little: 7.5 s of waiting over 15 s
+    assert r.get_column("tokens_per_request").to_list()[:3] == [120.0, None, 110.0]
+
+
+def test_jain_index_known_values():
+    assert jain_index([5, 5, 5, 5]) == pytest.approx(1.0)
+    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)  # 1/n: one party gets everything
+    assert jain_index([3, 1]) == pytest.approx(16 / 20)
+    assert jain_index([7]) == 1.0 and jain_index([0, 0]) == 1.0 and jain_index([]) is None
+    with pytest.raises(ValueError):
+        jain_index([1, -1])
+
+
+def test_service_is_vtc_weighted_and_normalised_by_tier_weight():
+    df = pl.DataFrame({"tier": ["enterprise", "free", "nosuch"], "prompt_tokens": [800, 100, 10],
+                       "completion_tokens": [400, 50, 5]})
+    s = service(df, TIERS)
+    assert s.get_column("service_tokens").to_list() == [1600.0, 200.0, 20.0]   # 1 × in + 2 × out
+    assert s.get_column("normalised_service").to_list() == [200.0, 200.0, 20.0]  # ÷ weight 8, 1, 1
+
+
+def test_jain_counts_only_backlogged_tenants():
+    rows = [{"ts": T0, "tenant_id": "a", "tier": "enterprise", "requests": 1, "prompt_tokens": 800,
+             "completion_tokens": 400, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
+            {"ts": T0, "tenant_id": "b", "tier": "free", "requests": 1, "prompt_tokens": 100,
+             "completion_tokens": 50, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
+            {"ts": T0, "tenant_id": "c", "tier": "free", "requests": 1, "prompt_tokens": 1,
+             "completion_tokens": 1, "kv_token_seconds": 1.0, "queue_seconds": 0.0, "backlogged": 0}]
+    j = jain_by_bucket(frame(rows, TRAFFIC_BY_TENANT), TIERS)
+    assert j.get_column("tenants").to_list() == [2]
+    assert j.get_column("jain_index").to_list() == [pytest.approx(1.0)]  # equal normalised service
+    everyone = jain_by_bucket(frame(rows, TRAFFIC_BY_TENANT), TIERS, backlogged_only=False)
+    assert everyone.get_column("jain_index")[0] < 0.7
+
+
+def test_ranking_puts_the_kv_holder_first_not_the_chatty_tenant():
+    w = Window(T0, T0 + timedelta(seconds=100), 5)
+    totals = frame([{"tenant_id": "chatty", "tier": "free", "requests": 500, "prompt_tokens": 150_000,
+                     "completion_tokens": 50_000, "kv_token_seconds": 1_000.0},
+                    {"tenant_id": "noisy", "tier": "free", "requests": 20, "prompt_tokens": 3_000_000,
+                     "completion_tokens": 160_000, "kv_token_seconds": 900_000.0}], TENANT_TOTALS)
+    r = tenant_ranking(totals, TIERS, w)
+    top = r.row(0, named=True)
+    assert top["tenant_id"] == "noisy" and top["rank_by_kv"] == 1 and top["rank_by_tokens"] == 1
+    assert top["rank_by_requests"] == 2
+    assert top["mean_active_kv_tokens"] == 9000.0
+    assert r.get_column("kv_share").sum() == pytest.approx(1.0)
+
+
+def test_top_n_folds_the_rest_and_keeps_totals():
+    df = pl.DataFrame({"ts": [T0] * 4, "tenant": ["a", "b", "c", "d"], "value": [10.0, 5.0, 2.0, 1.0]})
+    out = top_n(df, "tenant", "value", 2)
+    assert dict(zip(out["tenant"], out["value"])) == {"a": 10.0, "b": 5.0, OTHER: 3.0}
+    assert top_n(df, "tenant", "value", 4).equals(df)
+
+
+def test_reservation_drift_sign_and_ratio():
+    df = pl.DataFrame({"reserved_prompt_tokens": [100, 0], "reserved_completion_tokens": [900, 0],
+                       "prompt_tokens": [100, 5], "completion_tokens": [150, 5]})
+    d = reservation_drift(df)
+    assert d.get_column("drift_tokens").to_list() == [750, -10]
+    assert d.get_column("drift_ratio").to_list() == [0.75, None]
+    assert d.get_column("output_use_ratio").to_list() == [150 / 900, None]
+
+
+def test_fill_buckets_by_group():
+    w = Window(T0, T0 + timedelta(seconds=30), 15)
+    df = pl.DataFrame({"ts": [T0], "tenant": ["a"], "n": [3]}, schema={"ts": pl.Datetime("us", "UTC"),
+                                                                        "tenant": pl.String, "n": pl.Int64})
+    out = fill_buckets(df, w, ("tenant",), ("n",))
+    assert out.get_column("n").to_list() == [3, 0]
+
+
+def test_downloads_round_trip_exact_decimals():
+    from decimal import Decimal
+
+    df = pl.DataFrame({"tenant_id": ["acme"], "cost": [Decimal("0.000356400000000000")]},
+                      schema={"tenant_id": pl.String, "cost": pl.Decimal(38, 18)})
+    assert b"0.000356400000000000" in to_csv_bytes(df)
+    back = pl.read_parquet(to_parquet_bytes(df))
+    assert back.schema["cost"] == pl.Decimal(38, 18) and back.item(0, "cost") == Decimal("0.0003564")

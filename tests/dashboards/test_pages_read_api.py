@@ -1,0 +1,210 @@
+"""Every page under AppTest on a ledger filled by a real replay, read through ``kvmeter serve``'s
+read API (mode *a*: the embedded ledger while serve holds it), and the tenant scope."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import httpx
+import pytest
+from apptest import PAGES, assert_clean, chart, charts, metric_labels, run_page
+from dashkit import KEYS, TENANTS
+
+from kvmeter.dashboards.errors import ScopeError, SignInError
+from kvmeter.dashboards.http_source import HttpSource
+from kvmeter.dashboards.source import ScopedSource
+from kvmeter.dashboards.views.common import si
+from kvmeter.dashboards.window import Window
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+#: page → (metric labels that must be there, chart titles (prefixes) that must be drawn with data)
+EXPECTED: dict[str, tuple[list[str], list[str]]] = {
+    "overview": (["Requests / s (mean)", "Input tokens / s", "Output tokens / s", "Mean active KV (tokens)",
+                  "Worst queue wait p95"],
+                 ["Requests / s", "Tokens / s", "KV watermark", "Active KV tokens", "Queue wait",
+                  "Requests waiting"]),
+    "kv": (["Peak KV watermark", "Mean active KV", "Largest KV holder", "Its share of KV held"],
+           ["KV watermark", "Engine batch", "Active KV tokens per tenant", "Top KV consumers"]),
+    "latency": ([], ["TTFT by tier", "ITL by tier", "TTFT p95 per bucket", "ITL p95 per bucket",
+                     "Where a request's time goes"]),
+    "tenants": (["Tenants with traffic", "Tenants that queued"],
+                ["Service share per tenant", "Jain's index", "Noisy neighbours", "Queue depth per tenant"]),
+    "goodput": (["Goodput ratio (tokens)", "Requests inside SLO", "Work abandoned", "Attempts refused"],
+                ["Throughput vs goodput by tier", "Goodput ratio by tier", "Goodput ratio per bucket",
+                 "Tokens / s: throughput vs goodput", "Refused attempts by reason"]),
+    "quota": (["Rejected attempts", "Rejection rate", "Reserved vs used", "Tokens reserved"],
+              ["Refusals by tenant and reason", "Tokens reserved at admission", "Reservation drift per tenant",
+               "Share of max_tokens"]),
+    "billing": (["Invoice total", "Invoice lines", "Tenants reconciled", "Tenants with drift"],
+                ["Amount per tenant", "Engine vs ledger tokens", "Requests by reconciliation class"]),
+    "gpu": (["GPUs reporting", "Mean utilization (coarse)", "Peak memory used"],
+            ["Utilization (coarse", "Device memory used", "Board power", "GPU temperature"]),
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_for_an_admin(page, reader, dashboard_env):
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    at = run_page(page)
+    assert_clean(at)
+    labels, titles = EXPECTED[page]
+    assert set(labels) <= set(metric_labels(at)), metric_labels(at)
+    for title in titles:
+        assert chart(at, title)["rows"] > 0, f"{page}: chart {title!r} has no data"
+    assert all(c["title"] for c in charts(at)), "every chart has a title"
+
+
+def _axis_titles(spec) -> list[str]:
+    out = []
+    for enc in [spec.get("encoding", {})] + [layer.get("encoding", {}) for layer in spec.get("layer", [])]:
+        for channel in ("x", "y"):
+            if isinstance(enc.get(channel), dict) and enc[channel].get("title"):
+                out.append(enc[channel]["title"])
+    return out
+
+
+def test_time_axes_are_utc_and_value_axes_have_units(reader, dashboard_env, replay):
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    at = run_page("overview")
+    for c in charts(at):
+        titles = _axis_titles(c["spec"])
+        assert "time (UTC)" in titles, (c["title"], titles)
+        assert any(("/" in t or "(" in t or "tokens" in t or "requests" in t) for t in titles if t != "time (UTC)"), \
+            (c["title"], titles)
+
+
+def test_counts_match_what_the_clients_received(reader, dashboard_env, replay):
+    """The noisy-neighbour table counts, per tenant, every request the clients completed or
+    dropped (one usage event each) and, for tenants without dropped streams, exactly the tokens
+    the gateway reported to the client."""
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    at = run_page("tenants")
+    table = ranking_table(at)
+    got = dict(zip(table["tenant_id"], table["requests"]))
+    assert got == {t: replay.billed_requests(t) for t in TENANTS if replay.billed_requests(t)}
+    tokens = dict(zip(table["tenant_id"], table["total_tokens"]))
+    for tenant in ("acme", "umbrella", "hobbyist"):
+        ok = replay.ok[tenant]
+        assert tokens[tenant] == ok["prompt_tokens"] + ok["completion_tokens"]
+    # the noisy neighbour sends few requests but carries the most tokens and KV
+    ranks = {row["tenant_id"]: row for row in table.to_dict("records")}
+    assert ranks["umbrella"]["rank_by_kv"] == 1 and ranks["umbrella"]["rank_by_tokens"] == 1
+    assert ranks["umbrella"]["rank_by_requests"] > 1
+
+    overview = run_page("overview")
+    total = sum(replay.billed_requests(t) for t in TENANTS)
+    mean_rps = next(m.value for m in overview.metric if m.label == "Requests / s (mean)")
+    assert mean_rps == si(total / (15 * 60))  # the 15-minute window, pinned after the replay
+
+
+def test_rejections_and_aborts_are_shown(reader, dashboard_env, replay):
+    assert replay.rejected.get("hobbyist"), "the workload must overrun hobbyist's concurrency limit"
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    at = run_page("quota")
+    refused = next(df.value for df in at.dataframe if "reason" in df.value.columns)
+    hobby = refused[(refused["tenant_id"] == "hobbyist") & (refused["status"] == "rejected")]
+    assert hobby["attempts"].sum() == replay.rejected["hobbyist"]
+    assert set(hobby["status_code"]) == {429}
+    billing = run_page("billing")
+    recon = next(df.value for df in billing.dataframe if "unexplained_drift_tokens" in df.value.columns)
+    by_tenant = recon.set_index("tenant_id")
+    for tenant in TENANTS:
+        assert by_tenant.loc[tenant, "ledger_requests"] == replay.billed_requests(tenant)
+    for tenant in TENANTS:
+        assert by_tenant.loc[tenant, "aborted_requests"] == replay.aborted.get(tenant, 0)
+    assert len(billing.get("download_button")) == 4  # invoice and reconciliation, CSV and Parquet
+
+
+def test_admin_tenant_filter_narrows_every_read(reader, dashboard_env):
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    from streamlit.testing.v1 import AppTest
+    from apptest import APP
+
+    at = AppTest.from_file(str(APP), default_timeout=180)
+    at.session_state["tenant_filter"] = ["umbrella"]
+    at.run()
+    at.switch_page("pages/tenants.py").run()
+    assert_clean(at)
+    assert set(ranking_table(at)["tenant_id"]) == {"umbrella"}
+
+
+# --------------------------------------------------------------------------- tenant scope
+
+
+def test_only_an_admin_gets_the_tenant_picker(reader, dashboard_env):
+    # (sidebar elements are read from the first run: AppTest drops them from its tree on reruns)
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    assert [m.label for m in run_page("overview").sidebar.multiselect] == ["Tenants"]
+    dashboard_env(server=reader.url, key=KEYS["acme"])
+    tenant = run_page("overview")
+    assert not tenant.sidebar.multiselect
+    assert any("Tenant: **acme**" in c.value for c in tenant.sidebar.caption)
+
+
+def test_a_tenant_key_sees_only_its_own_tenant(reader, dashboard_env):
+    dashboard_env(server=reader.url, key=KEYS["acme"])
+    at = run_page("tenants")
+    assert_clean(at)
+    assert set(ranking_table(at)["tenant_id"]) == {"acme"}
+    kv = run_page("kv")
+    consumers = next(df.value for df in kv.dataframe if "kv_share" in df.value.columns)
+    assert set(consumers["tenant_id"]) == {"acme"}
+    assert all(c["title"] != "KV watermark — used ÷ total KV blocks (platform, max per bucket)" for c in charts(kv))
+    billing = run_page("billing")
+    assert_clean(billing)
+    lines = next(df.value for df in billing.dataframe if "line_type" in df.value.columns)
+    assert set(lines["tenant_id"]) == {"acme"}
+    gpu = run_page("gpu")
+    assert_clean(gpu)
+    assert not charts(gpu) and "admin key" in gpu.info[0].value
+
+
+def ranking_table(at):
+    """The noisy-neighbour table of the tenants page (a pandas frame, raw column names)."""
+    return next(df.value for df in at.dataframe if "rank_by_tokens" in df.value.columns)
+
+
+def _window(replay) -> Window:
+    end = datetime.fromisoformat(replay.until)
+    return Window.ending(15 * 60, end)
+
+
+def test_the_read_api_refuses_another_tenants_data(reader, replay):
+    params = _window(replay).to_query()
+    url = f"{reader.url}/v1/usage/dash/read/tenant_totals"
+    acme = {"authorization": f"Bearer {KEYS['acme']}"}
+    r = httpx.get(url, params={**params, "tenant": "globex"}, headers=acme)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_tenant"
+    own = httpx.get(url, params=params, headers=acme)
+    assert own.status_code == 200 and {row["tenant_id"] for row in own.json()} == {"acme"}
+    admin = httpx.get(url, params=params, headers={"authorization": f"Bearer {KEYS['admin']}"})
+    assert {row["tenant_id"] for row in admin.json()} == set(TENANTS)
+    assert httpx.get(url, params=params, headers={"authorization": "Bearer sk-nope"}).status_code == 401
+    assert httpx.get(url, params=params).status_code == 401
+    # platform-wide signals (no tenant label) are admin-only
+    gauge = f"{reader.url}/v1/usage/dash/signal_gauge"
+    q = {**params, "name": "kvmeter_engine_kv_watermark_ratio"}
+    assert httpx.get(gauge, params=q, headers=acme).json() == []
+    assert httpx.get(gauge, params=q, headers={"authorization": f"Bearer {KEYS['admin']}"}).json()
+
+
+def test_http_source_scoping(reader, replay):
+    window = _window(replay)
+    raw = HttpSource(reader.url, KEYS["acme"])
+    try:
+        viewer = raw.whoami()
+        assert viewer.tenant_id == "acme" and not viewer.admin
+        scoped = ScopedSource(raw, viewer)
+        with pytest.raises(ScopeError):
+            scoped.read("tenant_totals", window, ["globex"])  # refused client-side
+        with pytest.raises(ScopeError):
+            raw.read("tenant_totals", window, ["globex"])  # and by the server (403)
+        assert {r["tenant_id"] for r in scoped.read("traffic_by_tenant", window)} == {"acme"}
+        with pytest.raises(ScopeError):
+            scoped.invoice(window.period, "umbrella")
+    finally:
+        raw.close()
+    with pytest.raises(SignInError):
+        HttpSource(reader.url, "sk-unknown").whoami()
+
