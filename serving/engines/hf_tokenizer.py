@@ -23,14 +23,24 @@ class HFTokenizer(Tokenizer):
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         self._vocab_size = len(self._tok)
+        # The Rust tokenizer of a fast tokenizer, called directly on the hot path: the same ids as
+        # the transformers wrapper (which adds ~0.1 ms of Python per call), see encode_chat.
+        self._backend = getattr(self._tok, "backend_tokenizer", None)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         try:
+            if self._backend is not None:
+                # What apply_chat_template(tokenize=True) does: render, then encode the text
+                # without adding special tokens (the template writes them).
+                text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return self._backend.encode(text, add_special_tokens=False).ids
             ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
         except Exception as exc:  # noqa: BLE001 — jinja errors of all kinds
@@ -40,6 +50,8 @@ class HFTokenizer(Tokenizer):
         return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=True)
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
     @property

@@ -103,6 +103,7 @@ class RemoteEngine(Engine):
         prompt_tokens = len(request.prompt_token_ids)
         generated = 0
         finish: str | None = None
+        final: EngineOutput | None = None
         try:
             async with self._client.stream("POST", "/v1/completions", json=body,
                                            headers={"x-request-id": request.request_id}) as resp:
@@ -111,18 +112,21 @@ class RemoteEngine(Engine):
                     raise EngineError(f"remote engine answered {resp.status_code}: {detail}",
                                       retryable=resp.status_code >= 500)
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if final is not None or not line.startswith("data: ") or line == "data: [DONE]":
+                        # read the stream to its end (``[DONE]``): a response closed before its
+                        # body is fully read closes the connection instead of returning it to
+                        # the pool, and every request would open a new TCP connection
                         continue
                     chunk = json.loads(line[6:])
                     usage = chunk.get("usage")
                     if usage:  # the final chunk: the server's own counts
                         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                        yield EngineOutput(new_token_ids=(), new_text="",
-                                           num_output_tokens=int(usage["completion_tokens"]),
-                                           num_prompt_tokens=int(usage["prompt_tokens"]),
-                                           num_cached_tokens=int(cached), finished=True,
-                                           finish_reason=finish or "stop")
-                        return
+                        final = EngineOutput(new_token_ids=(), new_text="",
+                                             num_output_tokens=int(usage["completion_tokens"]),
+                                             num_prompt_tokens=int(usage["prompt_tokens"]),
+                                             num_cached_tokens=int(cached), finished=True,
+                                             finish_reason=finish or "stop")
+                        continue
                     for choice in chunk.get("choices", ()):
                         text = choice.get("text", "")
                         ids = choice.get("token_ids")
@@ -135,4 +139,6 @@ class RemoteEngine(Engine):
                                            num_output_tokens=generated, num_prompt_tokens=prompt_tokens)
         except httpx.HTTPError as exc:
             raise EngineError(f"remote engine failed: {type(exc).__name__}: {exc}", retryable=True) from exc
-        raise EngineError("remote engine stream ended without a usage chunk")
+        if final is None:
+            raise EngineError("remote engine stream ended without a usage chunk")
+        yield final

@@ -81,11 +81,14 @@ class RequestMeter:
         self.outputs_seen = 0
         self.engine_stats = None
         self.finish_reason: str | None = None
+        self._event_id: str | None = None
 
     def event_id(self) -> str:
         """The logical request's deterministic event id (tenant + Idempotency-Key or request id)."""
-        ident = self.identity
-        return event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id)
+        if self._event_id is None:
+            ident = self.identity
+            self._event_id = event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id)
+        return self._event_id
 
     def dispatched(self) -> None:
         """The scheduler released the request to the engine."""

@@ -120,6 +120,12 @@ class QuotaGate(abc.ABC):
         """Replace the reservation with the actual usage and release the rest. Never raises into
         the serving path (failures are logged and signalled)."""
 
+    def context_limit(self, principal: object, agent_run_id: str = "") -> int | None:
+        """Tightest ``max_context_tokens`` (prompt + ``max_tokens``) the caller may ask for, or
+        None (no quota limit). The gateway bounds the output reservation of a request without
+        ``max_tokens`` by it. The default has none."""
+        return None
+
 
 class UnlimitedQuota(QuotaGate):
     """Admits everything; counts what it saw (for tests and the no-limits default)."""

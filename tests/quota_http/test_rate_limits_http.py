@@ -3,8 +3,6 @@ machine-readable reason, nothing billed and the engine never touched for a refus
 
 from __future__ import annotations
 
-import pytest
-
 from kvmeter.stats import AdmissionDecision
 from tests.quota_http.conftest import bearer, completion, tenants
 
