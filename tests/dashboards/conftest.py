@@ -32,7 +32,7 @@ from kvmeter.serving.config import load_serve_config
 from tests.conftest import free_port
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # chDB holds one path per process: release it with the package
 async def replay(vllm_engine, tmp_path_factory):
     """Run the workload through the real gateway and engine into a fresh chDB ledger (≈ 30 s).
     At the end of the session, stops the reader serve if one is running."""

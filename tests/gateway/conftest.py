@@ -47,7 +47,7 @@ class Stack:
         return self.rows("SELECT count() AS n FROM usage_events FINAL WHERE tenant_id = {t:String}", t=tenant)[0]["n"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # chDB holds one path per process: release it with the package
 async def stack(vllm_engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     port = free_port()
