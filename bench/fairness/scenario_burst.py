@@ -18,7 +18,8 @@ import random
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save, window_goodput
-from kvmeter.serving.engines.sim import SimConfig, TraceRequest, load_trace
+from kvmeter.serving.engines.sim import SimConfig
+from kvmeter.traces import TraceRequest, load_trace
 from kvmeter.serving.scheduler import SchedulerConfig
 
 SIM = SimConfig(model="llama-3.1-70b", gpu="h200", tp=4)
@@ -42,7 +43,7 @@ def workload(cap: float, seed: int = 11) -> list[TraceRequest]:
             if t >= T_END:
                 break
             src = pick.choice(lengths)
-            out.append(TraceRequest(t, src.prompt_tokens, src.output_tokens, tenant, tier))
+            out.append(TraceRequest(t, src.input_tokens, src.output_tokens, tenant_id=tenant, tier=tier))
     return out
 
 

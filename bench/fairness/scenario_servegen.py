@@ -19,8 +19,9 @@ import argparse
 import random
 
 from common import capacity_rps, md_table, run_policies, save
-from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report, load_trace
-from kvmeter.serving.engines.sim.traces import busiest_hour_start, load_servegen_rates, servegen_arrivals
+from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
+from kvmeter.serving.engines.sim.tenants import busiest_hour_start, load_servegen_rates, servegen_arrivals
+from kvmeter.traces import load_trace
 from kvmeter.serving.scheduler import SchedulerConfig
 
 SIM = SimConfig(model="llama-3.1-70b", gpu="h200", tp=4)
@@ -53,8 +54,9 @@ def main() -> dict:
           f"({cap / len(tenants):.3f} req/s) — {sum(n for t, n in offered.items() if t not in heavy) / len(reqs):.0%} "
           "of requests")
     runs = run_policies(reqs, SIM, rpm_limit=rpm, vtc_config=SchedulerConfig(), label="servegen")
-    # VTC order alone (no deadlines, shedding or KV budget), to separate ordering from overload control
-    plain = SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None,
+    # VTC order alone (no deadlines, shedding, KV budget or adaptive engine limit), to separate
+    # ordering from overload control
+    plain = SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None, adaptive_engine_limit=False,
                             max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
     res = Simulation(reqs, policy="vtc", scheduler_config=plain, sim=SIM).run()
     runs["vtc, overload control off"] = (res, build_report(res, trace="servegen"))

@@ -18,7 +18,8 @@ import dataclasses
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save
-from kvmeter.serving.engines.sim import SimConfig, Simulation, TraceRequest, build_report
+from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
+from kvmeter.traces import TraceRequest
 from kvmeter.serving.scheduler import SchedulerConfig
 
 SIM = SimConfig(model="llama-2-7b", gpu="a10", tp=1, max_num_batched_tokens=4096)
@@ -30,7 +31,7 @@ def workload(seconds: float, seed: int = 0) -> list[TraceRequest]:
     for tenant, rate in (("A", 1.5), ("B", 3.0)):
         t = rng.exponential(1 / rate)
         while t < seconds:
-            out.append(TraceRequest(float(t), 256, 256, tenant, "paid_interactive"))
+            out.append(TraceRequest(float(t), 256, 256, tenant_id=tenant, tier="paid_interactive"))
             t += rng.exponential(1 / rate)
     return out
 
@@ -39,11 +40,11 @@ def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=1800.0)
     args = ap.parse_args()
-    cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, "x")] * n, SIM, n=1000)
+    cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, tenant_id="x")] * n, SIM, n=1000)
     print(f"capacity ≈ {cap:.2f} req/s; offered 4.5 req/s ({4.5 / cap:.1f}× capacity)")
     reqs = workload(args.seconds)
     vtc = SchedulerConfig(overload_control=False, max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9,
-                          tenant_kv_budget_ratio=None)
+                          tenant_kv_budget_ratio=None, adaptive_engine_limit=False)
     runs = run_policies(reqs, SIM, rpm_limit=cap / 2 * 60, vtc_config=vtc, label="two-tenants")
     # the same with kvmeter's default per-tenant KV budget (half the KV), for transparency: the budget
     # is strict, so once only B is left (the drain) B cannot use the whole cache

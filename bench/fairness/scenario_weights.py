@@ -16,7 +16,8 @@ import argparse
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save, service_in_window
-from kvmeter.serving.engines.sim import SimConfig, TraceRequest
+from kvmeter.serving.engines.sim import SimConfig
+from kvmeter.traces import TraceRequest
 from kvmeter.serving.scheduler import SchedulerConfig
 
 SIM = SimConfig(model="llama-2-7b", gpu="a10", tp=1, max_num_batched_tokens=4096)
@@ -29,7 +30,7 @@ def workload(seconds: float, seed: int = 1) -> list[TraceRequest]:
     for tenant in WEIGHTS:
         t = rng.exponential(1 / 3.0)
         while t < seconds:
-            out.append(TraceRequest(float(t), 256, 256, tenant, "paid_interactive"))
+            out.append(TraceRequest(float(t), 256, 256, tenant_id=tenant, tier="paid_interactive"))
             t += rng.exponential(1 / 3.0)
     return out
 
@@ -38,10 +39,10 @@ def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=1800.0)
     args = ap.parse_args()
-    cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, "x")] * n, SIM, n=1000)
+    cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, tenant_id="x")] * n, SIM, n=1000)
     reqs = workload(args.seconds)
     vtc = SchedulerConfig(tenant_weights=WEIGHTS, overload_control=False, tenant_kv_budget_ratio=None,
-                          max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
+                          max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9, adaptive_engine_limit=False)
     # RPM: each tenant limited to its weighted part of the probed capacity (w/10 of it)
     limits = {t: cap * w / 10 * 60 for t, w in WEIGHTS.items()}
     runs = run_policies(reqs, SIM, rpm_limit=cap * 60, vtc_config=vtc, label="weights",

@@ -36,6 +36,7 @@ class ReplayResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     error: str = ""
+    code: str = ""  # the error's ``code`` (kvmeter's refusal reason, e.g. ``deadline``, ``shed``)
 
 
 async def _one(client: httpx.AsyncClient, model: str, req: ReplayRequest,
@@ -52,7 +53,9 @@ async def _one(client: httpx.AsyncClient, model: str, req: ReplayRequest,
             if resp.status_code != 200:
                 raw = await resp.aread()
                 try:
-                    result.error = json.loads(raw)["error"]["message"]
+                    err = json.loads(raw)["error"]
+                    result.error = err["message"]
+                    result.code = str(err.get("code") or "")
                 except (ValueError, KeyError, TypeError):
                     result.error = raw[:200].decode("utf-8", "replace")
                 return result

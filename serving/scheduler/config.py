@@ -130,6 +130,25 @@ class SchedulerConfig:
         max_engine_waiting: most requests allowed in the engine's own waiting queue; kept small
             so kvmeter, not the engine's FCFS queue, decides the order.
 
+    Adaptive running limit (per engine; the control law and its sources are in
+    :mod:`kvmeter.serving.scheduler.gating`):
+        adaptive_engine_limit: below ``max_engine_running``, limit the requests an engine holds
+            by AIMD on its reported step latencies (active from its first latency report).
+        engine_itl_target_ratio: target mean ITL as a fraction of the tightest protected tier's
+            ITL SLO (0–1]; above it the limit decreases.
+        engine_ttft_target_ratio: target median engine-side TTFT as a fraction of the tightest
+            protected tier's TTFT SLO (0–1); the rest of the TTFT budget is kvmeter's queue wait
+            (the limit grows rather than shrinks while protected requests wait longer, relative to
+            that rest, than the engine's latency exceeds its targets).
+        engine_limit_initial: the limit at the engine's first latency report (≥ 1).
+        engine_limit_min: the floor (≥ 1): the engine always may hold this many.
+        engine_limit_increase: additive increase per interval (requests, > 0) once past slow start.
+        engine_limit_decrease: multiplicative decrease factor (0–1).
+        engine_limit_interval_s: seconds between control decisions (> 0).
+        engine_limit_window_s: the latency signal covers the intervals of the last this many
+            seconds (≥ the interval): a request's TPOT averages its ITLs over its life, so one slow
+            step (a long prefill chunk) should not cut the limit the way sustained slowness does.
+
     KV budgets:
         tenant_kv_budget_ratio: a tenant's active KV tokens (prompt + output of its running
             requests) may not exceed this fraction of the total KV capacity of all engines;
@@ -187,6 +206,15 @@ class SchedulerConfig:
     kv_watermark_high: float = 0.90
     max_engine_running: int = 256
     max_engine_waiting: int = 8
+    adaptive_engine_limit: bool = True
+    engine_itl_target_ratio: float = 0.8
+    engine_ttft_target_ratio: float = 0.5
+    engine_limit_initial: int = 8
+    engine_limit_min: int = 2
+    engine_limit_increase: float = 1.0
+    engine_limit_decrease: float = 0.85
+    engine_limit_interval_s: float = 1.0
+    engine_limit_window_s: float = 5.0
     tenant_kv_budget_ratio: float | None = 0.5
     tenant_kv_budget_tokens: Mapping[str, int] = field(default_factory=dict)
     tenant_prefill_budget_tokens: int | None = 32_768
@@ -219,6 +247,14 @@ class SchedulerConfig:
                      "max_queued_total", "rate_window_s", "default_output_tokens", "rpm_limit",
                      "stats_window_s", "pressure_eval_interval_s", "pressure_smoothing_s"):
             positive(name)
+        for name in ("engine_limit_initial", "engine_limit_min", "engine_limit_increase",
+                     "engine_limit_interval_s", "engine_limit_window_s"):
+            positive(name)
+        for name in ("engine_itl_target_ratio", "engine_ttft_target_ratio", "engine_limit_decrease"):
+            v = getattr(self, name)
+            if not 0 < v <= 1 or (name != "engine_itl_target_ratio" and v == 1):
+                raise ValueError(f"SchedulerConfig.{name} must be in (0, 1{']' if name == 'engine_itl_target_ratio' else ')'}, "
+                                 f"got {v!r}")
         for name in ("pressure_min_dwell_s",):
             if getattr(self, name) < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be ≥ 0")

@@ -33,6 +33,12 @@ this bound (with ``M`` = the engine's KV capacity in tokens) on a :class:`~kvmet
 KV budgets and paused tiers make a tenant ineligible for a time; the bound then holds among the
 tenants that stay eligible.
 
+Engine gating — KV watermark, the engine's waiting queue, a running cap and an adaptive limit on
+the running batch driven by the engine's step latencies (AIMD) — is :mod:`.gating`'s; the overload
+pressure level is :mod:`.pressure`'s; projected waits are :mod:`.projection`'s; Jain's index, the
+service gap and snapshots are :mod:`.signals`'. This module owns the queues, the VTC order,
+admission, dispatch and the charging of running requests.
+
 Costs: a dispatch decision is two lazy-heap look-ups (tier, then tenant) — O(log n) — plus a few
 constant-time updates; see ``bench/fairness/bench_scheduler_cost.py``.
 
@@ -46,202 +52,27 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
-from collections import deque
-from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import EngineLoad
 
 from ._heap import LazyMinHeap
 from .base import Grant, Job, SchedulerRejected
-from .config import (PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, SchedulerConfig,
-                     TierPolicy)
-from .fairness import BackloggedServiceMeter
+from .config import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, SchedulerConfig, TierPolicy
+from .gating import EngineGate, latency_targets, pick_engine
 from .policy import OrderingPolicy, make_policy
-from .stats import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
+from .pressure import PressureController, oldest_protected_wait_ratio
+from .projection import DrainRateMeter, job_cost, projected_wait
+from .signals import FairnessSampler, tenant_stats, tier_stats
+from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
+from .stats import SchedulerStats
 
 __all__ = ["SchedulerCore", "CoreGrant"]
 
 log = logging.getLogger(__name__)
 
-_QUEUED, _DISPATCHED, _GONE = 0, 1, 2
 _INF = float("inf")
-#: Seconds between fairness samples (Jain's index, service gap).
-_SAMPLE_INTERVAL_S = 1.0
-
-
-class _QJob:
-    """A queued job and its bookkeeping."""
-
-    __slots__ = ("job", "seq", "tenant", "state", "deadline", "cost")
-
-    def __init__(self, job: Job, seq: int, tenant: "_Tenant", deadline: float | None, cost: float):
-        self.job = job
-        self.seq = seq
-        self.tenant = tenant
-        self.state = _QUEUED
-        self.deadline = deadline
-        self.cost = cost
-
-
-class _Tenant:
-    """Per-tenant state (identity-hashed; lives in the tier's heaps)."""
-
-    __slots__ = ("id", "tier", "weight", "counter", "queue", "n_queued", "queued_prompt",
-                 "queued_cost", "running", "active_kv", "kv_blocked", "unstarted", "unstarted_tokens",
-                 "service", "in_tokens",
-                 "out_tokens", "ewma_out", "dispatched", "completed", "wait_sum")
-
-    def __init__(self, tenant_id: str, tier: "_Tier", weight: float) -> None:
-        self.id = tenant_id
-        self.tier = tier
-        self.weight = weight
-        self.counter = 0.0
-        self.queue: deque[_QJob] = deque()
-        self.n_queued = 0
-        self.queued_prompt = 0
-        self.queued_cost = 0.0
-        self.running = 0
-        self.active_kv = 0
-        self.kv_blocked = False  # at its KV or prefill budget: out of the order heap
-        self.unstarted = 0        # dispatched requests without a first token (in prefill)
-        self.unstarted_tokens = 0
-        self.service = 0.0
-        self.in_tokens = 0
-        self.out_tokens = 0
-        self.ewma_out: float | None = None
-        self.dispatched = 0
-        self.completed = 0
-        self.wait_sum = 0.0
-
-    def head(self) -> _QJob | None:
-        """The oldest live queued job (dead entries are dropped on the way)."""
-        q = self.queue
-        while q and q[0].state != _QUEUED:
-            q.popleft()
-        return q[0] if q else None
-
-    def head_seq(self) -> float:
-        h = self.head()
-        return _INF if h is None else float(h.seq)
-
-
-class _Tier:
-    """Per-tier state: its tenants' order heap, its VTC counter, its goodput counters."""
-
-    __slots__ = ("name", "policy", "weight", "counter", "vtime", "last_leaver", "order", "counters", "backlogged",
-                 "n_eligible", "backlogged_weight", "paused", "tenants", "completed", "slo_met", "fifo",
-                 "out_tokens", "good_tokens")
-
-    def __init__(self, policy: TierPolicy, ordering: OrderingPolicy) -> None:
-        self.name = policy.name
-        self.policy = policy
-        self.weight = policy.weight
-        self.counter = 0.0
-        self.vtime = 0.0  # counter of the last tenant that left the backlog, when it left
-        self.last_leaver: _Tenant | None = None
-        self.order: LazyMinHeap[_Tenant] = LazyMinHeap(ordering.tenant_key)
-        # Counter-keyed heap for the lift rule when the order is not by counter (FCFS/RPM).
-        self.counters: LazyMinHeap[_Tenant] = (
-            self.order if ordering.counter_ordered else LazyMinHeap(lambda t: t.counter))
-        self.backlogged: set[_Tenant] = set()
-        self.fifo: deque[_QJob] = deque()  # the tier's queued jobs in arrival order (lazy)
-        self.n_eligible = 0
-        self.backlogged_weight = 0.0
-        self.paused = False
-        self.tenants: dict[str, _Tenant] = {}
-        self.completed = 0
-        self.slo_met = 0
-        self.out_tokens = 0
-        self.good_tokens = 0
-
-
-class _Engine:
-    """kvmeter's view of one engine replica."""
-
-    __slots__ = ("idx", "load", "outstanding", "unstarted", "unstarted_tokens", "reported",
-                 "since_report")
-
-    def __init__(self, idx: int) -> None:
-        self.idx = idx
-        self.load = EngineLoad()
-        self.outstanding = 0       # dispatched, not released
-        self.unstarted = 0         # dispatched, no output token yet
-        self.unstarted_tokens = 0  # their prompt tokens
-        self.reported = False      # has the engine ever reported its load?
-        self.since_report = 0      # dispatched since its last load report
-
-    def waiting_estimate(self) -> int:
-        """Requests in the engine's own waiting queue: its last report plus what was dispatched
-        since; without reports, every dispatched request that has not started."""
-        if self.reported:
-            return self.load.num_waiting + self.since_report
-        return self.unstarted
-
-    @property
-    def capacity(self) -> int:
-        return self.load.kv_capacity_tokens
-
-    def projected_used(self) -> float:
-        """KV tokens in use at the last report plus prompts dispatched that have not started."""
-        return self.load.kv_watermark_ratio * self.load.kv_capacity_tokens + self.unstarted_tokens
-
-
-@dataclass(slots=True)
-class CoreGrant(Grant):
-    """A :class:`Grant` with the core's bookkeeping (the gateway only reads :class:`Grant` fields)."""
-
-    tenant_state: _Tenant | None = None
-    started: bool = False
-    first_token_s: float = math.nan
-    released: bool = False
-
-
-class _RateMeter:
-    """Weighted service per second of *backlogged* time, over a sliding window (1-s buckets).
-
-    Only service charged while requests were queued counts, divided by the time they were queued:
-    that is the rate at which the engines drain a backlog (their capacity in service units), not the
-    offered load of a quiet period. Returns 0 (unknown) until ``min_busy_s`` of backlog was seen.
-    """
-
-    __slots__ = ("_window", "_buckets", "_last_t", "_busy", "_min_busy")
-
-    def __init__(self, window_s: float, min_busy_s: float = 1.0) -> None:
-        self._window = window_s
-        self._buckets: deque[list[float]] = deque()  # [start, service, busy seconds]
-        self._last_t: float | None = None
-        self._busy = False
-        self._min_busy = min_busy_s
-
-    def _bucket(self, now: float) -> list[float]:
-        b = self._buckets
-        if not b or now >= b[-1][0] + 1.0:
-            b.append([math.floor(now), 0.0, 0.0])
-        return b[-1]
-
-    def mark(self, now: float, backlogged: bool) -> None:
-        """Account the time since the last mark; ``backlogged`` is the state from now on."""
-        if self._last_t is not None and self._busy and now > self._last_t:
-            self._bucket(now)[2] += now - self._last_t
-        self._last_t = now
-        self._busy = backlogged
-
-    def add(self, now: float, amount: float) -> None:
-        if self._busy:
-            self._bucket(now)[1] += amount
-
-    def rate(self, now: float) -> float:
-        self.mark(now, self._busy)
-        b = self._buckets
-        while b and b[0][0] < now - self._window:
-            b.popleft()
-        busy = sum(x[2] for x in b)
-        if busy < self._min_busy:
-            return 0.0
-        return sum(x[1] for x in b) / busy
 
 
 class SchedulerCore:
@@ -269,42 +100,29 @@ class SchedulerCore:
             raise ValueError(f"num_engines must be ≥ 1, got {num_engines}")
         self.policy = policy
         self._clock = clock
-        self._tiers: dict[str, _Tier] = {}
-        self._tenants: dict[str, _Tenant] = {}
-        self._active_tiers: LazyMinHeap[_Tier] = LazyMinHeap(policy.tier_key)
-        self._paused_tiers: LazyMinHeap[_Tier] = LazyMinHeap(policy.tier_key)
-        self._backlogged_tiers: set[_Tier] = set()
+        self._tiers: dict[str, TierState] = {}
+        self._tenants: dict[str, TenantState] = {}
+        self._active_tiers: LazyMinHeap[TierState] = LazyMinHeap(policy.tier_key)
+        self._paused_tiers: LazyMinHeap[TierState] = LazyMinHeap(policy.tier_key)
+        self._backlogged_tiers: set[TierState] = set()
         self._backlogged_tier_weight = 0.0
         self._tier_vtime = 0.0
-        self._engines = [_Engine(i) for i in range(num_engines)]
-        self._queued: dict[str, _QJob] = {}
+        self._engines = [EngineGate(i, self.config) for i in range(num_engines)]
+        self._latency_targets: tuple[float | None, float | None] = (None, None)
+        self._queued: dict[str, QueuedJob] = {}
         self._running: dict[str, CoreGrant] = {}
-        self._deadlines: list[tuple[float, int, _QJob]] = []
+        self._deadlines: list[tuple[float, int, QueuedJob]] = []
         self._seq = itertools.count(1)
         self._queued_total = 0
         self._queued_cost_total = 0.0
-        self._rate = _RateMeter(self.config.rate_window_s)
+        self._rate = DrainRateMeter(self.config.rate_window_s)
         self._dropped: list[tuple[Job, SchedulerRejected]] = []
         self.rejected_total: dict[str, int] = {}
         self.dropped_total: dict[str, int] = {}
-        self.pressure_level = PRESSURE_NORMAL
+        self._pressure = PressureController(self.config)
         self._next_pressure_eval = -_INF
-        self._pressure_last_t: float | None = None
-        self._level_since = -_INF
-        #: smoothed oldest queue wait of the protected tiers ÷ their TTFT SLO (drives pressure)
-        self.protected_wait_ratio = 0.0
-        #: smoothed TPOT of completed protected requests ÷ their ITL SLO (drives pressure)
-        self.protected_itl_ratio = 0.0
-        self._itl_sum = 0.0
-        self._itl_n = 0
-        self._meter = BackloggedServiceMeter()
+        self._signals = FairnessSampler(self.config.stats_window_s)
         self._n_backlogged = 0
-        self._window_start: float | None = None
-        self._jain_last = 1.0
-        self._prev_backlogged: set[_Tenant] = set()
-        self._next_sample = -_INF
-        self.service_gap = 0.0
-        self.max_service_gap = 0.0
         self.service_total = 0.0
 
     # ------------------------------------------------------------------ read-only views
@@ -334,7 +152,36 @@ class SchedulerCore:
     @property
     def next_sample_s(self) -> float:
         """Clock time of the next fairness sample (callers sync charges before it)."""
-        return self._next_sample
+        return self._signals.next_sample_s
+
+    @property
+    def pressure_level(self) -> int:
+        """0 normal, 1 elevated, 2 overload (see :mod:`.pressure`)."""
+        return self._pressure.level
+
+    @property
+    def protected_wait_ratio(self) -> float:
+        """Smoothed oldest queue wait of the protected tiers ÷ their TTFT SLO (drives pressure)."""
+        return self._pressure.protected_wait_ratio
+
+    @property
+    def protected_itl_ratio(self) -> float:
+        """Smoothed TPOT of completed protected requests ÷ their ITL SLO (drives pressure)."""
+        return self._pressure.protected_itl_ratio
+
+    @property
+    def service_gap(self) -> float:
+        """Largest VTC counter spread between backlogged tenants of a tier at the last sample."""
+        return self._signals.service_gap
+
+    @property
+    def max_service_gap(self) -> float:
+        """The largest :attr:`service_gap` seen since start."""
+        return self._signals.max_service_gap
+
+    def engine_limits(self) -> list[int | None]:
+        """Per engine, the adaptive running limit now (None: inactive, the static caps apply)."""
+        return [e.adaptive.bound() if e.adaptive is not None else None for e in self._engines]
 
     def queue_depth_by_tier(self) -> dict[str, int]:
         """Queued requests per tier (tiers seen so far)."""
@@ -343,7 +190,7 @@ class SchedulerCore:
     def backlogged_service_rates(self, min_time_s: float = 0.0) -> dict[str, float]:
         """Per tenant, weight-normalised service per second while backlogged, since start
         (the ``xᵢ`` of the run's Jain's index; see :mod:`.fairness`)."""
-        return self._meter.rates(min_time_s, whole_run=True)
+        return self._signals.meter.rates(min_time_s, whole_run=True)
 
     def tenant_tier(self, tenant_id: str) -> str | None:
         t = self._tenants.get(tenant_id)
@@ -377,24 +224,25 @@ class SchedulerCore:
         return self._rate.rate(self._clock.monotonic())
 
     # ------------------------------------------------------------------ tenants and tiers
-    def _tier(self, name: str) -> _Tier:
+    def _tier(self, name: str) -> TierState:
         tier = self._tiers.get(name)
         if tier is None:
-            tier = _Tier(self.config.tier(name), self.policy)
+            tier = TierState(self.config.tier(name), self.policy)
             tier.paused = tier.policy.pause_at is not None and self.pressure_level >= tier.policy.pause_at
             self._tiers[name] = tier
+            self._latency_targets = latency_targets((x.policy for x in self._tiers.values()), self.config)
         return tier
 
-    def _tenant(self, tenant_id: str, tier_name: str) -> _Tenant:
+    def _tenant(self, tenant_id: str, tier_name: str) -> TenantState:
         t = self._tenants.get(tenant_id)
         if t is None:
             tier = self._tier(tier_name if tier_name in self.config.tiers else self.config.default_tier)
-            t = _Tenant(tenant_id, tier, float(self.config.tenant_weights.get(tenant_id, 1.0)))
+            t = TenantState(tenant_id, tier, float(self.config.tenant_weights.get(tenant_id, 1.0)))
             tier.tenants[tenant_id] = t
             self._tenants[tenant_id] = t
         return t
 
-    def _make_eligible(self, t: _Tenant) -> None:
+    def _make_eligible(self, t: TenantState) -> None:
         tier = t.tier
         tier.order.push(t)
         if tier.counters is not tier.order:
@@ -404,7 +252,7 @@ class SchedulerCore:
         if tier.n_eligible == 1 or not self.policy.counter_ordered:
             (self._paused_tiers if tier.paused else self._active_tiers).push(tier)
 
-    def _make_ineligible(self, t: _Tenant) -> None:
+    def _make_ineligible(self, t: TenantState) -> None:
         tier = t.tier
         tier.order.remove(t)
         if tier.counters is not tier.order:
@@ -414,7 +262,7 @@ class SchedulerCore:
             self._active_tiers.remove(tier)
             self._paused_tiers.remove(tier)
 
-    def _on_backlogged(self, t: _Tenant) -> None:
+    def _on_backlogged(self, t: TenantState) -> None:
         """``t``'s queue went from empty to non-empty: VTC counter lift, then eligibility."""
         tier = t.tier
         # Lift (Sheng et al., Alg. 1): idle time banks no credit. The floor is the least counter
@@ -437,7 +285,7 @@ class SchedulerCore:
         if not t.kv_blocked:
             self._make_eligible(t)
 
-    def _on_idle(self, t: _Tenant) -> None:
+    def _on_idle(self, t: TenantState) -> None:
         """``t``'s queue became empty."""
         tier = t.tier
         if t.kv_blocked:
@@ -454,7 +302,7 @@ class SchedulerCore:
             self._backlogged_tiers.discard(tier)
             self._backlogged_tier_weight = max(0.0, self._backlogged_tier_weight - tier.weight)
 
-    def _kv_budget(self, t: _Tenant) -> int:
+    def _kv_budget(self, t: TenantState) -> int:
         override = self.config.tenant_kv_budget_tokens.get(t.id)
         if override is not None:
             return int(override)
@@ -474,12 +322,6 @@ class SchedulerCore:
         if tier.ttft_slo_s is not None:
             return job.arrival_s + self.config.deadline_slo_factor * tier.ttft_slo_s
         return None
-
-    def _job_cost(self, t: _Tenant | None, job: Job) -> float:
-        est = self.config.default_output_tokens if (t is None or t.ewma_out is None) else t.ewma_out
-        if job.max_tokens > 0:
-            est = min(est, job.max_tokens)
-        return job.prompt_tokens * self.config.input_weight + est * self.config.output_weight
 
     def _admission_error(self, job: Job, now: float) -> SchedulerRejected | None:
         cfg = self.config
@@ -504,7 +346,7 @@ class SchedulerCore:
                 f"prompt of {job.prompt_tokens} tokens exceeds the engine's KV room "
                 f"({int(cfg.kv_watermark_high * biggest)} tokens)", status_code=400)
         t = self._tenants.get(job.tenant_id)
-        refusal = self.policy.admission(t or _Tenant(job.tenant_id, self._tier(tier_policy.name), 1.0), now)
+        refusal = self.policy.admission(t or TenantState(job.tenant_id, self._tier(tier_policy.name), 1.0), now)
         if refusal is not None:
             return refusal
         level = self.pressure_level if cfg.overload_control else PRESSURE_NORMAL
@@ -527,11 +369,12 @@ class SchedulerCore:
                                          retry_after_s=0.0)
             if cfg.reject_on_projected_wait and t is not None:
                 wait = self._projected_wait(t, now)
-                if wait > deadline - now:
+                lead = min(e.first_token_lead_s() for e in self._engines)
+                if wait + lead > deadline - now:
                     return SchedulerRejected(
                         "projected_wait",
-                        f"projected queue wait {wait:.1f} s exceeds the {deadline - now:.1f} s left "
-                        "before the request's deadline", retry_after_s=wait)
+                        f"projected queue wait {wait:.1f} s (+ {lead:.1f} s to a first token) exceeds the "
+                        f"{deadline - now:.1f} s left before the request's deadline", retry_after_s=wait)
         return None
 
     def check_admission(self, job: Job) -> None:
@@ -557,7 +400,7 @@ class SchedulerCore:
         self.check_admission(job)
         t = self._tenant(job.tenant_id, job.tier)
         tier_policy = t.tier.policy
-        qj = _QJob(job, next(self._seq), t, self._deadline_of(job, tier_policy), self._job_cost(t, job))
+        qj = QueuedJob(job, next(self._seq), t, self._deadline_of(job, tier_policy), job_cost(self.config, t, job))
         t.queue.append(qj)
         if tier_policy.protected and tier_policy.ttft_slo_s is not None and self.config.overload_control:
             t.tier.fifo.append(qj)  # for the pressure signal's oldest-wait look-up
@@ -575,7 +418,7 @@ class SchedulerCore:
         if t.n_queued == 1:
             self._on_backlogged(t)
 
-    def _unqueue(self, qj: _QJob, state: int) -> None:
+    def _unqueue(self, qj: QueuedJob, state: int) -> None:
         """Take a queued job out (dispatched or gone); keeps every total consistent."""
         t = qj.tenant
         qj.state = state
@@ -591,17 +434,17 @@ class SchedulerCore:
             t.queued_cost = 0.0
             self._on_idle(t)
 
-    def _drop(self, qj: _QJob, reason: str, message: str, retry_after_s: float | None = None) -> None:
-        self._unqueue(qj, _GONE)
+    def _drop(self, qj: QueuedJob, reason: str, message: str, retry_after_s: float | None = None) -> None:
+        self._unqueue(qj, GONE)
         self.dropped_total[reason] = self.dropped_total.get(reason, 0) + 1
         self._dropped.append((qj.job, SchedulerRejected(reason, message, retry_after_s=retry_after_s)))
 
     def cancel(self, request_id: str) -> bool:
         """Remove a queued job (client gone). Returns True if it was queued."""
         qj = self._queued.get(request_id)
-        if qj is None or qj.state != _QUEUED:
+        if qj is None or qj.state != QUEUED:
             return False
-        self._unqueue(qj, _GONE)
+        self._unqueue(qj, GONE)
         self.dropped_total["cancelled"] = self.dropped_total.get("cancelled", 0) + 1
         return True
 
@@ -611,26 +454,6 @@ class SchedulerCore:
         return out
 
     # ------------------------------------------------------------------ dispatch
-    def _engine_with_room(self) -> _Engine | None:
-        cfg = self.config
-        best: _Engine | None = None
-        best_free = -_INF
-        for e in self._engines:
-            if e.outstanding >= cfg.max_engine_running:
-                continue
-            if e.waiting_estimate() >= cfg.max_engine_waiting:
-                continue
-            if e.capacity:
-                used = e.projected_used()
-                if used >= cfg.kv_watermark_high * e.capacity:
-                    continue
-                free = e.capacity - used
-            else:
-                free = -e.outstanding
-            if free > best_free:
-                best, best_free = e, free
-        return best
-
     def dispatch(self, max_grants: int | None = None) -> list[Grant]:
         """Dispatch queued jobs while an engine has room; returns the new grants (maybe empty).
 
@@ -644,7 +467,7 @@ class SchedulerCore:
         grants: list[Grant] = []
         cfg = self.config
         while self._queued_total and (max_grants is None or len(grants) < max_grants):
-            engine = self._engine_with_room()
+            engine = pick_engine(self._engines, cfg)
             if engine is None:
                 break
             tier = self._active_tiers.top()
@@ -665,8 +488,10 @@ class SchedulerCore:
                 t.n_queued = 0
                 continue
             job = qj.job
-            if qj.deadline is not None and now >= qj.deadline:
-                self._drop(qj, "deadline", "the request's deadline passed while it was queued", 0.0)
+            if qj.deadline is not None and now + engine.first_token_lead_s() >= qj.deadline:
+                # (the deadline is the first token's: dispatching a request that cannot make it
+                # would spend the engine on a missed objective)
+                self._drop(qj, "deadline", "the request's first token could not arrive before its deadline", 0.0)
                 continue
             need = job.prompt_tokens
             if engine.capacity:
@@ -684,7 +509,7 @@ class SchedulerCore:
             grants.append(self._start(qj, engine, now))
         return grants
 
-    def _over_budget(self, t: _Tenant, need: int) -> bool:
+    def _over_budget(self, t: TenantState, need: int) -> bool:
         """Would dispatching a ``need``-token prompt put ``t`` over its KV or prefill budget?
         (A tenant with nothing running, or nothing in prefill, may always dispatch one.)"""
         budget = self._kv_budget(t)
@@ -693,7 +518,7 @@ class SchedulerCore:
         pb = self.config.tenant_prefill_budget_tokens
         return bool(pb and t.unstarted > 0 and t.unstarted_tokens + need > pb)
 
-    def _maybe_unblock(self, t: _Tenant) -> None:
+    def _maybe_unblock(self, t: TenantState) -> None:
         if not t.kv_blocked:
             return
         nxt = t.head()
@@ -702,12 +527,12 @@ class SchedulerCore:
             if t.n_queued:
                 self._make_eligible(t)
 
-    def _start(self, qj: _QJob, engine: _Engine, now: float) -> CoreGrant:
+    def _start(self, qj: QueuedJob, engine: EngineGate, now: float) -> CoreGrant:
         job, t = qj.job, qj.tenant
         self._charge(t, job.prompt_tokens * self.config.input_weight, now)
-        self._unqueue(qj, _DISPATCHED)
-        grant = CoreGrant(job=job, dispatched_s=now, priority=t.tier.policy.priority,
-                          engine_idx=engine.idx, tenant_state=t)
+        self._unqueue(qj, DISPATCHED)
+        priority = t.tier.policy.priority if self.policy.engine_priorities else 0
+        grant = CoreGrant(job=job, dispatched_s=now, priority=priority, engine_idx=engine.idx, tenant_state=t)
         self._running[job.request_id] = grant
         engine.outstanding += 1
         engine.unstarted += 1
@@ -716,13 +541,14 @@ class SchedulerCore:
         t.unstarted += 1
         t.unstarted_tokens += job.prompt_tokens
         t.running += 1
+        t.tier.running += 1
         t.active_kv += job.prompt_tokens
         t.dispatched += 1
         t.wait_sum += max(0.0, now - job.arrival_s)
         t.in_tokens += job.prompt_tokens
         return grant
 
-    def _charge(self, t: _Tenant, cost: float, now: float) -> None:
+    def _charge(self, t: TenantState, cost: float, now: float) -> None:
         t.service += cost
         t.counter += cost / t.weight
         t.tier.counter += cost / t.tier.weight
@@ -777,6 +603,7 @@ class SchedulerCore:
             t.unstarted -= 1
             t.unstarted_tokens -= g.job.prompt_tokens
         t.running -= 1
+        t.tier.running -= 1
         t.active_kv -= g.job.prompt_tokens + g.output_tokens
         t.completed += 1
         n = g.output_tokens
@@ -784,7 +611,7 @@ class SchedulerCore:
         self._record_slo(t, g, now)
         self._maybe_unblock(t)
 
-    def _record_slo(self, t: _Tenant, g: CoreGrant, now: float) -> None:
+    def _record_slo(self, t: TenantState, g: CoreGrant, now: float) -> None:
         tier = t.tier
         pol = tier.policy
         n = g.output_tokens
@@ -800,8 +627,7 @@ class SchedulerCore:
             tier.slo_met += 1
             tier.good_tokens += n
         if pol.protected and pol.itl_slo_s is not None and n > 1:
-            self._itl_sum += tpot / pol.itl_slo_s
-            self._itl_n += 1
+            self._pressure.record_protected_tpot(tpot / pol.itl_slo_s)
 
     # ------------------------------------------------------------------ engine load
     def on_engine_load(self, load: EngineLoad, engine_idx: int = 0) -> None:
@@ -823,6 +649,31 @@ class SchedulerCore:
         if capacity_changed:
             self._recheck_blocked()
 
+    def observe_engine_latency(self, engine_idx: int, *, itl_sum_s: float = 0.0, itl_count: int = 0,
+                               ttfts_s: Sequence[float] = ()) -> None:
+        """Record one engine step's latencies for the adaptive running limit (:mod:`.gating`).
+
+        The serving path passes the engine hooks' step stats (vLLM ``IterationStats``: its
+        ``inter_token_latencies_iter`` and ``time_to_first_tokens_iter``), the simulator its
+        replica's step outcome — the same numbers from either engine.
+
+        Args:
+            engine_idx: the reporting engine.
+            itl_sum_s, itl_count: the step's inter-token latencies (seconds) summed, and how many.
+            ttfts_s: engine-side times to first token (engine arrival → first token, seconds) of
+                the requests that produced their first token in the step.
+        Raises:
+            ValueError: for an engine index outside ``range(num_engines)``, a negative count or
+                a negative or non-finite latency.
+        """
+        if not 0 <= engine_idx < len(self._engines):
+            raise ValueError(f"engine_idx {engine_idx} outside 0..{len(self._engines) - 1}")
+        if itl_count < 0 or not 0.0 <= itl_sum_s < _INF or any(not 0.0 <= x < _INF for x in ttfts_s):
+            raise ValueError(f"bad latency report: itl_sum_s={itl_sum_s!r}, itl_count={itl_count!r}")
+        gate = self._engines[engine_idx].adaptive
+        if gate is not None:
+            gate.observe(itl_sum_s, itl_count, ttfts_s)
+
     def _recheck_blocked(self) -> None:
         for tier in self._tiers.values():
             for t in list(tier.backlogged):
@@ -835,78 +686,43 @@ class SchedulerCore:
         dl = self._deadlines
         while dl and dl[0][0] <= now:
             _, _, qj = heapq.heappop(dl)
-            if qj.state == _QUEUED:
+            if qj.state == QUEUED:
                 self._drop(qj, "deadline", "the request's deadline passed while it was queued", 0.0)
 
     def tick(self, now: float | None = None) -> None:
-        """Deadline drops, pressure re-evaluation and fairness sampling due at ``now`` (cheap
-        when nothing is due: a few comparisons)."""
+        """Deadline drops, engine-limit control, pressure re-evaluation and fairness sampling due
+        at ``now`` (cheap when nothing is due: a few comparisons)."""
         if now is None:
             now = self._clock.monotonic()
         self._expire(now)
+        itl_target, ttft_target = self._latency_targets
+        queue_ratio = None
+        for e in self._engines:
+            if e.adaptive is not None and e.adaptive.due(now):
+                if queue_ratio is None:  # (protected tiers' queues are tracked with overload control on)
+                    queue_ratio = oldest_protected_wait_ratio(self._tiers.values(), now) / \
+                        (1.0 - self.config.engine_ttft_target_ratio)
+                e.adaptive.update(now, e.outstanding, itl_target, ttft_target, queue_ratio)
         if self.config.overload_control and now >= self._next_pressure_eval:
             self._next_pressure_eval = now + self.config.pressure_eval_interval_s
-            self._eval_pressure(now)
-        if now >= self._next_sample:
-            self._next_sample = now + _SAMPLE_INTERVAL_S
-            self._sample(now)
-
-    def _eval_pressure(self, now: float) -> None:
-        cfg = self.config
-        fill = self._queued_total / cfg.max_queued_total
-        wait_ratio = 0.0
-        for tier in self._tiers.values():
-            pol = tier.policy
-            if not pol.protected or pol.ttft_slo_s is None or not tier.backlogged:
-                continue
-            fifo = tier.fifo
-            while fifo and fifo[0].state != _QUEUED:
-                fifo.popleft()
-            oldest = now - fifo[0].job.arrival_s if fifo else 0.0
-            wait_ratio = max(wait_ratio, oldest / pol.ttft_slo_s)
-        # smooth the wait signal (EWMA, time constant pressure_smoothing_s) so a momentary burst
-        # of queueing does not shed anyone
-        # (a gap between evaluations counts as at most 4 intervals, so one look after a quiet
-        # spell cannot swing the average; the ITL term needs ~10 completions for a full step)
-        last = self._pressure_last_t
-        dt = cfg.pressure_eval_interval_s if last is None else max(0.0, now - last)
-        alpha = 1.0 - math.exp(-min(dt, 4 * cfg.pressure_eval_interval_s) / cfg.pressure_smoothing_s)
-        self._pressure_last_t = now
-        self.protected_wait_ratio += alpha * (wait_ratio - self.protected_wait_ratio)
-        if self._itl_n:  # mean TPOT/ITL-SLO of protected requests completed since the last look
-            a = alpha * min(1.0, self._itl_n / 10.0)
-            self.protected_itl_ratio += a * (self._itl_sum / self._itl_n - self.protected_itl_ratio)
-            self._itl_sum, self._itl_n = 0.0, 0
-        wait_ratio = max(self.protected_wait_ratio, self.protected_itl_ratio)
-
-        def level_for(scale: float) -> int:
-            if fill >= scale * cfg.overload_queue_fill or wait_ratio >= scale * cfg.overload_wait_ratio:
-                return PRESSURE_OVERLOAD
-            if fill >= scale * cfg.elevated_queue_fill or wait_ratio >= scale * cfg.elevated_wait_ratio:
-                return PRESSURE_ELEVATED
-            return PRESSURE_NORMAL
-
-        # hysteresis: enter a level at its thresholds, leave it only below exit_factor × them and
-        # only after it held for pressure_min_dwell_s (shedding changes the signals it reacts to)
-        level = max(level_for(1.0), min(self.pressure_level, level_for(cfg.pressure_exit_factor)))
-        if level < self.pressure_level and now - self._level_since < cfg.pressure_min_dwell_s:
-            level = self.pressure_level
-        if level != self.pressure_level:
-            log.info("scheduler pressure %d → %d (queue fill %.2f, protected wait/SLO %.2f, "
-                     "ITL/SLO %.2f)", self.pressure_level, level, fill, self.protected_wait_ratio,
-                     self.protected_itl_ratio)
-            self.set_pressure_level(level)
+            protected_active = any(t.policy.protected and (t.running or t.backlogged) for t in self._tiers.values())
+            level = self._pressure.evaluate(now, self._queued_total / self.config.max_queued_total,
+                                            oldest_protected_wait_ratio(self._tiers.values(), now),
+                                            protected_active=protected_active)
+            if level != self._pressure.level:
+                self.set_pressure_level(level)
+        if self._signals.due(now):
+            self._signals.sample(now, self._tiers.values(), self._backlogged_tier_weight)
 
     def set_pressure_level(self, level: int) -> None:
         """Apply pressure ``level`` (0–2): pause / unpause tiers and drop shed-able queued work.
 
-        Normally set by the core itself from queue fill and protected-tier waits; public so an
-        operator (or a test) can force it. Raises ValueError outside 0–2.
+        Normally set by the core itself from queue fill and protected-tier waits (:mod:`.pressure`);
+        public so an operator (or a test) can force it. Raises ValueError outside 0–2.
         """
         if level not in (PRESSURE_NORMAL, PRESSURE_ELEVATED, PRESSURE_OVERLOAD):
             raise ValueError(f"pressure level must be 0, 1 or 2, got {level!r}")
-        self.pressure_level = level
-        self._level_since = self._clock.monotonic()
+        self._pressure.set_level(level, self._clock.monotonic())
         for tier in self._tiers.values():
             pol = tier.policy
             paused = pol.pause_at is not None and level >= pol.pause_at
@@ -918,126 +734,48 @@ class SchedulerCore:
             if pol.shed_queued_at is not None and level >= pol.shed_queued_at:
                 for t in list(tier.backlogged):
                     for qj in list(t.queue):
-                        if qj.state == _QUEUED:
+                        if qj.state == QUEUED:
                             self._drop(qj, "shed", f"overloaded: queued {pol.name} work is shed",
                                        self._shed_retry_after(self._clock.monotonic()))
 
     def _shed_retry_after(self, now: float) -> float:
         return max(1.0, 2.0 * self.config.pressure_eval_interval_s)
 
-    def _sample(self, now: float) -> None:
-        gap = 0.0
-        states = []
-        tiers_w = self._backlogged_tier_weight
-        backlogged_now: set[_Tenant] = set()
-        for tier in self._tiers.values():
-            if not tier.backlogged:
-                continue
-            lo, hi = _INF, -_INF
-            tw = tier.weight / tiers_w if tiers_w > 0 else 0.0
-            bw = tier.backlogged_weight
-            for t in tier.backlogged:
-                backlogged_now.add(t)
-                c = t.counter
-                if c < lo:
-                    lo = c
-                if c > hi:
-                    hi = c
-                states.append((t.id, t.service, True, tw * t.weight / bw if bw > 0 else 0.0))
-            if len(tier.backlogged) > 1 and hi - lo > gap:
-                gap = hi - lo
-        for t in self._prev_backlogged:
-            if t not in backlogged_now:
-                states.append((t.id, t.service, False, 0.0))
-        self._prev_backlogged = backlogged_now
-        self._meter.sample(now, states)
-        self.service_gap = gap
-        self.max_service_gap = max(self.max_service_gap, gap)
-        if self._window_start is None:
-            self._window_start = now
-        elif now - self._window_start >= self.config.stats_window_s:
-            self._jain_last = self._meter.index()
-            self._meter.reset()
-            self._window_start = now
-
     # ------------------------------------------------------------------ projections and signals
-    def _projected_wait(self, t: _Tenant | None, now: float) -> float:
+    def _projected_wait(self, t: TenantState | None, now: float) -> float:
         if not self._queued_total:
             return 0.0
-        rate = self._rate.rate(now)
-        if rate <= 0:
-            return 0.0
-        if t is None or not self.policy.counter_ordered:
-            return self._queued_cost_total / rate
-        tier = t.tier
-        tiers_w = self._backlogged_tier_weight + (0.0 if tier.backlogged else tier.weight)
-        tenants_w = tier.backlogged_weight + (0.0 if t.n_queued else t.weight)
-        share = (tier.weight / tiers_w) * (t.weight / tenants_w)
-        lag = 0.0
-        if t.n_queued:
-            low = tier.counters.top()
-            if low is not None:
-                lag = max(0.0, t.counter - low.counter) * t.weight
-        # GPS drain time of this tenant, bounded by the time to drain everything queued
-        return min(self._queued_cost_total, (t.queued_cost + lag) / share) / rate
+        # a paused tier is served nothing: the backlogged tiers that are not share the drain rate
+        active_w = sum(x.weight for x in self._backlogged_tiers if not x.paused)
+        return projected_wait(t, rate=self._rate.rate(now), queued_cost_total=self._queued_cost_total,
+                              backlogged_tier_weight=active_w, counter_ordered=self.policy.counter_ordered)
 
     def projected_wait(self, tenant_id: str, tier: str | None = None) -> float:
-        """Projected queue wait (seconds) of a new request of ``tenant_id``.
-
-        Under VTC the backlogged tenants' counters advance together (a GPS-like virtual time), so
-        a tenant with share ``s = (w_tier/Σ backlogged tier weights)·(w_tenant/Σ backlogged tenant
-        weights in the tier)`` of the drain rate ``R`` reaches a new request within
-        ``min(Q, (W + lag·w)/s) / R`` seconds: ``W`` its queued work (each request's prompt and
-        expected output — the tenant's recent mean, capped by ``max_tokens`` — in service units),
-        ``lag`` its counter's lead over the least backlogged counter, and ``Q`` all queued work (no
-        tenant waits longer than the whole backlog takes; this bound matters when the other
-        backlogged tenants have little queued). Under FCFS/RPM it is ``Q / R``. ``R`` is the
-        service rate measured while requests were queued (the engines' drain rate). 0.0 when
-        nothing is queued or no rate has been measured yet (nothing to project from).
-        """
+        """Projected queue wait (seconds) of a new request of ``tenant_id`` (of ``tier`` when the
+        tenant is new): :func:`.projection.projected_wait` at the drain rate measured while
+        requests were queued. 0.0 when nothing is queued or no rate has been measured yet."""
         now = self._clock.monotonic()
         t = self._tenants.get(tenant_id)
         if t is None and self.policy.counter_ordered:
             name = tier if tier in self.config.tiers else self.config.default_tier
-            t = _Tenant(tenant_id, self._tier(name), float(self.config.tenant_weights.get(tenant_id, 1.0)))
+            t = TenantState(tenant_id, self._tier(name), float(self.config.tenant_weights.get(tenant_id, 1.0)))
         return self._projected_wait(t, now)
 
     def snapshot(self, include_tenants: bool = True) -> SchedulerStats:
         """The current :class:`SchedulerStats` (O(tenants) when ``include_tenants``)."""
         now = self._clock.monotonic()
-        tenants: list[TenantSchedulerStats] = []
-        if include_tenants:
-            for t in self._tenants.values():
-                h = t.head()
-                tenants.append(TenantSchedulerStats(
-                    tenant_id=t.id, tier=t.tier.name, weight=t.weight, queue_depth=t.n_queued,
-                    queued_prompt_tokens=t.queued_prompt,
-                    queue_wait_oldest_s=(now - h.job.arrival_s) if h else 0.0,
-                    queue_wait_mean_s=(t.wait_sum / t.dispatched) if t.dispatched else 0.0,
-                    projected_wait_s=self._projected_wait(t, now), running=t.running,
-                    active_kv_tokens=t.active_kv, kv_budget_tokens=self._kv_budget(t),
-                    service_total=t.service, input_tokens_total=t.in_tokens,
-                    output_tokens_total=t.out_tokens, vtc_counter=t.counter,
-                    dispatched_total=t.dispatched, completed_total=t.completed))
-        tiers = []
-        for tier in self._tiers.values():
-            members = tier.tenants.values()
-            tiers.append(TierSchedulerStats(
-                tier=tier.name, queue_depth=sum(t.n_queued for t in tier.backlogged),
-                running=sum(t.running for t in members), paused=tier.paused,
-                completed_total=tier.completed, slo_met_total=tier.slo_met,
-                output_tokens_total=tier.out_tokens, goodput_output_tokens_total=tier.good_tokens,
-                goodput_ratio=(tier.good_tokens / tier.out_tokens) if tier.out_tokens else 1.0))
-        live = self._meter.index()
+        tenants = [tenant_stats(t, now, projected_wait_s=self._projected_wait(t, now),
+                                kv_budget_tokens=self._kv_budget(t))
+                   for t in self._tenants.values()] if include_tenants else []
         return SchedulerStats(
             wall_ts=self._clock.wall(), policy=self.policy.name, pressure_level=self.pressure_level,
             queued_total=self._queued_total, running_total=len(self._running),
-            service_rate_per_s=self._rate.rate(now),
-            jain_index=live if self._meter.rates() else self._jain_last,
+            service_rate_per_s=self._rate.rate(now), jain_index=self._signals.jain_index(),
             max_service_gap=self.max_service_gap, service_gap=self.service_gap,
             rejected_total=dict(self.rejected_total), dropped_total=dict(self.dropped_total),
             engines_kv_watermark=[e.load.kv_watermark_ratio for e in self._engines],
-            tiers=tiers, tenants=tenants)
+            engines_running_limit=[e.running_limit(self.config) for e in self._engines],
+            tiers=[tier_stats(tier) for tier in self._tiers.values()], tenants=tenants)
 
     def tenants(self) -> Iterable[str]:
         """Ids of every tenant seen."""

@@ -124,7 +124,13 @@ class FairScheduler(Scheduler):
         self._pump()
 
     def on_step_stats(self, stats: EngineStepStats) -> None:
-        """Bus callback for the engine hooks' :class:`EngineStepStats` (one per engine step)."""
+        """Bus callback for the engine hooks' :class:`EngineStepStats` (one per engine step): the
+        KV and queue load for gating, and the step's ITLs and TTFTs for the adaptive limit."""
+        try:
+            self.core.observe_engine_latency(stats.engine_idx, itl_sum_s=float(sum(stats.itls_s)),
+                                             itl_count=len(stats.itls_s), ttfts_s=stats.ttfts_s)
+        except ValueError:
+            log.exception("scheduler: ignoring a bad engine latency report")
         capacity = stats.kv_blocks_total * stats.kv_block_size_tokens
         self.on_engine_load(EngineLoad(kv_watermark_ratio=min(1.0, max(0.0, stats.kv_watermark_ratio)),
                                        kv_capacity_tokens=capacity, num_running=stats.num_running,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Mapping
 from .base import SchedulerRejected
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .core import _Tenant, _Tier
+    from .state import TenantState, TierState
 
 __all__ = ["OrderingPolicy", "VTCPolicy", "FCFSPolicy", "RPMLimitPolicy", "make_policy", "POLICIES"]
 
@@ -38,25 +38,29 @@ class OrderingPolicy(abc.ABC):
         name: ``vtc``, ``fcfs`` or ``rpm``.
         counter_ordered: True when the tenant key is the VTC counter itself (the core then uses
             the order heap for the counter-lift minimum too).
+        engine_priorities: True when grants carry the tier's engine priority (kvmeter's
+            scheduler); False for the baselines, which submit every request at priority 0 as a
+            plain deployment does (the engine then runs FCFS).
     """
 
     name: str = ""
     counter_ordered: bool = False
+    engine_priorities: bool = False
 
     @abc.abstractmethod
-    def tenant_key(self, tenant: "_Tenant") -> float:
+    def tenant_key(self, tenant: "TenantState") -> float:
         """Rank of a backlogged tenant inside its tier (least dispatches first); must only grow
         while the tenant stays backlogged and eligible."""
 
     @abc.abstractmethod
-    def tier_key(self, tier: "_Tier") -> float:
+    def tier_key(self, tier: "TierState") -> float:
         """Rank of a tier that has a dispatchable tenant (least dispatches first)."""
 
-    def admission(self, tenant: "_Tenant", now: float) -> SchedulerRejected | None:
+    def admission(self, tenant: "TenantState", now: float) -> SchedulerRejected | None:
         """A refusal of the policy's own, or ``None``. Must not record anything."""
         return None
 
-    def on_submitted(self, tenant: "_Tenant", now: float) -> None:
+    def on_submitted(self, tenant: "TenantState", now: float) -> None:
         """A request of ``tenant`` was queued at ``now`` (record it for rate limits)."""
 
 
@@ -65,11 +69,12 @@ class VTCPolicy(OrderingPolicy):
 
     name = "vtc"
     counter_ordered = True
+    engine_priorities = True
 
-    def tenant_key(self, tenant: "_Tenant") -> float:
+    def tenant_key(self, tenant: "TenantState") -> float:
         return tenant.counter
 
-    def tier_key(self, tier: "_Tier") -> float:
+    def tier_key(self, tier: "TierState") -> float:
         return tier.counter
 
 
@@ -78,10 +83,10 @@ class FCFSPolicy(OrderingPolicy):
 
     name = "fcfs"
 
-    def tenant_key(self, tenant: "_Tenant") -> float:
+    def tenant_key(self, tenant: "TenantState") -> float:
         return tenant.head_seq()
 
-    def tier_key(self, tier: "_Tier") -> float:
+    def tier_key(self, tier: "TierState") -> float:
         best = tier.order.top()
         return float("inf") if best is None else best.head_seq()
 
@@ -112,7 +117,7 @@ class RPMLimitPolicy(FCFSPolicy):
             times.popleft()
         return times
 
-    def admission(self, tenant: "_Tenant", now: float) -> SchedulerRejected | None:
+    def admission(self, tenant: "TenantState", now: float) -> SchedulerRejected | None:
         times = self._trim(tenant.id, now)
         limit = self.tenant_limits.get(tenant.id, self.rpm_limit)
         if len(times) + 1 > limit:
@@ -123,7 +128,7 @@ class RPMLimitPolicy(FCFSPolicy):
                 retry_after_s=retry)
         return None
 
-    def on_submitted(self, tenant: "_Tenant", now: float) -> None:
+    def on_submitted(self, tenant: "TenantState", now: float) -> None:
         self._trim(tenant.id, now).append(now)
 
 

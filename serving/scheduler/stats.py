@@ -104,6 +104,8 @@ class SchedulerStats:
         dropped_total: queued requests dropped by reason (``deadline``, ``shed``, ``cancelled``,
             ``kv_capacity_exceeded``).
         engines_kv_watermark: last reported KV watermark per engine (0–1).
+        engines_running_limit: per engine, the most requests kvmeter lets it hold now — the
+            adaptive limit driven by its step latencies, or the static ``max_engine_running``.
         tiers: per-tier aggregates.
         tenants: per-tenant detail (every tenant seen; exporters cap the label set).
     """
@@ -120,5 +122,6 @@ class SchedulerStats:
     rejected_total: dict[str, int] = field(default_factory=dict)
     dropped_total: dict[str, int] = field(default_factory=dict)
     engines_kv_watermark: list[float] = field(default_factory=list)
+    engines_running_limit: list[int] = field(default_factory=list)
     tiers: list[TierSchedulerStats] = field(default_factory=list)
     tenants: list[TenantSchedulerStats] = field(default_factory=list)

@@ -93,6 +93,15 @@ def test_projected_wait_refuses_early_for_a_deep_queue_and_admits_a_light_tenant
     assert err.value.retry_after_s == pytest.approx(wait_a, rel=0.01)
     assert core.projected_wait("b") == 0.0                          # b has nothing queued: no lag
     core.submit(job("b0", "b", arrival=now, deadline=now + 2.0))
+    core.cancel("b0")
+    # batch work queued beside it takes its weighted share (paid 4 : batch 1) — unless batch is
+    # paused, when paid gets the whole drain rate
+    for i in range(10):
+        core.submit(job(f"bt{i}", "bt", tier="batch", prompt=5_000, max_tokens=10, arrival=now))
+    with_batch = core.projected_wait("a")
+    assert with_batch == pytest.approx(wait_a / 0.8, rel=0.05)
+    core.set_pressure_level(PRESSURE_ELEVATED)
+    assert core.projected_wait("a") == pytest.approx(wait_a, rel=0.05)
 
 
 def test_elevated_pressure_refuses_free_and_pauses_batch_until_the_level_falls():
@@ -176,3 +185,25 @@ def test_release_is_idempotent_and_unknown_grants_are_ignored():
     core.charge_output(g, 5)   # after release: ignored
     assert core.running_total == 0 and core.tenant_active_kv("a") == 0
     assert core.tenant_service("a") == 10 + 2 * 3
+
+
+def test_pressure_set_by_slow_protected_streams_falls_once_protected_traffic_is_gone():
+    # (a stale TPOT signal must not hold the level — and the paused batch tier — forever)
+    core, clock = make_core(elevated_wait_ratio=0.5, overload_wait_ratio=5.0, pressure_min_dwell_s=5.0)
+    for i in range(20):   # enterprise streams at 3 × their 100 ms ITL SLO
+        core.submit(job(f"e{i}", "acme", tier="enterprise", max_tokens=11, arrival=clock.monotonic()))
+        [g] = core.dispatch()
+        core.charge_output(g, 1)
+        clock.advance(3.0)   # 10 more tokens over 3 s: TPOT 0.3 s
+        core.charge_output(g, 10)
+        core.release(g)
+        core.on_engine_load(EngineLoad(0.0, 1_000_000, 0, 0))
+        core.tick()
+    assert core.pressure_level >= PRESSURE_ELEVATED
+    core.submit(job("b", "initech", tier="batch", arrival=clock.monotonic()))
+    assert core.tier_paused("batch") and core.dispatch() == []   # batch is paused under pressure
+    for _ in range(120):                               # no protected request queued or running
+        clock.advance(0.5)
+        core.tick()
+    assert core.pressure_level == PRESSURE_NORMAL and core.protected_itl_ratio < 0.1
+    assert [g.job.request_id for g in core.dispatch()] == ["b"]

@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 
-from kvmeter.serving.engines.sim import SimConfig, load_trace
+from kvmeter.serving.engines.sim import SimConfig
 from kvmeter.serving.engines.sim.calibration import fit_efficiency, simulated_medians
+from kvmeter.traces import load_trace
 
 
 def test_fit_recovers_the_factors_that_produced_the_medians():
-    reqs = [r for r in load_trace("azure-conv", limit=120) if r.prompt_tokens + r.output_tokens <= 8192][:24]
+    reqs = [r for r in load_trace("azure-conv", limit=120) if r.input_tokens + r.output_tokens <= 8192][:24]
     truth = SimConfig(model="smollm2-135m", gpu="cpu", tp=1, compute_efficiency=0.25, memory_efficiency=0.6,
                       step_overhead_s=0.01)
     ttft, itl = simulated_medians(reqs, truth)

@@ -80,3 +80,31 @@ async def test_concurrent_streams_share_steps_continuous_batching():
         pass
     await eng2.shutdown()
     assert t_batched < 2 * clock2.monotonic()   # 8 requests batched ≪ 8 × one request
+
+
+async def test_step_stats_count_scheduled_prompt_and_generated_tokens_like_vllm():
+    bus = StatsBus()
+    steps: list[EngineStepStats] = []
+    bus.subscribe(EngineStepStats, steps.append)
+    eng, clock = _engine(bus)
+    await eng.start()
+
+    async def run(rid: str, n_prompt: int, n_out: int) -> None:
+        async for _ in eng.generate(EngineRequest(rid, [1] * n_prompt, max_tokens=n_out)):
+            pass
+
+    await asyncio.gather(run("a", 300, 5), run("b", 120, 9))
+    await eng.shutdown()
+    # every prompt token is scheduled once (no preemption here), every output token but the one a
+    # prefill samples is a decode token: scheduled = prompts + outputs − first tokens
+    assert sum(s.scheduled_tokens for s in steps) == 300 + 120 + (5 - 1) + (9 - 1)
+    assert sum(s.generation_tokens for s in steps) == 5 + 9
+    # vLLM counts a request's whole prompt in the step that samples its first token
+    # (both prompts fit the first step's 4,096-token budget, so both sample a token there)
+    assert [s.prompt_tokens for s in steps] == [420] + [0] * (len(steps) - 1)
+    assert len(steps[0].ttfts_s) == 2 and not any(s.ttfts_s for s in steps[1:])
+    # one ITL per token after a request's first, each the length of the step that produced it
+    # (the engine is never idle here, so a step lasts from the previous step's stats to its own)
+    assert [len(s.itls_s) for s in steps] == [0] + [2] * 4 + [1] * 4
+    for prev, s in zip(steps, steps[1:]):
+        assert s.itls_s == pytest.approx([s.wall_ts - prev.wall_ts] * len(s.itls_s), abs=1e-6)  # epoch floats

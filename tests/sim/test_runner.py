@@ -1,4 +1,4 @@
-"""The simulation fast path end to end: traces, tenant mapping, scheduler + replicas, report, CLI."""
+"""The simulation fast path end to end: tenant mapping, scheduler + replicas, report, CLI."""
 
 from __future__ import annotations
 
@@ -9,46 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvmeter.cli import main
-from kvmeter.serving.engines.sim import SimConfig, Simulation, TraceRequest, build_report, load_trace
+from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
 from kvmeter.serving.engines.sim.report import format_report, weighted_percentiles, write_report
-from kvmeter.serving.engines.sim.traces import (ServeGenTenantMap, data_dir, load_servegen_rates,
-                                                servegen_arrivals, tier_for_tenant)
+from kvmeter.serving.engines.sim.tenants import (ServeGenTenantMap, load_servegen_rates, servegen_arrivals,
+                                                 tier_for_tenant)
 from kvmeter.serving.scheduler import SchedulerConfig
+from kvmeter.traces import TraceRequest, load_trace
 
 SMALL = SimConfig(model="llama-3.1-70b", gpu="h200", tp=4)
-
-
-def test_azure_trace_parses_seven_digit_timestamps_from_zero():
-    reqs = load_trace("azure-conv", limit=3)
-    # 18:15:46.6805900 → 18:15:50.9951690 is 4.314579 s
-    assert [r.arrival_s for r in reqs[:2]] == pytest.approx([0.0, 4.314579])
-    assert (reqs[0].prompt_tokens, reqs[0].output_tokens) == (374, 44)
-    assert all(r.tenant_id == "default" for r in reqs)
-
-
-def test_mooncake_trace_carries_hash_ids_and_durations_filter():
-    reqs = load_trace("mooncake", duration_s=5.0)
-    assert reqs and all(r.arrival_s < 5.0 for r in reqs)
-    assert reqs[0].hash_ids[:3] == (0, 1, 2) and len(reqs[0].hash_ids) == -(-reqs[0].prompt_tokens // 512)
-
-
-def test_data_dir_env_override_and_kvmeter_csv_format(tmp_path, monkeypatch):
-    (tmp_path / "traces").mkdir()
-    p = tmp_path / "traces" / "mine.csv"
-    p.write_text("arrival_s,prompt_tokens,output_tokens,tenant_id,tier\n"
-                 "5.0,10,3,acme,free\n1.0,20,4,zed,batch\n2.0,0,4,bad,free\n")
-    monkeypatch.setenv("KVMETER_DATA_DIR", str(tmp_path))
-    assert data_dir() == tmp_path
-    reqs = load_trace(p)
-    assert [(r.arrival_s, r.tenant_id, r.tier) for r in reqs] == [(0.0, "zed", "batch"), (4.0, "acme", "free")]
-    with pytest.raises(FileNotFoundError, match="azure-conv"):
-        load_trace("azure-conv")   # the override points at a folder without it
-    with pytest.raises(FileNotFoundError):
-        load_trace("no-such-trace")
-    bad = tmp_path / "bad.csv"
-    bad.write_text("a,b\n1,2\n")
-    with pytest.raises(ValueError, match="unknown CSV trace columns"):
-        load_trace(bad)
 
 
 def test_servegen_mapping_is_seeded_and_follows_the_real_client_split():
@@ -78,7 +46,7 @@ def _two_tenants(rate_a: float, rate_b: float, seconds: float) -> list[TraceRequ
     out = []
     for tenant, rate in (("a", rate_a), ("b", rate_b)):
         n = int(seconds * rate)
-        out += [TraceRequest(i / rate, 256, 256, tenant, "paid_interactive") for i in range(n)]
+        out += [TraceRequest(i / rate, 256, 256, tenant_id=tenant, tier="paid_interactive") for i in range(n)]
     return out
 
 

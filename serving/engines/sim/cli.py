@@ -7,7 +7,7 @@ Examples::
     kvmeter simulate --trace my.csv --tenants column --out results/run1
 
 Tenants: ``servegen`` (default) splits the trace's requests over ServeGen clients (see
-:mod:`.traces`); ``single`` puts everything on one tenant; ``column`` uses the trace's own
+:mod:`.tenants`); ``single`` puts everything on one tenant; ``column`` uses the trace's own
 ``tenant_id``/``tier`` columns. The report (per tier and per tenant: service share, TTFT/ITL
 percentiles, goodput, throughput, shed and rejected by reason, Jain's index, max service gap) is
 printed and written to ``<out>.json`` and ``<out>.csv``.
@@ -22,12 +22,13 @@ import sys
 
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.policy import POLICIES
+from kvmeter.traces import REQUEST_TRACES, TraceError, load_trace
 
 from .hardware import ACCELERATORS
 from .models import MODELS
 from .report import build_report, format_report, write_report
 from .runner import SimConfig, Simulation
-from .traces import (TRACE_FILES, ServeGenTenantMap, load_servegen_rates, load_tier_map, load_trace)
+from .tenants import ServeGenTenantMap, load_servegen_rates, load_tier_map
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``kvmeter simulate``'s flags on ``parser``."""
     g = parser.add_argument_group("workload")
     g.add_argument("--trace", default="azure-conv",
-                   help=f"trace name ({', '.join(TRACE_FILES)}) or a file path (default azure-conv)")
+                   help=f"trace name ({', '.join(REQUEST_TRACES)}) or a file path (default azure-conv)")
     g.add_argument("--duration-s", type=float, default=None, help="replay only this many trace seconds")
     g.add_argument("--start-s", type=float, default=0.0, help="offset into the trace (seconds)")
     g.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
@@ -59,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-overload-control", action="store_true",
                    help="no deadlines, pressure levels or shedding (default: on for vtc, off for baselines)")
     s.add_argument("--overload-control", action="store_true", help="force overload control on")
+    s.add_argument("--no-adaptive-limit", action="store_true",
+                   help="no adaptive engine running limit (default: on with overload control)")
     e = parser.add_argument_group("deployment")
     e.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-70b")
     e.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h200")
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             control = False
         if args.overload_control:
             control = True
-        changes: dict = {"overload_control": control}
+        changes: dict = {"overload_control": control,
+                         "adaptive_engine_limit": control and not args.no_adaptive_limit}
         if args.rpm_limit is not None:
             changes["rpm_limit"] = args.rpm_limit
         if args.kv_budget_ratio is not None:
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                         step_overhead_s=args.step_overhead_s, max_model_len=args.max_model_len)
         simulation = Simulation(requests, policy=args.policy, scheduler_config=scfg, sim=sim,
                                 progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, OSError) as err:
+    except (ValueError, TraceError, FileNotFoundError, OSError) as err:
         print(f"kvmeter simulate: {err}", file=sys.stderr)
         return 2
     result = simulation.run()

@@ -2,7 +2,8 @@
 
 The gateway can run on :class:`SimEngine` exactly as on the vLLM engine: ``generate()`` streams
 :class:`EngineOutput` deltas, ``load()`` feeds the scheduler's gating, and each step publishes an
-:class:`~kvmeter.stats.EngineStepStats` on the bus (as the vLLM engine hooks do), so
+:class:`~kvmeter.stats.EngineStepStats` on the bus with the fields the vLLM engine hooks fill (KV
+use, running/waiting, scheduled/prompt/generation tokens with vLLM's meanings, TTFTs and ITLs), so
 ``bus.subscribe(EngineStepStats, fair_scheduler.on_step_stats)`` wires KV-watermark gating the same
 way on both engines.
 
@@ -241,5 +242,19 @@ class SimEngine(Engine):
             num_waiting=load.num_waiting, num_preempted=len(out.preempted),
             prefix_cache_queries_tokens=rep.cache.queries_tokens - q0,
             prefix_cache_hits_tokens=rep.cache.hits_tokens - h0,
-            batch_size=load.num_running + len(out.finished),
-            ttfts_s=[r.first_token_s - r.engine_arrival_s for r in out.first_tokens]))
+            batch_size=load.num_running + len(out.finished), scheduled_tokens=out.scheduled_tokens,
+            prompt_tokens=sum(r.prompt_tokens for r in out.first_tokens),
+            generation_tokens=out.generated_tokens,
+            ttfts_s=[r.first_token_s - r.engine_arrival_s for r in out.first_tokens],
+            itls_s=self._itls(out)))
+
+    @staticmethod
+    def _itls(out) -> list[float]:
+        """The step's inter-token latencies, one per token generated after a request's first (as
+        vLLM's ``inter_token_latencies_iter``): a step here is one iteration, so each decode token's
+        latency is the step's duration."""
+        itls = [out.duration_s / out.steps] * out.decode_tokens
+        extra = out.itl_count - out.decode_tokens  # first tokens after a preemption's recompute
+        if extra > 0:
+            itls += [(out.itl_sum_s - out.duration_s / out.steps * out.decode_tokens) / extra] * extra
+        return itls

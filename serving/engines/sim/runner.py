@@ -4,9 +4,10 @@ Event loop (virtual seconds on a :class:`~kvmeter.clock.ManualClock`): the next 
 earliest of the next trace arrival and the end of some replica's planned step. Arrivals go through
 :meth:`SchedulerCore.submit` (admission, per-tenant queues); step ends report first tokens and
 finishes, which are charged (:meth:`charge_output`) and released (:meth:`release`) exactly as the
-gateway does on the real path; after every event each replica's :class:`EngineLoad` is reported
-(:meth:`on_engine_load`) and :meth:`dispatch` hands grants to replicas (``grant.engine_idx``) with
-their tier's engine priority. The core is the same object the gateway's
+gateway does on the real path, and report the step's inter-token latencies and engine-side TTFTs
+(:meth:`observe_engine_latency`, as the engine hooks' step stats do there); after every event each
+replica's :class:`EngineLoad` is reported (:meth:`on_engine_load`) and :meth:`dispatch` hands
+grants to replicas (``grant.engine_idx``) with their tier's engine priority. The core is the same object the gateway's
 :class:`~kvmeter.serving.scheduler.fair.FairScheduler` wraps — there is no simulator-only
 scheduling code.
 
@@ -31,17 +32,19 @@ from kvmeter.serving.scheduler.base import Grant, Job, SchedulerRejected
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.core import SchedulerCore
 from kvmeter.serving.scheduler.policy import OrderingPolicy
+from kvmeter.traces import TraceRequest
 
 from .costmodel import RooflineCostModel
 from .hardware import get_accelerator
 from .models import get_model
 from .replica import SimReplica, SimRequest
-from .traces import TraceRequest
 
 __all__ = ["SimConfig", "RequestRecord", "Sample", "SimResult", "Simulation", "build_cost_model"]
 
 log = logging.getLogger(__name__)
 _INF = float("inf")
+#: Tenant of trace requests that carry none.
+DEFAULT_TENANT = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,17 +231,18 @@ class Simulation:
     def _submit(self, i: int, tr: TraceRequest) -> None:
         now = self.clock.monotonic()
         rid = f"r{i}"
-        rec = RequestRecord(rid, tr.tenant_id, tr.tier, tr.arrival_s, tr.prompt_tokens, tr.output_tokens,
-                            queued_at_arrival=self.core.queued_total)
+        tenant = tr.tenant_id or DEFAULT_TENANT
+        rec = RequestRecord(rid, tenant, tr.tier or self.scfg.default_tier, tr.arrival_s, tr.input_tokens,
+                            tr.output_tokens, queued_at_arrival=self.core.queued_total)
         self.records.append(rec)
         limit = min(self.cost.model.max_model_len, self.cost.kv_capacity_tokens)
-        if tr.prompt_tokens + tr.output_tokens > limit:
+        if tr.input_tokens + tr.output_tokens > limit:
             rec.outcome, rec.reason = "rejected", "context_length_exceeded"
             return
-        job = Job(request_id=rid, tenant_id=tr.tenant_id, tier=tr.tier, prompt_tokens=tr.prompt_tokens,
+        job = Job(request_id=rid, tenant_id=tenant, tier=rec.tier, prompt_tokens=tr.input_tokens,
                   max_tokens=tr.output_tokens, arrival_s=now, deadline_s=tr.deadline_s)
         core = self.core
-        if core.queued_total == 0 or (core.policy.counter_ordered and core.tenant_queue_depth(tr.tenant_id) == 0):
+        if core.queued_total == 0 or (core.policy.counter_ordered and core.tenant_queue_depth(tenant) == 0):
             # the queue turns non-empty (the drain-rate meter starts counting: output produced so
             # far belongs before it), or the counter lift compares up-to-date counters
             self._sync()
@@ -252,6 +256,9 @@ class Simulation:
     def _complete(self, rep: SimReplica) -> None:
         outcome = rep.complete()
         core = self.core
+        # the step's latencies, as the vLLM engine hooks report them on the serving path
+        core.observe_engine_latency(rep.idx, itl_sum_s=outcome.itl_sum_s, itl_count=outcome.itl_count,
+                                    ttfts_s=[r.first_token_s - r.engine_arrival_s for r in outcome.first_tokens])
         for req in outcome.first_tokens:
             if req.charged == 0:
                 req.charged = 1
@@ -307,8 +314,8 @@ class Simulation:
         rec, tr = self._by_id[grant.job.request_id]
         rec.dispatch_s = now
         rec.replica = grant.engine_idx
-        req = SimRequest(grant.job.request_id, tr.prompt_tokens, tr.output_tokens, priority=grant.priority,
-                         hash_ids=tr.hash_ids, tenant_id=tr.tenant_id, tier=tr.tier, payload=grant)
+        req = SimRequest(grant.job.request_id, tr.input_tokens, tr.output_tokens, priority=grant.priority,
+                         hash_ids=tr.hash_ids, tenant_id=rec.tenant_id, tier=rec.tier, payload=grant)
         self.replicas[grant.engine_idx].add(req, now)
 
     # ------------------------------------------------------------------ main loop

@@ -1,16 +1,5 @@
-"""Real request traces and the tenant split the simulator replays them with.
-
-Traces (``shared/data/traces``, provenance in ``shared/data/SOURCES.md``):
-
-* ``azure-conv`` / ``azure-code`` — Azure LLM inference traces 2023 (``TIMESTAMP, ContextTokens,
-  GeneratedTokens``; timestamps with 7 fractional digits), ~1 h each;
-* ``mooncake`` — Mooncake conversation trace (``timestamp`` ms, ``input_length``,
-  ``output_length``, ``hash_ids`` of 512-token prefix blocks);
-* a path: one of the above formats, or kvmeter's own CSV (``arrival_s, prompt_tokens,
-  output_tokens`` and optional ``tenant_id, tier``).
-
-Where the data lives: ``$KVMETER_DATA_DIR`` (the folder holding ``traces/``) if set, else
-``../shared/data`` relative to the repository root.
+"""The tenant split the simulator replays real traces with (traces themselves load through
+:func:`kvmeter.traces.load_trace`, kvmeter's one trace loader).
 
 **Tenant mapping.** The Azure and Mooncake traces carry no tenant. ServeGen's per-client rates
 (``servegen_m-large_perclient_2days.csv``: 162 clients × 10-minute windows of Alibaba's
@@ -33,155 +22,23 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import polars as pl
 
+from kvmeter.traces import TRACE_FILES, TraceRequest, data_dir
+
 __all__ = [
-    "TraceRequest", "TRACE_FILES", "data_dir", "resolve_trace", "load_trace",
     "load_servegen_rates", "busiest_hour_start", "ServeGenTenantMap", "servegen_arrivals",
-    "tier_for_tenant", "DEFAULT_TIER_SPLIT",
+    "tier_for_tenant", "load_tier_map", "DEFAULT_TIER_SPLIT",
 ]
 
-#: Named traces → file names under ``<data dir>/traces``.
-TRACE_FILES: Mapping[str, str] = {
-    "azure-conv": "AzureLLMInferenceTrace_conv_2023.csv",
-    "azure-code": "AzureLLMInferenceTrace_code_2023.csv",
-    "mooncake": "mooncake_conversation_trace.jsonl",
-}
-SERVEGEN_RATES = "servegen_m-large_perclient_2days.csv"
 #: Tier → fraction of tenants (hash split).
 DEFAULT_TIER_SPLIT: Mapping[str, float] = {
     "enterprise": 0.10, "paid_interactive": 0.50, "batch": 0.15, "free": 0.25}
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request to replay.
-
-    Attributes:
-        arrival_s: seconds from the trace start (≥ 0).
-        prompt_tokens, output_tokens: lengths (≥ 1).
-        tenant_id, tier: attribution.
-        hash_ids: hashes of the prompt's 512-token blocks (Mooncake) or None.
-        deadline_s: absolute deadline in trace seconds, or None (the tier's applies).
-    """
-
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    tenant_id: str = "default"
-    tier: str = "paid_interactive"
-    hash_ids: tuple[int, ...] | None = None
-    deadline_s: float | None = None
-
-
-def data_dir() -> Path:
-    """The shared data folder: ``$KVMETER_DATA_DIR`` or ``<repo>/../shared/data``.
-
-    Raises:
-        FileNotFoundError: if the folder does not exist (the message says how to point to it).
-    """
-    env = os.environ.get("KVMETER_DATA_DIR")
-    if env:
-        path = Path(env).expanduser()
-    else:
-        repo = Path(__file__).resolve().parents[3]  # serving/engines/sim/traces.py → repo root
-        path = repo.parent / "shared" / "data"
-    if not path.is_dir():
-        raise FileNotFoundError(f"kvmeter data folder {path} not found; set KVMETER_DATA_DIR to the "
-                                "folder that holds traces/")
-    return path
-
-
-def resolve_trace(name_or_path: str | os.PathLike) -> Path:
-    """Path of a named trace (:data:`TRACE_FILES`) or of an existing file.
-
-    Raises:
-        FileNotFoundError: unknown name and no such file.
-    """
-    name = str(name_or_path)
-    if name in TRACE_FILES:
-        base = data_dir()
-        for candidate in (base / "traces" / TRACE_FILES[name], base / TRACE_FILES[name]):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"trace {name!r} not found under {base}")
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"no trace {name!r}: not one of {', '.join(TRACE_FILES)} nor a file")
-    return path
-
-
-def _frame(path: Path) -> pl.DataFrame:
-    """Normalised columns: arrival_s, prompt_tokens, output_tokens (+ tenant_id, tier, hash_ids)."""
-    if path.suffix == ".jsonl":
-        df = pl.read_ndjson(path)
-        need = {"timestamp", "input_length", "output_length"}
-        if not need <= set(df.columns):
-            raise ValueError(f"{path}: JSONL trace needs fields {sorted(need)}, has {df.columns}")
-        df = df.select(
-            (pl.col("timestamp").cast(pl.Float64) / 1000.0).alias("arrival_s"),
-            pl.col("input_length").cast(pl.Int64).alias("prompt_tokens"),
-            pl.col("output_length").cast(pl.Int64).alias("output_tokens"),
-            *([pl.col("hash_ids")] if "hash_ids" in df.columns else []))
-    else:
-        df = pl.read_csv(path, infer_schema_length=10_000)
-        if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(df.columns):
-            ts = pl.col("TIMESTAMP").str.strptime(pl.Datetime("us"), "%Y-%m-%d %H:%M:%S%.f", strict=True)
-            df = df.select(ts.alias("ts"), pl.col("ContextTokens").cast(pl.Int64).alias("prompt_tokens"),
-                           pl.col("GeneratedTokens").cast(pl.Int64).alias("output_tokens"))
-            df = df.select(((pl.col("ts") - pl.col("ts").min()).dt.total_microseconds() / 1e6)
-                           .alias("arrival_s"), "prompt_tokens", "output_tokens")
-        elif {"arrival_s", "prompt_tokens", "output_tokens"} <= set(df.columns):
-            keep = [c for c in ("arrival_s", "prompt_tokens", "output_tokens", "tenant_id", "tier")
-                    if c in df.columns]
-            df = df.select(keep).with_columns(pl.col("arrival_s").cast(pl.Float64),
-                                              pl.col("prompt_tokens").cast(pl.Int64),
-                                              pl.col("output_tokens").cast(pl.Int64))
-        else:
-            raise ValueError(f"{path}: unknown CSV trace columns {df.columns}; expected the Azure "
-                             "format or arrival_s, prompt_tokens, output_tokens")
-    if df.is_empty():
-        raise ValueError(f"{path}: the trace is empty")
-    return df.sort("arrival_s")
-
-
-def load_trace(name_or_path: str | os.PathLike, *, duration_s: float | None = None,
-               limit: int | None = None, start_s: float = 0.0) -> list[TraceRequest]:
-    """Read a trace into :class:`TraceRequest` rows, arrivals shifted to start at 0.
-
-    Args:
-        name_or_path: a :data:`TRACE_FILES` name or a file path.
-        duration_s: keep arrivals in ``[start_s, start_s + duration_s)`` only.
-        limit: keep at most this many requests.
-        start_s: offset into the trace.
-    Returns:
-        requests sorted by arrival; rows with a length < 1 are skipped.
-    Raises:
-        FileNotFoundError, ValueError: missing file, unknown format, empty trace.
-    """
-    df = _frame(resolve_trace(name_or_path))
-    t0 = float(df["arrival_s"].min())
-    df = df.with_columns(pl.col("arrival_s") - t0 - start_s).filter(pl.col("arrival_s") >= 0)
-    if duration_s is not None:
-        df = df.filter(pl.col("arrival_s") < duration_s)
-    df = df.filter((pl.col("prompt_tokens") >= 1) & (pl.col("output_tokens") >= 1))
-    if limit is not None:
-        df = df.head(limit)
-    cols = df.columns
-    out = []
-    for row in df.iter_rows(named=True):
-        out.append(TraceRequest(
-            arrival_s=float(row["arrival_s"]), prompt_tokens=int(row["prompt_tokens"]),
-            output_tokens=int(row["output_tokens"]),
-            tenant_id=str(row["tenant_id"]) if "tenant_id" in cols and row["tenant_id"] is not None else "default",
-            tier=str(row["tier"]) if "tier" in cols and row["tier"] is not None else "paid_interactive",
-            hash_ids=tuple(row["hash_ids"]) if "hash_ids" in cols and row["hash_ids"] else None))
-    return out
 
 
 # ---------------------------------------------------------------------------- ServeGen
@@ -191,7 +48,7 @@ def load_servegen_rates(path: str | os.PathLike | None = None) -> pl.DataFrame:
     Raises:
         FileNotFoundError, ValueError: missing file or columns.
     """
-    p = Path(path) if path is not None else data_dir() / "traces" / SERVEGEN_RATES
+    p = Path(path) if path is not None else data_dir() / TRACE_FILES["servegen-rates"]
     if not p.is_file():
         raise FileNotFoundError(f"ServeGen rates not found at {p}")
     df = pl.read_csv(p)
@@ -332,7 +189,7 @@ def servegen_arrivals(rates: pl.DataFrame, *, start_s: int, duration_s: float, l
         tier = tier_of(tenant) if tier_of else tier_for_tenant(tenant)
         while t < end:
             src = lengths[int(rng.choice(pool))]
-            out.append(TraceRequest(arrival_s=float(t), prompt_tokens=src.prompt_tokens,
+            out.append(TraceRequest(arrival_s=float(t), input_tokens=src.input_tokens,
                                     output_tokens=src.output_tokens, tenant_id=tenant, tier=tier))
             t += rng.gamma(shape, mean / shape)
     out.sort(key=lambda r: r.arrival_s)

@@ -1,0 +1,126 @@
+"""Wait projection: how long a new request of a tenant would queue, from the measured drain rate.
+
+The gateway refuses early (429 + ``Retry-After``) a request whose projected wait exceeds its
+deadline instead of letting it time out late; ``Retry-After`` of ``queue_full`` refusals is the
+same projection. Two parts:
+
+* :class:`DrainRateMeter` — weighted service per second charged *while requests were queued*
+  (the engines' drain rate of a backlog, in VTC service units per second);
+* :func:`projected_wait` — the GPS-like drain time of the tenant's queued work under VTC (or of
+  everything queued under FCFS/RPM) at that rate.
+
+Under VTC the backlogged tenants' counters advance together, a generalised-processor-sharing
+virtual time (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024, §4: VTC
+tracks GPS within ``2U``; Parekh & Gallager, "A Generalized Processor Sharing Approach to Flow
+Control", IEEE/ACM ToN 1993, for the GPS drain time of a flow's backlog at its share).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from .base import Job
+from .config import SchedulerConfig
+from .state import TenantState
+
+__all__ = ["DrainRateMeter", "projected_wait", "job_cost"]
+
+
+class DrainRateMeter:
+    """Weighted service per second of *backlogged* time, over a sliding window (1-s buckets).
+
+    Only service charged while requests were queued counts, divided by the time they were queued:
+    that is the rate at which the engines drain a backlog (their capacity in service units), not the
+    offered load of a quiet period. Returns 0 (unknown) until ``min_busy_s`` of backlog was seen.
+
+    Args:
+        window_s: how far back the rate looks (seconds, > 0).
+        min_busy_s: backlogged seconds needed before a rate is reported.
+    """
+
+    __slots__ = ("_window", "_buckets", "_last_t", "_busy", "_min_busy")
+
+    def __init__(self, window_s: float, min_busy_s: float = 1.0) -> None:
+        self._window = window_s
+        self._buckets: deque[list[float]] = deque()  # [start, service, busy seconds]
+        self._last_t: float | None = None
+        self._busy = False
+        self._min_busy = min_busy_s
+
+    def _bucket(self, now: float) -> list[float]:
+        b = self._buckets
+        if not b or now >= b[-1][0] + 1.0:
+            b.append([math.floor(now), 0.0, 0.0])
+        return b[-1]
+
+    def mark(self, now: float, backlogged: bool) -> None:
+        """Account the time since the last mark; ``backlogged`` is the state from now on."""
+        if self._last_t is not None and self._busy and now > self._last_t:
+            self._bucket(now)[2] += now - self._last_t
+        self._last_t = now
+        self._busy = backlogged
+
+    def add(self, now: float, amount: float) -> None:
+        """Service ``amount`` was charged at ``now`` (counted only while backlogged)."""
+        if self._busy:
+            self._bucket(now)[1] += amount
+
+    def rate(self, now: float) -> float:
+        """Service units per backlogged second over the window (0.0 while unknown)."""
+        self.mark(now, self._busy)
+        b = self._buckets
+        while b and b[0][0] < now - self._window:
+            b.popleft()
+        busy = sum(x[2] for x in b)
+        if busy < self._min_busy:
+            return 0.0
+        return sum(x[1] for x in b) / busy
+
+
+def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
+    """Expected service of ``job``: its prompt plus its expected output — the tenant's recent mean
+    output (``config.default_output_tokens`` before it has history), capped by ``max_tokens`` —
+    in service units."""
+    est = config.default_output_tokens if (tenant is None or tenant.ewma_out is None) else tenant.ewma_out
+    if job.max_tokens > 0:
+        est = min(est, job.max_tokens)
+    return job.prompt_tokens * config.input_weight + est * config.output_weight
+
+
+def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,
+                   backlogged_tier_weight: float, counter_ordered: bool) -> float:
+    """Projected queue wait (seconds) of a new request of ``tenant``.
+
+    A tenant with share ``s = (w_tier/Σ backlogged unpaused tier weights)·(w_tenant/Σ backlogged tenant
+    weights in the tier)`` of the drain rate ``R`` reaches a new request within
+    ``min(Q, (W + lag·w)/s) / R`` seconds: ``W`` its queued work, ``lag`` its counter's lead over the
+    least backlogged counter of its tier, and ``Q`` all queued work (no tenant waits longer than the
+    whole backlog takes; this bound matters when the other backlogged tenants have little queued).
+    Under FCFS/RPM (``counter_ordered`` False) or for an unknown tenant it is ``Q / R``.
+
+    Args:
+        tenant: the tenant (its tier and queue as they are now), or None.
+        rate: the drain rate ``R`` (service units per second); ≤ 0 means unknown.
+        queued_cost_total: ``Q`` (service units).
+        backlogged_tier_weight: summed weights of the tiers with queued work that are not paused
+            (a paused tier is served nothing while it is paused).
+        counter_ordered: whether dispatch follows VTC counters.
+    Returns:
+        Seconds ≥ 0; 0.0 when no rate has been measured yet (the caller answers 0.0 when nothing
+        is queued).
+    """
+    if rate <= 0:
+        return 0.0
+    if tenant is None or not counter_ordered:
+        return queued_cost_total / rate
+    tier = tenant.tier
+    tiers_w = backlogged_tier_weight + (0.0 if tier.backlogged and not tier.paused else tier.weight)
+    tenants_w = tier.backlogged_weight + (0.0 if tenant.n_queued else tenant.weight)
+    share = (tier.weight / tiers_w) * (tenant.weight / tenants_w)
+    lag = 0.0
+    if tenant.n_queued:
+        low = tier.counters.top()
+        if low is not None:
+            lag = max(0.0, tenant.counter - low.counter) * tenant.weight
+    return min(queued_cost_total, (tenant.queued_cost + lag) / share) / rate
