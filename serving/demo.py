@@ -72,7 +72,8 @@ def _write_serve_config(path: Path, policy: str) -> Path:
     return path
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound and released; another process could take it first)."""
     import socket
 
     with socket.socket() as s:
@@ -80,7 +81,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 900.0) -> None:
+def wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 900.0) -> float:
+    """Wait until ``kvmeter serve`` at ``base_url`` answers ``GET /healthz`` with 200; print a progress
+    line every 10 s. Returns the start-up time in seconds.
+
+    Raises:
+        RuntimeError: the process exited first (with the last 25 lines of ``log_path``), or it was
+            not ready after ``timeout_s`` seconds.
+    """
     start = time.monotonic()
     last = 0.0
     while time.monotonic() - start < timeout_s:
@@ -89,7 +97,7 @@ def _wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s
             raise RuntimeError("kvmeter serve exited during start-up:\n  " + "\n  ".join(tail))
         try:
             if httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200:
-                return
+                return time.monotonic() - start
         except httpx.HTTPError:
             pass
         if time.monotonic() - last > 10:
@@ -192,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     run_dir = Path(args.workdir) / datetime.now().strftime("run-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = run_dir / "serve.log"
     config_path = _write_serve_config(run_dir / "serve.yaml", args.scheduler)
@@ -205,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_ready(proc, base_url, log_path)
+        wait_ready(proc, base_url, log_path)
         tenants = [ReplayTenant(n, k, s, noisy) for n, k, s, noisy in DEMO_TENANTS]
         synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
         rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +53,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, md_table  # noqa: E402
+
+from kvmeter.serving.demo import free_port, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -76,26 +77,6 @@ class Outcome:
     chunk_s: list[float] = field(default_factory=list)
     completion_tokens: int | None = None
     e2e_s: float | None = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 900.0) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError("kvmeter serve exited:\n" + "\n".join(log_path.read_text().splitlines()[-20:]))
-        try:
-            if httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"kvmeter serve not ready after {timeout_s:.0f} s")
 
 
 async def _one(client: httpx.AsyncClient, model: str, req, key: str, messages, out: Outcome) -> None:
@@ -232,7 +213,7 @@ def run_policy(policy: str, args, plan, messages, model_name: str) -> dict:
     run_dir = Path(args.workdir) / f"{datetime.now():%Y%m%d-%H%M%S}-{policy}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = _serve_config(run_dir / "serve.yaml", policy, args)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = run_dir / "serve.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
@@ -242,7 +223,7 @@ def run_policy(policy: str, args, plan, messages, model_name: str) -> dict:
     with log_path.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
-        ready_s = _wait_ready(proc, base, log_path)
+        ready_s = wait_ready(proc, base, log_path)
         load0 = os.getloadavg()
         print(f"[{policy}] server ready after {ready_s:.0f} s; load average {load0[0]:.2f}; replaying "
               f"{len(plan)} requests ...", flush=True)

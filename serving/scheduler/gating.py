@@ -217,6 +217,11 @@ class AdaptiveEngineLimit:
         itl_sum, itl_n, ttfts = self._close_interval()
         if ttfts:
             self.ttft_estimate_s = _median(ttfts)
+        elif outstanding == 0:
+            # an idle engine starts a request at once; without this a high estimate (a window of
+            # long prefills) would outlive its requests, refuse every new one at admission, and so
+            # never see the first token that would correct it
+            self.ttft_estimate_s = 0.0
         ratio = 0.0
         seen = False
         if itl_n and itl_target_s:

@@ -298,3 +298,33 @@ def test_in_the_simulator_the_limit_trades_a_little_throughput_for_the_protected
     assert tpot[False] > 3 * target             # the open gate lets the batch grow far past it
     assert tpot[True] <= 1.25 * target          # the limit holds the median TPOT near it
     assert end[True] < 1.25 * end[False]        # at a small cost in throughput (all 400 done)
+
+
+def test_a_high_first_token_estimate_expires_once_the_engine_is_idle():
+    """A window of slow first tokens (long prefills) must not outlive its requests: the estimate
+    refuses new requests at admission, so no new first token would ever correct it."""
+    from kvmeter.serving.scheduler import SchedulerRejected
+
+    core, clock = _core(overload_control=True)
+    core.submit(job("long", "a", max_tokens=10))     # paid: deadline 3 × 2 s after arrival
+    [g] = core.dispatch()
+    core.observe_engine_latency(0, itl_sum_s=0.01, itl_count=1)
+    core.tick()
+    clock.advance(1.0)
+    core.observe_engine_latency(0, itl_sum_s=0.01, itl_count=1, ttfts_s=[30.0])
+    core.tick()
+    with pytest.raises(SchedulerRejected) as refused:    # 30 s to a first token > the 6 s deadline
+        core.check_admission(job("next", "a", arrival=clock.monotonic()))
+    assert refused.value.reason == "projected_wait"
+    for _ in range(8):                                   # the window passes; the long request runs
+        clock.advance(1.0)
+        core.tick()
+    with pytest.raises(SchedulerRejected):               # still busy: the estimate stands
+        core.check_admission(job("next", "a", arrival=clock.monotonic()))
+    core.release(g)                                      # the engine is idle now
+    for _ in range(8):
+        clock.advance(1.0)
+        core.tick()
+    core.check_admission(job("next", "a", arrival=clock.monotonic()))               # admitted: an idle engine starts it at once
+    core.submit(job("next", "a", arrival=clock.monotonic()))
+    assert [x.job.request_id for x in core.dispatch()] == ["next"]
