@@ -45,8 +45,12 @@ async def replay(vllm_engine, tmp_path_factory):
     os.environ["KVMETER_GPU_POLL_INTERVAL_S"] = "1"
     try:
         port = free_port()
+        # overload control off: on a loaded machine it would (rightly) shed the free tenant's burst
+        # and refuse late requests, and the pages' expected rows would depend on the machine's load;
+        # the refusals this workload makes on purpose are the quota's (hobbyist's concurrency limit)
         config = load_serve_config(None, {("server", "port"): port, ("ledger_dsn",): f"chdb://{root}/chdb",
-                                          ("spool_dir",): str(root / "spool")}, env={})
+                                          ("spool_dir",): str(root / "spool"),
+                                          ("scheduler", "options"): {"overload_control": False}}, env={})
         runtime = ServeRuntime(config, registry=CollectorRegistry(), engine=vllm_engine, bus=vllm_engine.test_bus,
                                nvml=CaptureNvml.from_file(H200_CAPTURE))
         server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port, log_level="warning",
