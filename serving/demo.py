@@ -190,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
     from kvmeter.serving.replay.prompts import PromptSynthesizer
     from kvmeter.traces import TraceError, load_trace
 
+    # one INFO line per request from the replay's HTTP client would bury the progress lines
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
     print("kvmeter demo: real trace → OpenAI gateway → vLLM (CPU) → ClickHouse ledger")
     print("[1/4] preparing the model (dequantized once, then cached) ...", flush=True)
     try:

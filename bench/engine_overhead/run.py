@@ -44,7 +44,10 @@ def start(kind: str, model_dir: Path, name: str, port: int, args: argparse.Names
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "TOKENIZERS_PARALLELISM": "false"}
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     if kind == "vllm":
-        cmd = [str(VENV_BIN / "vllm"), "serve", str(model_dir), "--served-model-name", name, "--port", str(port),
+        # (``vllm serve`` itself looks up the distribution "vllm", which vllm-cpu does not provide;
+        # the module it runs is the same OpenAI server)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", name, "--port", str(port),
                "--host", "127.0.0.1", "--enable-prefix-caching", "--scheduling-policy", "priority",
                "--seed", "0", *common]
     else:
@@ -55,11 +58,12 @@ def start(kind: str, model_dir: Path, name: str, port: int, args: argparse.Names
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 900) -> float:
+def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float = 900) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            tail = "\n  ".join(log_path.read_text(errors="replace").splitlines()[-25:])
+            raise RuntimeError(f"server exited with {proc.returncode}:\n  {tail}")
         try:
             r = httpx.get(f"{url}/v1/models", headers={"authorization": f"Bearer {KEY}"}, timeout=2)
             if r.status_code == 200:
@@ -155,7 +159,7 @@ def main() -> int:
                 url = f"http://127.0.0.1:{args.port}"
                 proc = start(kind, model_dir, name, args.port, args, workdir)
                 try:
-                    ready = wait_ready(proc, url)
+                    ready = wait_ready(proc, url, workdir / f"{kind}.log")
                     asyncio.run(load(url, name, prompts[:8], args.output_tokens, args.concurrency))  # warm-up
                     res = asyncio.run(load(url, name, prompts, args.output_tokens, args.concurrency))
                     res["startup_s"] = ready

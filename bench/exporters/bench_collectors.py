@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector, gpu_samples_from_dcgm, load_capture
 from kvmeter.collectors.remote_vllm import RemoteVllmScraper, parse_vllm_metrics
+from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = data_dir()
 CAPTURES = ("linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt", "linux-x86_64__nvidia-h200__590.48.01.txt",
             "linux-x86_64__nvidia-h100-mig__590.48.01.txt", "telegraf_a100-sxm4-v12.xml")
 

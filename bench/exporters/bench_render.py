@@ -30,9 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = data_dir()
 TIERS = ("enterprise", "paid_interactive", "batch", "free")
 
 

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "data"))
+from kvmeter.traces import data_dir  # noqa: E402
+
+SHARED = data_dir()
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_render import TIERS, scheduler_snapshot  # noqa: E402

@@ -7,8 +7,8 @@ it. kvmeter keeps full per-tenant detail in ClickHouse and puts only a bounded s
   half-life (default 5 min): ``score ← score·2^(−Δt/half_life) + tokens``, plus the tokens it
   holds right now as the scheduler reports it (active KV + queued prompt tokens). Token work, not
   request count, because the request is not the unit of load.
-* **Top-K with hysteresis.** While fewer than K tenants hold a label, a tenant with work gets one
-  at once. Every ``refresh_s`` the set is recomputed: free slots go to the highest scores, and a
+* **Top-K with hysteresis.** While fewer than K tenants hold a label, any tenant seen gets one at
+  once (one only ever refused too). Every ``refresh_s`` the set is recomputed: free slots go to the highest scores, and a
   challenger takes the weakest incumbent's label only if its score exceeds that incumbent's by
   more than ``hysteresis`` (20 % by default), so tenants near the edge do not flap.
 * **Pruning.** When a tenant loses its label, every series recorded under it is removed from its
@@ -119,8 +119,10 @@ class TenantLabels:
                 self.refresh()
             if tenant in self._labeled:
                 return tenant
-            if (len(self._labeled) < self.k and self._score(tenant, now) > 0
-                    and self._may_label(tenant)):
+            # a free slot goes to any tenant, work or not: a tenant that is only ever refused
+            # (score 0) must still show under its own name; the next refresh gives the slot to a
+            # tenant with more work if the labels are full
+            if len(self._labeled) < self.k and self._may_label(tenant):
                 self._labeled.add(tenant)
                 self._ever_labeled.add(tenant)
                 return tenant

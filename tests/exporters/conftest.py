@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -11,16 +10,17 @@ from prometheus_client import CollectorRegistry
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
+from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = Path(os.environ.get("KVMETER_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED_DATA = data_dir()
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The shared data directory; a missing one is an error, not a skip."""
     if not SHARED_DATA.is_dir():
-        raise FileNotFoundError(f"shared data not found at {SHARED_DATA} (set KVMETER_SHARED_DATA)")
+        raise FileNotFoundError(f"shared data not found at {SHARED_DATA} (set KVMETER_DATA_DIR)")
     return SHARED_DATA
 
 

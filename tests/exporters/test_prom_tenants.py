@@ -127,3 +127,20 @@ def test_bad_settings_fail_at_construction(clock):
         TenantLabels(-1, clock=clock)
     with pytest.raises(ValueError):
         TenantLabels(3, clock=clock, half_life_s=0)
+
+
+def test_a_tenant_only_ever_refused_gets_its_own_label_while_slots_are_free(bus, registry, clock):
+    """A tenant with no work yet (every request refused) still shows by name when K is not full."""
+    from kvmeter.stats import AdmissionDecision
+
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=20))
+    for _ in range(3):
+        bus.publish(AdmissionDecision(tenant_id="hobbyist", tier="free", admitted=False,
+                                      reason="concurrency_limited", status_code=429))
+    bus.publish(AdmissionDecision(tenant_id="initech", tier="batch", admitted=True))
+    rejected = {s.labels["tenant"]: s.value for fam in registry.collect() for s in fam.samples
+                if s.name == "kvmeter_admission_rejected_requests_total"}
+    admitted = {s.labels["tenant"] for fam in registry.collect() for s in fam.samples
+                if s.name == "kvmeter_admission_admitted_requests_total"}
+    assert rejected == {"hobbyist": 3}
+    assert admitted == {"initech"}
