@@ -4,6 +4,9 @@
     kvmeter gpu --capture FILE [--phase load]    # drive the same collector from a capture
     kvmeter gpu --json --xid-wait-ms 1000        # JSON, and wait up to 1 s for XID events
     kvmeter gpu --require-gpu                    # exit 3 when no GPU (for scripts and CI)
+
+Exit status: 0 ok (also "no GPU" without ``--require-gpu``); 2 bad arguments (an unreadable or
+malformed capture: one ``kvmeter gpu: error: ...`` line); 3 no GPU with ``--require-gpu``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,23 @@ import dataclasses
 import json
 import sys
 
-__all__ = ["add_arguments", "run", "EXIT_NO_GPU"]
+__all__ = ["add_arguments", "run", "EXIT_NO_GPU", "EXIT_USAGE"]
 
 #: exit status of ``--require-gpu`` on a machine without a usable GPU
 EXIT_NO_GPU = 3
+#: exit status for a bad argument (an unreadable or malformed ``--capture`` file)
+EXIT_USAGE = 2
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an int ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase", default="load", choices=("idle", "load"),
                         help="capture phase for .txt captures (default load)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--xid-wait-ms", type=int, default=0,
-                        help="wait this long for XID events after reading (default 0)")
+    parser.add_argument("--xid-wait-ms", type=_non_negative_int, default=0,
+                        help="wait this long for XID events after reading (ms, ≥ 0; default 0)")
     parser.add_argument("--require-gpu", action="store_true",
                         help=f"exit {EXIT_NO_GPU} if no GPU can be read")
 
@@ -40,7 +56,14 @@ def _fmt(value: object, unit: str = "", scale: float = 1.0, digits: int = 1) -> 
 def run(args: argparse.Namespace) -> int:
     from .gpu import CaptureNvml, NvmlCollector  # imported only when the command runs
 
-    nvml = CaptureNvml.from_file(args.capture, args.phase) if args.capture else None
+    try:
+        nvml = CaptureNvml.from_file(args.capture, args.phase) if args.capture else None
+    except OSError as exc:  # missing, a directory, unreadable
+        print(f"kvmeter gpu: error: --capture {args.capture}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:  # CaptureFormatError: not an nvidia-smi capture
+        print(f"kvmeter gpu: error: --capture {args.capture}: not an nvidia-smi capture ({exc})", file=sys.stderr)
+        return EXIT_USAGE
     collector = NvmlCollector(nvml)
     status = collector.start()
     samples = collector.collect()

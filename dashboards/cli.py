@@ -3,11 +3,16 @@
 Examples::
 
     kvmeter dashboard --server http://127.0.0.1:8000          # while kvmeter serve runs (embedded ledger)
+    kvmeter dashboard --server http://127.0.0.1:8000 --api-key sk-...   # signed in at start
     kvmeter dashboard --ledger-dsn http://user:pw@ch:8123/kvmeter
-    kvmeter dashboard --ledger-dsn chdb://./var/ledger/chdb   # a chDB path no process holds
+    kvmeter dashboard --ledger-dsn chdb://./var/ledger/chdb   # an existing chDB ledger no process holds
 
-The API key is read from ``KVMETER_DASHBOARD_API_KEY`` (or typed into the sign-in form), never
-from the command line, where other users could see it in the process list.
+The key to sign in with at start: ``--api-key KEY``, else ``KVMETER_DASHBOARD_API_KEY``, else the
+sign-in form. Prefer the variable on shared machines: a flag's value shows in the process list.
+The key reaches Streamlit through its environment (never its command line) and is never printed.
+
+The dashboards only read: a ``chdb://`` path that does not hold a kvmeter ledger is refused
+(exit 2) rather than created empty.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from kvmeter.ledger.config import DEFAULT_DATABASE, parse_dsn, require_existing_ledger
+from kvmeter.ledger.errors import ConfigError as LedgerConfigError
 
 from .config import ENV, DashboardConfig
 from .errors import ConfigError
@@ -35,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "embedded ledger while serve holds it), e.g. http://127.0.0.1:8000")
     mode.add_argument("--ledger-dsn", metavar="DSN", help="query ClickHouse directly: http(s)://user:pw@host:port/db "
                       "or chdb:///path no process holds (default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb)")
+    parser.add_argument("--api-key", metavar="KEY", help="sign in with this key at start (default "
+                        "$KVMETER_DASHBOARD_API_KEY, else the sign-in form); the variable keeps the key out "
+                        "of the process list")
     parser.add_argument("--tenants", metavar="YAML", help="tenancy file for API keys and tier SLOs with --ledger-dsn "
                         "(default $KVMETER_TENANTS or the demo tenants)")
     parser.add_argument("--prices", metavar="YAML", help="price list for invoice lines with --ledger-dsn")
@@ -56,12 +67,18 @@ def streamlit_command(host: str, port: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the settings, then run Streamlit in the foreground; its exit status is ours."""
-    explicit = {"server_url": args.server, "ledger_dsn": args.ledger_dsn, "tenants_path": args.tenants,
-                "prices_path": args.prices, "refresh_s": args.refresh, "cache_ttl_s": args.cache_ttl,
-                "default_range": args.range, "until": args.until}
+    explicit = {"server_url": args.server, "ledger_dsn": args.ledger_dsn, "api_key": args.api_key,
+                "tenants_path": args.tenants, "prices_path": args.prices, "refresh_s": args.refresh,
+                "cache_ttl_s": args.cache_ttl, "default_range": args.range, "until": args.until}
     try:
         config = DashboardConfig.from_env(**explicit)
-    except ConfigError as exc:
+        if config.mode == "dsn":
+            dsn = parse_dsn(config.ledger_dsn)
+            require_existing_ledger(dsn, dsn.database or DEFAULT_DATABASE)  # read-only: never create
+        for flag, path in (("--tenants", config.tenants_path), ("--prices", config.prices_path)):
+            if path is not None and not path.is_file():  # else Streamlit would start, then fail per page
+                raise ConfigError(f"{flag} {path}: no such file")
+    except (ConfigError, LedgerConfigError) as exc:
         print(f"kvmeter dashboard: {exc}", file=sys.stderr)
         return 2
     env = dict(os.environ)
@@ -69,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(config, name)
         if name == "ledger_dsn" and config.mode == "server":
             continue
-        if value is not None and name != "api_key":
+        if value is not None:  # the key too: the environment, unlike argv, is private to the user
             env[var] = value.isoformat() if hasattr(value, "isoformat") else str(value)
     if config.mode == "server":
         env.pop(ENV["ledger_dsn"], None)

@@ -30,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmeter", description=__doc__.splitlines()[0].strip("`"))
+    # the docstring's first line without its reST markup: "kvmeter — the one console script."
+    parser = argparse.ArgumentParser(prog="kvmeter", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in COMMANDS), None)  # skips global options' values

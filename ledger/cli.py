@@ -6,13 +6,16 @@ Examples::
     kvmeter billing report --period 2026-11-29 --tenant acme --prices my-prices.yaml
     kvmeter billing reconcile --period 2026-11-01/2026-11-15 --max-drift-ratio 0.001
     kvmeter billing report --period 2026-11 --server http://127.0.0.1:8000 --api-key $KEY
+    kvmeter billing report --period 2026-11 --ledger-dsn chdb:///srv/kvmeter/ledger
     kvmeter billing migrate
     kvmeter billing prices --prices my-prices.yaml           # validate and print a price list
 
 Where the data comes from: ``--server URL`` reads through a running serve process's read API
 (needed while ``kvmeter serve`` owns the embedded chDB ledger); otherwise the ledger DSN
-(``--dsn`` > ``KVMETER_LEDGER_DSN`` > ``chdb://./var/ledger/chdb``). For an embedded ledger the
-command opens it, drains its spool first (progress lines on stderr), then reads.
+(``--ledger-dsn``, alias ``--dsn`` > ``KVMETER_LEDGER_DSN`` > ``chdb://./var/ledger/chdb``). For an
+embedded ledger ``report`` and ``reconcile`` only read: a chDB path that does not hold a kvmeter
+ledger is refused (exit 2), never created. They open it, drain its spool first when the spool
+directory exists (progress lines on stderr), then read. ``migrate`` creates what is missing.
 
 Exit status: 0 ok; 1 reconciliation found unexplained drift above the threshold; 2 bad
 arguments or configuration; 3 the report has usage the price list does not price; 4 the ledger
@@ -31,7 +34,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Iterator
 
 from .billing import invoice_lines, invoice_totals
-from .config import LedgerConfig
+from .config import LedgerConfig, require_existing_ledger
 from .errors import LedgerError, LedgerLocked, LedgerUnavailable
 from .period import Period, parse_period
 from .prices import PriceList, load_price_list
@@ -46,9 +49,14 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_UNPRICED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
 
 
+def _dsn_arg(p: argparse.ArgumentParser, help_text: str) -> None:
+    # --ledger-dsn is the name serve and dashboard use; --dsn stays as an alias
+    p.add_argument("--ledger-dsn", "--dsn", dest="dsn", metavar="DSN", help=help_text)
+
+
 def _source_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dsn", help="ledger DSN (chdb://PATH or http(s)://user:pass@host:port/db); "
-                                 "default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb")
+    _dsn_arg(p, "ledger DSN (chdb://PATH of an existing ledger, or http(s)://user:pass@host:port/db); "
+                "default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb; --dsn is an alias")
     p.add_argument("--spool-dir", help="spool directory (embedded ledger); default $KVMETER_SPOOL_DIR")
     p.add_argument("--server", help="read through a running serve process instead, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", default=os.environ.get("KVMETER_API_KEY"),
@@ -59,7 +67,8 @@ def _source_args(p: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``report``, ``reconcile``, ``migrate`` and ``prices`` under ``kvmeter billing``."""
     sub = parser.add_subparsers(dest="billing_command", metavar="ACTION")
-    period_help = "2026-11 (month), 2026-11-29 (day), 2026 (year) or START/END in ISO 8601 (UTC, end exclusive)"
+    period_help = ("2026-11 (month), 2026-11-29 (day), 2026 (year) or START/END in ISO 8601 (UTC, end exclusive), "
+                   "within 1900-01-01 .. 2299-12-31")
 
     p = sub.add_parser("report", help="invoice lines per org/workspace/project/key: CSV, Parquet, HTML")
     p.add_argument("--period", required=True, help=period_help)
@@ -80,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _source_args(p)
 
     p = sub.add_parser("migrate", help="create or upgrade the ledger schema")
-    p.add_argument("--dsn", help="ledger DSN (default $KVMETER_LEDGER_DSN or the embedded path)")
+    _dsn_arg(p, "ledger DSN, created if missing (default $KVMETER_LEDGER_DSN or chdb://./var/ledger/chdb); "
+                "--dsn is an alias")
 
     p = sub.add_parser("prices", help="validate a price list and print it")
     p.add_argument("--prices", help="price list YAML (default: the packaged prices.yaml)")
@@ -108,11 +118,14 @@ def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[Usage
         from .http_client import LedgerHttpClient
         if not args.api_key:
             raise ValueError("--server needs --api-key (or $KVMETER_API_KEY)")
+        if not args.server.startswith(("http://", "https://")):
+            raise ValueError(f"--server must be an http(s):// URL, got {args.server!r}")
         with LedgerHttpClient(args.server, args.api_key) as client:
             yield client, f"read API {args.server}"
         return
     config = LedgerConfig.from_env(dsn=args.dsn, spool_dir=args.spool_dir)
-    if config.embedded:
+    require_existing_ledger(config.parsed_dsn, config.effective_database)  # read-only: never create
+    if config.embedded and config.spool_dir.is_dir():
         from .ledger import Ledger
         ledger = Ledger.open(config, prices=prices)
         try:
@@ -121,6 +134,8 @@ def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[Usage
         finally:
             ledger.close()
         return
+    # a server, or an embedded ledger without a spool directory (nothing to drain; opening the
+    # Ledger would create one)
     from .connection import ClientHolder, connect
     from .queries import LedgerQueries
     from .schema import migrate
@@ -172,7 +187,7 @@ def _report(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     grand = sum((t for t in totals["total"].to_list() if t is not None), Decimal(0)) if totals.height else Decimal(0)
-    print(f"{lines.height} invoice lines, {totals.height} tenants, total {grand} {prices.currency}", file=sys.stderr)
+    print(f"{lines.height} invoice lines, {totals.height} tenants, total {grand:f} {prices.currency}", file=sys.stderr)
     if unpriced.height:
         print(f"error: {headline}", file=sys.stderr)
         return EXIT_UNPRICED

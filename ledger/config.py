@@ -27,7 +27,8 @@ from urllib.parse import unquote, urlsplit
 
 from .errors import ConfigError
 
-__all__ = ["LedgerConfig", "ParsedDsn", "parse_dsn", "DSN_ENV", "SPOOL_ENV", "CLUSTER_ENV"]
+__all__ = ["LedgerConfig", "ParsedDsn", "parse_dsn", "require_existing_ledger", "DSN_ENV", "SPOOL_ENV",
+           "CLUSTER_ENV"]
 
 DSN_ENV = "KVMETER_LEDGER_DSN"
 SPOOL_ENV = "KVMETER_SPOOL_DIR"
@@ -107,6 +108,31 @@ def parse_dsn(dsn: str) -> ParsedDsn:
         secure=secure,
         database=database,
     )
+
+
+def require_existing_ledger(dsn: ParsedDsn, database: str = DEFAULT_DATABASE) -> None:
+    """For commands that only read: refuse a chDB path that holds no kvmeter ledger.
+
+    Opening a chDB path creates it (directory, database, schema), so a mistyped path would read
+    as an empty ledger. A kvmeter ledger is a directory with ``metadata/<database>/
+    schema_migrations.sql`` (written by the first migration). Server DSNs are not checked here
+    (the server answers for itself). Touches nothing on disk.
+
+    Raises:
+        ConfigError: the path does not exist, is not a directory, or is not a kvmeter ledger;
+            the message names the path and what to do.
+    """
+    if dsn.kind != "chdb":
+        return
+    path = Path(dsn.path)
+    where = f"ledger DSN chdb://{path}"
+    if not path.exists():
+        raise ConfigError(f"{where}: no such directory (read-only commands do not create a ledger; "
+                          "give the path `kvmeter serve --ledger-dsn` writes, or --server URL)")
+    if not path.is_dir():
+        raise ConfigError(f"{where}: not a directory")
+    if not (path / "metadata" / database / "schema_migrations.sql").is_file():
+        raise ConfigError(f"{where}: not a kvmeter ledger (no database {database!r} with a schema in it)")
 
 
 def _default_dsn() -> str:

@@ -12,13 +12,20 @@ from datetime import date, datetime, timedelta, timezone
 
 from .errors import PeriodError
 
-__all__ = ["Period", "parse_period"]
+__all__ = ["Period", "parse_period", "EARLIEST", "LATEST_END"]
 
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
 _DAY = re.compile(r"^(\d{4})-(\d{2})-(\d{2})$")
 _YEAR = re.compile(r"^(\d{4})$")
 _EXAMPLES = "use 2026-11 (month), 2026-11-29 (day), 2026 (year) or an ISO range such as " \
             "2026-11-01/2026-11-15 or 2026-11-01T00:00:00Z/2026-11-01T12:00:00Z (end exclusive)"
+
+#: The range ClickHouse's ``DateTime64(6)`` holds (the ledger's timestamp type): a period outside
+#: it cannot be queried (older values fail to parse, later ones saturate silently).
+EARLIEST = datetime(1900, 1, 1, tzinfo=timezone.utc)
+#: Exclusive end of that range: the last instant stored is 2299-12-31T23:59:59.999999Z.
+LATEST_END = datetime(2300, 1, 1, tzinfo=timezone.utc)
+_RANGE = "the supported range is 1900-01-01 .. 2299-12-31 (UTC; ClickHouse DateTime64)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +46,15 @@ class Period:
             value = getattr(self, name)
             if not isinstance(value, datetime) or value.tzinfo is None:
                 raise PeriodError(f"Period.{name} must be a timezone-aware datetime")
-            object.__setattr__(self, name, value.astimezone(timezone.utc))
+            try:
+                object.__setattr__(self, name, value.astimezone(timezone.utc))
+            except OverflowError:  # 0001-01-01T00:00+05:00 has no UTC datetime
+                raise PeriodError(f"period {self.label!r} is out of range: {_RANGE}") from None
         if not self.start < self.end:
             raise PeriodError(f"period start {self.start.isoformat()} is not before its end {self.end.isoformat()}")
+        if self.start < EARLIEST or self.end > LATEST_END:
+            raise PeriodError(f"period {self.label!r} ({self.start.isoformat()} .. {self.end.isoformat()}) "
+                              f"is out of range: {_RANGE}")
 
     @property
     def start_ts(self) -> float:
@@ -73,19 +86,29 @@ def _endpoint(text: str) -> datetime:
     try:
         value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
-        raise PeriodError(f"cannot read {text!r} as an ISO date or date-time; {_EXAMPLES}") from None
+        raise PeriodError(f"cannot read period endpoint {text!r} as an ISO date or date-time; {_EXAMPLES}") from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=timezone.utc)  # naive = UTC, stated in the help
     return value
+
+
+def _in_range(start: datetime, text: str) -> datetime:
+    """``start``, checked against the supported range before the end is computed from it (the
+    end of ``9999-12-31`` would overflow ``datetime``)."""
+    if not EARLIEST <= start < LATEST_END:
+        raise PeriodError(f"period {text!r} is out of range: {_RANGE}")
+    return start
 
 
 def parse_period(text: str) -> Period:
     """Parse a billing period.
 
     Accepts ``YYYY``, ``YYYY-MM``, ``YYYY-MM-DD`` or ``START/END`` with ISO 8601 dates or
-    date-times (naive ones are UTC, the end is exclusive).
+    date-times (naive ones are UTC, the end is exclusive), within 1900-01-01 .. 2299-12-31
+    (:data:`EARLIEST` .. :data:`LATEST_END`, what ClickHouse ``DateTime64(6)`` holds).
     Raises:
-        PeriodError: with examples of valid forms.
+        PeriodError: with examples of valid forms, or the supported range. Every message
+            names the period.
     """
     if not isinstance(text, str) or not text.strip():
         raise PeriodError(f"empty period; {_EXAMPLES}")
@@ -93,19 +116,19 @@ def parse_period(text: str) -> Period:
     try:
         if m := _YEAR.match(text):
             y = int(m.group(1))
-            return Period(_utc(date(y, 1, 1)), _utc(date(y + 1, 1, 1)), text)
+            return Period(_in_range(_utc(date(y, 1, 1)), text), _utc(date(y + 1, 1, 1)), text)
         if m := _MONTH.match(text):
             y, mo = int(m.group(1)), int(m.group(2))
-            start = _utc(date(y, mo, 1))
+            start = _in_range(_utc(date(y, mo, 1)), text)
             end = _utc(date(y + (mo == 12), mo % 12 + 1, 1))
             return Period(start, end, text)
         if _DAY.match(text):
-            start = _utc(date.fromisoformat(text))
+            start = _in_range(_utc(date.fromisoformat(text)), text)
             return Period(start, start + timedelta(days=1), text)
     except ValueError as exc:
         if isinstance(exc, PeriodError):
             raise
-        raise PeriodError(f"{text!r} is not a valid date ({exc}); {_EXAMPLES}") from None
+        raise PeriodError(f"period {text!r} is not a valid date ({exc}); {_EXAMPLES}") from None
     if "/" in text:
         left, _, right = text.partition("/")
         return Period(_endpoint(left), _endpoint(right), text)

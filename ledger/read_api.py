@@ -21,8 +21,12 @@ Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_peri
 ``/v1/usage/reconcile_views``      :meth:`LedgerQueries.reconcile_views`
 =================================  ===========================================================
 
-Errors use the OpenAI error shape ``{"error": {"message", "type", "code"}}``: 401 unknown key,
-403 other tenant, 400 bad parameter, 503 ClickHouse unavailable.
+Errors use the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``: 401 unknown
+key, 403 other tenant, 400 bad parameter (``param`` names it when known, e.g. a ``period`` outside
+1900-01-01 .. 2299-12-31, what ClickHouse ``DateTime64`` holds), 503 ClickHouse unavailable.
+
+Money (``Decimal``) is sent as an exact string in plain notation (``"0.00000000"``, never
+``"0E-8"``).
 """
 
 from __future__ import annotations
@@ -52,14 +56,17 @@ log = logging.getLogger(__name__)
 
 def _default(value: Any) -> Any:
     if isinstance(value, Decimal):
-        return str(value)
+        # plain notation, scale kept: Decimal("0E-8") → "0.00000000", like "0.00013500" (str()
+        # would write ClickHouse's zero Decimal(18, 8) as "0E-8")
+        return format(value, "f")
     if isinstance(value, datetime):
         return value.isoformat()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def dumps(data: Any) -> bytes:
-    """JSON with Decimals as strings (exact) and datetimes as ISO 8601."""
+    """JSON with Decimals as exact strings in plain notation (never exponents) and datetimes as
+    ISO 8601."""
     return json.dumps(data, default=_default, separators=(",", ":")).encode()
 
 
@@ -68,9 +75,9 @@ class _JSON(JSONResponse):
         return dumps(content)
 
 
-def _error(status: int, message: str, code: str) -> Response:
+def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}.get(status, "api_error")
-    return _JSON({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+    return _JSON({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
 def presented_key(request: Request) -> str | None:
@@ -111,8 +118,11 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
                 tenant = principal.tenant_id
             try:
                 period = parse_period(request.query_params.get("period", ""))
+            except PeriodError as exc:  # names the period and the valid forms or range
+                return _error(400, str(exc), "invalid_parameter", "period")
+            try:
                 return _JSON(handler(request, principal, period, tenant))
-            except (PeriodError, ValueError) as exc:
+            except ValueError as exc:
                 return _error(400, str(exc), "invalid_parameter")
             except LedgerUnavailable as exc:
                 log.warning("read API: %s", exc)

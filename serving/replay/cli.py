@@ -17,8 +17,55 @@ import asyncio
 import csv
 import dataclasses
 import sys
+from pathlib import Path
 
-__all__ = ["add_arguments", "run", "parse_tenant"]
+__all__ = ["add_arguments", "run", "parse_tenant", "served_model"]
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _server_url(text: str) -> str:
+    """argparse type: an http(s):// base URL, without a trailing slash."""
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {text!r}")
+    return text.rstrip("/")
+
+
+def served_model(server: str, api_key: str, *, timeout_s: float = 10.0, transport=None) -> str:  # noqa: ANN001
+    """The first model ``GET {server}/v1/models`` lists.
+
+    Raises:
+        ValueError: the server cannot be reached, refused the key or answered something else;
+            the message names the URL.
+    """
+    import httpx
+
+    url = f"{server}/v1/models"
+    try:
+        with httpx.Client(timeout=timeout_s, transport=transport) as client:
+            response = client.get(url, headers={"authorization": f"Bearer {api_key}"})
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
+    if response.status_code != 200:
+        try:
+            detail = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            detail = response.text[:200]
+        raise ValueError(f"GET {url} answered {response.status_code}: {detail} "
+                         "(pass --model, or a --tenant key this server knows)")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"GET {url} did not list a model (pass --model)") from None
 
 
 def parse_tenant(spec: str):
@@ -42,22 +89,22 @@ def parse_tenant(spec: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", required=True, help="gateway base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--server", required=True, type=_server_url,
+                        help="gateway base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name (default: the server's /v1/models)")
     parser.add_argument("--trace", default="azure-conv", help="azure-conv, azure-code, mooncake or a path")
-    parser.add_argument("--requests", type=int, default=300, help="requests from the trace's start")
+    parser.add_argument("--requests", type=_positive_int, default=300,
+                        help="requests from the trace's start (≥ 1, default 300)")
     parser.add_argument("--tenant", action="append", default=[], help="NAME=KEY[:SHARE][:noisy] (repeat)")
     parser.add_argument("--time-compression", type=float, default=2.0)
     parser.add_argument("--token-scale", type=float, default=1 / 8)
-    parser.add_argument("--noisy-prompt-tokens", type=int, default=4096)
+    parser.add_argument("--noisy-prompt-tokens", type=_positive_int, default=4096)
     parser.add_argument("--model-dir", help="tokenizer directory (default: the bundled model)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", help="write per-request results to this CSV")
 
 
 def run(args: argparse.Namespace) -> int:
-    import httpx
-
     from kvmeter.model import ModelError, resolve_model
     from kvmeter.serving.demo import DEMO_TENANTS
     from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -70,12 +117,14 @@ def run(args: argparse.Namespace) -> int:
         tenants = [parse_tenant(t) for t in args.tenant] or [ReplayTenant(*t) for t in DEMO_TENANTS]
         rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,
                            noisy_prompt_tokens=args.noisy_prompt_tokens)
+        if args.out and not Path(args.out).absolute().parent.is_dir():
+            raise ValueError(f"--out {args.out}: no such directory {Path(args.out).absolute().parent}")
         trace = load_trace(args.trace, limit=args.requests)
+        if not trace:
+            raise ValueError(f"trace {args.trace} has no requests")
         model_dir = args.model_dir or resolve_model(None)[0]
-        model = args.model or httpx.get(f"{args.server}/v1/models", timeout=10,
-                                        headers={"authorization": f"Bearer {tenants[0].api_key}"}
-                                        ).json()["data"][0]["id"]
-    except (ValueError, TraceError, ModelError, httpx.HTTPError, KeyError) as exc:
+        model = args.model or served_model(args.server, tenants[0].api_key)
+    except (ValueError, TraceError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
@@ -85,9 +134,15 @@ def run(args: argparse.Namespace) -> int:
                                  lambda r: synth.messages(r.prompt_tokens, seed=args.seed * 100_003 + r.index)))
     ok = sum(r.status == 200 and not r.error for r in results)
     print(f"{ok}/{len(results)} requests completed")
+    if not ok and results:
+        print(f"error: no request completed; the first: {results[0].error or results[0].status}", file=sys.stderr)
     if args.out:
-        with open(args.out, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=[f.name for f in dataclasses.fields(results[0])])
-            writer.writeheader()
-            writer.writerows(dataclasses.asdict(r) for r in results)
+        try:
+            with open(args.out, "w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=[f.name for f in dataclasses.fields(results[0])])
+                writer.writeheader()
+                writer.writerows(dataclasses.asdict(r) for r in results)
+        except OSError as exc:
+            print(f"error: cannot write --out {args.out}: {exc}", file=sys.stderr)
+            return 2
     return 0 if ok else 1

@@ -73,8 +73,9 @@ async def _one(client: httpx.AsyncClient, model: str, req: ReplayRequest,
                     delta = chunk["choices"][0].get("delta", {})
                     if delta.get("content"):
                         result.ttft_s = time.monotonic() - t0
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+    except httpx.HTTPError as exc:  # name the URL: "[Errno 111] Connection refused" alone says not where
+        url = str(client.base_url).rstrip("/") + "/v1/chat/completions"
+        result.error = f"{type(exc).__name__}: {exc or 'no detail'} (POST {url})"
     result.e2e_s = time.monotonic() - t0
     return result
 

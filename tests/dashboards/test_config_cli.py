@@ -67,6 +67,65 @@ def test_the_command_refuses_both_modes(capsys):
     assert cli.run(args) == 2 and "refresh_s" in capsys.readouterr().err
 
 
+def _streamlit_calls(monkeypatch) -> list:
+    calls: list = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    return calls
+
+
+def test_api_key_flag_signs_in_at_start_through_the_environment_and_is_never_printed(monkeypatch, capsys):
+    calls = _streamlit_calls(monkeypatch)
+    monkeypatch.delenv("KVMETER_DASHBOARD_API_KEY", raising=False)
+    args = build_parser(["dashboard"]).parse_args(
+        ["dashboard", "--server", "http://127.0.0.1:8000", "--api-key", "sk-flag-secret"])
+    assert cli.run(args) == 0
+    argv, env = calls[-1]
+    assert env["KVMETER_DASHBOARD_API_KEY"] == "sk-flag-secret"  # Streamlit's environment, not its argv
+    assert not any("sk-flag-secret" in a for a in argv)
+    out = capsys.readouterr()
+    assert "sk-flag-secret" not in out.out + out.err and "server mode" in out.err
+    # without the flag: the variable, as before
+    monkeypatch.setenv("KVMETER_DASHBOARD_API_KEY", "sk-env-secret")
+    assert cli.run(build_parser(["dashboard"]).parse_args(["dashboard", "--server", "http://127.0.0.1:8000"])) == 0
+    assert calls[-1][1]["KVMETER_DASHBOARD_API_KEY"] == "sk-env-secret"
+    # the flag wins over the variable
+    assert cli.run(build_parser(["dashboard"]).parse_args(
+        ["dashboard", "--server", "http://127.0.0.1:8000", "--api-key", "sk-flag-secret"])) == 0
+    assert calls[-1][1]["KVMETER_DASHBOARD_API_KEY"] == "sk-flag-secret"
+    out = capsys.readouterr()
+    assert "secret" not in out.out + out.err
+
+
+def test_a_chdb_path_without_a_ledger_is_refused_not_created(monkeypatch, capsys, tmp_path):
+    calls = _streamlit_calls(monkeypatch)
+    for path, why in ((tmp_path / "nonexistent2" / "x", "no such directory"), (tmp_path, "not a kvmeter ledger")):
+        args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{path}"])
+        assert cli.run(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kvmeter dashboard: ") and why in err and "\n" not in err, err
+    assert not calls and not (tmp_path / "nonexistent2").exists()
+    # the default DSN (no flag, no variable) is checked too
+    monkeypatch.delenv("KVMETER_LEDGER_DSN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert cli.run(build_parser(["dashboard"]).parse_args(["dashboard"])) == 2 and not calls
+    assert not (tmp_path / "var").exists()
+    # a migrated chDB path (what `kvmeter serve` leaves) starts
+    (tmp_path / "ledger" / "metadata" / "kvmeter").mkdir(parents=True)
+    (tmp_path / "ledger" / "metadata" / "kvmeter" / "schema_migrations.sql").write_text("ATTACH TABLE ...")
+    args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{tmp_path / 'ledger'}"])
+    assert cli.run(args) == 0 and len(calls) == 1
+
+
+@pytest.mark.parametrize("flag", ["--tenants", "--prices"])
+def test_a_missing_tenants_or_prices_file_is_refused_before_streamlit_starts(flag, monkeypatch, capsys, tmp_path):
+    calls = _streamlit_calls(monkeypatch)
+    args = build_parser(["dashboard"]).parse_args(
+        ["dashboard", "--server", "http://127.0.0.1:8000", flag, str(tmp_path / "nope.yaml")])
+    assert cli.run(args) == 2 and not calls
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvmeter dashboard: {flag} {tmp_path / 'nope.yaml'}: no such file"
+
+
 def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     """Drive the exporters' real SignalSampler with one of each stats object it subscribes to
     (GPU readings from the real H200 and H100-MIG captures) and check the names it writes."""

@@ -19,6 +19,7 @@ from ledgerkit import make_attempt, make_event
 from starlette.applications import Starlette
 
 from kvmeter.bus import StatsBus
+from kvmeter.cli import build_parser, main
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
 from kvmeter.stats import EngineRequestStats
@@ -43,7 +44,7 @@ async def _fill(ledger, *, drift: bool = False, unpriced: bool = False) -> None:
 
 
 def _source(config) -> list[str]:  # noqa: ANN001
-    return ["--dsn", config.dsn, "--spool-dir", str(config.spool_dir)]
+    return ["--ledger-dsn", config.dsn, "--spool-dir", str(config.spool_dir)]
 
 
 async def test_report_writes_csv_parquet_and_html(open_ledger, config, tmp_path: Path) -> None:
@@ -142,3 +143,55 @@ def test_maintenance_commands(action: str, config) -> None:
     run = kvmeter(*args)
     assert run.returncode == 0, run.stderr
     assert ("SmolLM2-135M-Instruct" in run.stdout) if action == "prices" else ("applied 1" in run.stdout)
+
+
+# --------------------------------------------------------------------------- argument and DSN errors
+
+
+def test_the_console_script_describes_itself_without_rest_markup() -> None:
+    assert build_parser([]).description == "kvmeter — the one console script."
+
+
+@pytest.mark.parametrize("action", ["report", "reconcile", "migrate"])
+def test_ledger_dsn_is_the_documented_flag_and_dsn_an_alias(action: str, capsys) -> None:
+    extra = ["--period", "2026-11"] if action != "migrate" else []
+    for flag in ("--ledger-dsn", "--dsn"):
+        args = build_parser(["billing"]).parse_args(["billing", action, *extra, flag, "chdb:///x"])
+        assert args.dsn == "chdb:///x", flag
+    with pytest.raises(SystemExit):
+        build_parser(["billing"]).parse_args(["billing", action, "--help"])
+    assert "--ledger-dsn DSN, --dsn DSN" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("action", ["report", "reconcile"])
+def test_read_only_commands_refuse_a_path_without_a_ledger(action: str, tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "nonexistent" / "dir" / "x"
+    not_a_ledger = tmp_path / "empty"
+    not_a_ledger.mkdir()
+    for path, why in ((missing, "no such directory"), (not_a_ledger, "not a kvmeter ledger")):
+        status = main(["billing", action, "--period", "2026-11", "--ledger-dsn", f"chdb://{path}",
+                       "--spool-dir", str(tmp_path / "spool"), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip()
+        assert status == 2 and err.startswith("error: ") and why in err and str(path) in err, err
+        assert "\n" not in err and "Traceback" not in err
+    assert not (tmp_path / "nonexistent").exists() and not any(not_a_ledger.iterdir())
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "out").exists()
+
+
+async def test_a_ledger_without_a_spool_directory_is_read_without_creating_one(open_ledger, config,
+                                                                               tmp_path: Path) -> None:
+    ledger = open_ledger()
+    await _fill(ledger)
+    ledger.close()
+    no_spool = tmp_path / "no-spool"
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path / "out"), "--formats", "csv",
+                  "--dsn", config.dsn, "--spool-dir", str(no_spool))  # --dsn: the alias still works
+    assert run.returncode == 0, run.stderr
+    assert "4 invoice lines, 2 tenants, total 0.00 USD" in run.stderr
+    assert not no_spool.exists()
+
+
+def test_a_period_outside_the_ledger_range_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    status = main(["billing", "report", "--period", "0999", "--ledger-dsn", f"chdb://{tmp_path / 'x'}"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "1900-01-01 .. 2299-12-31" in err and "\n" not in err

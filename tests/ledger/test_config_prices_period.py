@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvmeter.ledger import ConfigError, LedgerConfig, PeriodError, PriceListError, load_price_list, parse_period
-from kvmeter.ledger.config import parse_dsn
+from kvmeter.ledger.config import parse_dsn, require_existing_ledger
 from kvmeter.ledger.prices import parse_price_list
 
 
@@ -44,6 +44,24 @@ def test_server_dsn_is_parsed_and_the_password_never_shown() -> None:
 def test_bad_dsn_is_a_clear_config_error(dsn: str) -> None:
     with pytest.raises(ConfigError):
         LedgerConfig(dsn=dsn)
+
+
+def test_a_read_only_command_refuses_a_chdb_path_without_a_ledger_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "ledger"
+    with pytest.raises(ConfigError, match="no such directory"):
+        require_existing_ledger(parse_dsn(f"chdb://{missing}"))
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        require_existing_ledger(parse_dsn(f"chdb://{tmp_path / 'file'}"))
+    with pytest.raises(ConfigError, match="not a kvmeter ledger"):
+        require_existing_ledger(parse_dsn(f"chdb://{tmp_path}"))
+    (tmp_path / "metadata" / "kvmeter").mkdir(parents=True)
+    (tmp_path / "metadata" / "kvmeter" / "schema_migrations.sql").write_text("ATTACH TABLE ...")
+    require_existing_ledger(parse_dsn(f"chdb://{tmp_path}"))  # what a migrated chDB path holds
+    with pytest.raises(ConfigError, match="'other'"):
+        require_existing_ledger(parse_dsn(f"chdb://{tmp_path}"), "other")
+    require_existing_ledger(parse_dsn("http://u:p@nowhere:8123/kv"))  # a server answers for itself
 
 
 @pytest.mark.parametrize("field,value", [("batch_size", 0), ("flush_interval_s", 0), ("segment_bytes", 10),
@@ -153,3 +171,22 @@ def test_periods_are_half_open_utc_intervals(text: str, start: datetime, end: da
 def test_bad_periods_raise_a_period_error_with_examples(text: str) -> None:
     with pytest.raises(PeriodError):
         parse_period(text)
+
+
+@pytest.mark.parametrize("text", ["0999", "0001-01", "0001-01-01/9999-12-31", "1899-12-31", "2300", "9999",
+                                  "9999-12", "9999-12-31", "1899-12-31T23:59:59Z/1900-01-02",
+                                  "2299-12-31/2300-01-01T00:00:01Z", "0001-01-01T00:00+05:00/2026-01-01"])
+def test_periods_outside_clickhouse_datetime64_are_refused_naming_the_range(text: str) -> None:
+    with pytest.raises(PeriodError, match=r"period .* 1900-01-01 \.\. 2299-12-31"):
+        parse_period(text)
+
+
+@pytest.mark.parametrize("text,start,end", [
+    ("1900", _utc(1900, 1, 1), _utc(1901, 1, 1)),
+    ("2299", _utc(2299, 1, 1), _utc(2300, 1, 1)),
+    ("2299-12-31", _utc(2299, 12, 31), _utc(2300, 1, 1)),
+    ("1900-01-01/2300-01-01", _utc(1900, 1, 1), _utc(2300, 1, 1)),
+])
+def test_the_edges_of_the_supported_range_parse(text: str, start: datetime, end: datetime) -> None:
+    period = parse_period(text)
+    assert (period.start, period.end) == (start, end)

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from kvmeter.ledger import Adjustment
 from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError
-from kvmeter.ledger.read_api import read_routes
+from kvmeter.ledger.read_api import dumps, read_routes
 from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
 
 KEYS = {
@@ -93,6 +93,49 @@ def test_bad_requests_get_clear_errors(app: Starlette, key, params, status, code
     with TestClient(app) as client:
         response = _get(client, "summary", key, **params)
         assert response.status_code == status and response.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("period", ["0999", "0001-01", "0001-01-01/9999-12-31", "9999-12-31", "2300",
+                                    "1899-12-31T23:00:00Z/1900-01-02"])
+def test_a_period_clickhouse_cannot_hold_is_a_400_naming_period(app: Starlette, period: str) -> None:
+    """DateTime64(6) holds 1900-01-01 .. 2299-12-31: outside it ClickHouse failed to parse the
+    bound (a 500 ``ledger_error``) or overflowed (9999-12-31 + 1 day)."""
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for path in ("summary", "reconcile_views", "timeseries"):
+            response = _get(client, path, "sk-admin", period=period)
+            assert response.status_code == 400, (path, period, response.text)
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_parameter", "period")
+            assert "period" in error["message"] and "1900-01-01 .. 2299-12-31" in error["message"]
+
+
+def test_the_edges_of_the_supported_range_are_served(app: Starlette) -> None:
+    with TestClient(app) as client:
+        for period in ("1900", "2299", "1900-01-01/2300-01-01"):
+            response = _get(client, "summary", "sk-admin", period=period)
+            assert response.status_code == 200, (period, response.text)
+        assert _get(client, "reconcile_views", "sk-admin", period="2299-12-31").status_code == 200
+
+
+def test_money_is_exact_and_in_plain_notation() -> None:
+    assert dumps({"cost": Decimal("0E-8"), "subtotal": Decimal("0.00013500"), "big": Decimal("1E+3")}) == \
+        b'{"cost":"0.00000000","subtotal":"0.00013500","big":"1000"}'
+
+
+async def test_a_zero_cost_is_not_written_0e_8(open_ledger) -> None:
+    ledger = open_ledger()
+    await ledger.record(make_event(0, "zero", prompt_tokens=0, completion_tokens=0, reserved_prompt_tokens=0))
+    await ledger.record(make_event(1, "acme"))
+    assert ledger.flush()
+    app = Starlette(routes=read_routes(ledger.queries, authenticate))
+    with TestClient(app) as client:
+        response = _get(client, "summary", "sk-admin")
+    assert response.status_code == 200, response.text
+    assert "E-" not in response.text
+    costs = {row["tenant_id"]: row["cost"] for row in response.json()}
+    # ClickHouse's Decimal(18, 8) scale on both: the same notation for zero and non-zero amounts
+    assert costs == {"zero": "0.00000000", "acme": "0.00001350"}
+    assert Decimal(costs["zero"]) == 0
 
 
 def test_tenant_text_is_bound_not_spliced(app: Starlette) -> None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
+from pathlib import Path
 
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.policy import POLICIES
@@ -28,11 +30,62 @@ from .hardware import ACCELERATORS
 from .models import MODELS
 from .report import build_report, format_report, write_report
 from .runner import SimConfig, Simulation
-from .tenants import ServeGenTenantMap, load_servegen_rates, load_tier_map
+from .tenants import ServeGenTenantMap, load_servegen_rates
 
 __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an int ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
+    return value
+
+
+def _tier_map_arg(text: str) -> dict[str, str]:
+    """argparse type of ``--tier-map``: inline JSON (``{"sg-1": "enterprise"}``) or the path of a
+    JSON file holding such an object. Returns tenant id → tier name.
+
+    Raises:
+        argparse.ArgumentTypeError: neither valid inline JSON nor a readable JSON file, or JSON
+            that is not an object of strings.
+    """
+    source = "inline JSON"
+    body = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is neither a JSON object (e.g. '{{\"sg-1\": \"enterprise\"}}') nor an existing JSON file")
+        source = str(path)
+        try:
+            body = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {source}: {exc}") from None
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{source} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise argparse.ArgumentTypeError(f"{source}: a tier map must be a JSON object of tenant id → tier name")
+    return data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,14 +95,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"trace name ({', '.join(REQUEST_TRACES)}) or a file path (default azure-conv)")
     g.add_argument("--duration-s", type=float, default=None, help="replay only this many trace seconds")
     g.add_argument("--start-s", type=float, default=0.0, help="offset into the trace (seconds)")
-    g.add_argument("--limit", type=int, default=None, help="replay at most this many requests")
+    g.add_argument("--limit", type=_positive_int, default=None, help="replay at most this many requests (≥ 1)")
     g.add_argument("--rate-scale", type=float, default=1.0,
                    help="compress arrivals by this factor (2 = twice the request rate)")
     g.add_argument("--tenants", choices=("servegen", "single", "column"), default="servegen",
                    help="how requests map to tenants (default servegen)")
     g.add_argument("--servegen-start", type=int, default=None,
                    help="ServeGen offset (s) mapped to trace t=0 (default: its busiest hour)")
-    g.add_argument("--tier-map", default=None, help="JSON object tenant id → tier")
+    g.add_argument("--tier-map", type=_tier_map_arg, default=None, metavar="JSON|FILE",
+                   help='tenant id → tier, as inline JSON (\'{"sg-1": "enterprise"}\') or the path of a JSON '
+                        "file holding that object (--tenants servegen)")
     g.add_argument("--tier", default="paid_interactive", help="tier of the single tenant (--tenants single)")
     g.add_argument("--seed", type=int, default=0, help="seed of the tenant draws")
     s = parser.add_argument_group("scheduler")
@@ -67,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h200")
     e.add_argument("--tp", type=int, default=4, help="tensor-parallel degree per replica (default 4)")
     e.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    e.add_argument("--max-num-seqs", type=_positive_int, default=None)
     e.add_argument("--long-prefill-threshold", type=int, default=None,
                    help="most prefill tokens per request per step (default: no cap)")
     e.add_argument("--max-model-len", type=int, default=None)
@@ -78,12 +133,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--step-overhead-s", type=float, default=None)
     o = parser.add_argument_group("output")
     o.add_argument("--out", default=None, help="output prefix (default kvmeter-sim-<trace>-<policy>)")
-    o.add_argument("--top-tenants", type=int, default=10, help="tenants listed in the printed report")
+    o.add_argument("--top-tenants", type=_non_negative_int, default=10, help="tenants listed in the printed report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _workload(args: argparse.Namespace):
     reqs = load_trace(args.trace, duration_s=args.duration_s, limit=args.limit, start_s=args.start_s)
+    if not reqs:
+        window = f"--start-s {args.start_s}"
+        if args.duration_s is not None:
+            window += f" --duration-s {args.duration_s}"
+        raise ValueError(f"the trace slice is empty: no requests in {args.trace} with {window} "
+                         "(check them against the trace's length)")
     if args.rate_scale != 1.0:
         if not args.rate_scale > 0:
             raise ValueError("--rate-scale must be > 0")
@@ -92,9 +153,8 @@ def _workload(args: argparse.Namespace):
         return [dataclasses.replace(r, tenant_id="tenant-0", tier=args.tier) for r in reqs]
     if args.tenants == "column":
         return reqs
-    tier_map = load_tier_map(args.tier_map) if args.tier_map else None
     mapper = ServeGenTenantMap(load_servegen_rates(), start_s=args.servegen_start, seed=args.seed,
-                               tier_map=tier_map)
+                               tier_map=args.tier_map)
     return mapper.assign(reqs)
 
 

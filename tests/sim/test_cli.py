@@ -1,0 +1,72 @@
+"""``kvmeter simulate``'s argument handling: bad values are one-line errors, never tracebacks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmeter.cli import build_parser
+from kvmeter.serving.engines.sim import cli
+
+
+def _parse(*argv: str):
+    return build_parser(["simulate"]).parse_args(["simulate", *argv])
+
+
+@pytest.mark.parametrize("flag,value", [("--limit", "0"), ("--limit", "-5"), ("--limit", "ten"),
+                                        ("--max-num-seqs", "0"), ("--max-num-batched-tokens", "-1"),
+                                        ("--top-tenants", "-1")])
+def test_counts_out_of_range_are_argparse_errors(flag: str, value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parse(flag, value)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: argument {flag}:" in err and "Traceback" not in err
+
+
+def test_an_empty_trace_slice_is_a_clear_error(capsys, tmp_path: Path) -> None:
+    # once a polars traceback (a datetime minus the null of an empty frame) with --limit 0, and an
+    # empty report written without complaint for a window past the trace's end
+    args = _parse("--trace", "azure-conv", "--start-s", "100000000", "--no-progress", "--tenants", "single",
+                  "--out", str(tmp_path / "sim"))
+    assert cli.run(args) == 2
+    assert not list(tmp_path.iterdir())
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvmeter simulate: the trace slice is empty") and "--start-s" in err and "\n" not in err
+
+
+def test_tier_map_takes_inline_json_or_a_json_file(tmp_path: Path) -> None:
+    assert _parse("--tier-map", '{"sg-1": "enterprise"}').tier_map == {"sg-1": "enterprise"}
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps({"sg-2": "free"}))
+    assert _parse("--tier-map", str(path)).tier_map == {"sg-2": "free"}
+
+
+@pytest.mark.parametrize("value,why", [
+    ("notjson", "neither a JSON object"),
+    ("{bad", "not valid JSON"),
+    ('{"sg-1": 3}', "JSON object of tenant id"),
+    ("/etc/hostname-nope", "neither a JSON object"),
+])
+def test_tier_map_that_is_neither_is_a_clear_error(value: str, why: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--tier-map", value)
+    err = capsys.readouterr().err
+    assert "error: argument --tier-map:" in err and why in err
+
+
+def test_tier_map_file_that_is_not_json_names_the_file(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "tiers.txt"
+    path.write_text("sg-1 = enterprise\n")
+    with pytest.raises(SystemExit):
+        _parse("--tier-map", str(path))
+    err = capsys.readouterr().err
+    assert str(path) in err and "not valid JSON" in err
+
+
+def test_help_says_tier_map_is_json_or_a_file(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--tier-map JSON|FILE" in help_text and "inline JSON" in help_text and "path of a JSON file" in help_text
