@@ -208,8 +208,10 @@ def load_trace(name_or_path: str | os.PathLike, limit: int | None = None, *,
         Requests with ``arrival_s`` relative to the first one (to ``start_s`` with a window).
     Raises:
         TraceNotFoundError: unknown name or missing file.
-        TraceError: unparseable content or a bad window.
+        TraceError: unparseable content, a bad window or a ``limit`` below 1.
     """
+    if limit is not None and limit < 1:
+        raise TraceError(f"bad trace limit {limit!r}: at least 1 request")
     if start_s < 0 or (duration_s is not None and not duration_s > 0):
         raise TraceError(f"bad trace window: start_s={start_s!r}, duration_s={duration_s!r}")
     windowed = start_s > 0 or duration_s is not None

@@ -49,7 +49,8 @@ than loss as the congestion signal (as delay-based TCP Vegas does: Brakmo & Pete
   latency overshoots, and the latency is still within the SLO itself (``r ≤ 1 /
   engine_itl_target_ratio``), the limit grows instead of being cut — the margin below the ITL
   SLO is spent on TTFT before requests miss their deadline, never more.
-* no latency reports in the interval: no change.
+* no latency reports in the interval: no change; no protected tier seen (no targets): ``r = 0``,
+  so a binding limit grows toward ``max_engine_running``.
 
 The limit starts at ``engine_limit_initial`` with the engine's first latency report; an engine
 that never reports latencies (an engine without step stats) keeps only the static caps. The
@@ -229,6 +230,10 @@ class AdaptiveEngineLimit:
             seen = True
         if ttfts and ttft_target_s:
             ratio = max(ratio, _median(ttfts) / ttft_target_s)
+            seen = True
+        if not itl_target_s and not ttft_target_s:
+            # no protected tier seen: no latency promise to keep, so a binding limit only grows
+            # (without this it would stay at engine_limit_initial and throttle batch/free traffic)
             seen = True
         if not (seen and fresh):
             return

@@ -328,3 +328,21 @@ def test_a_high_first_token_estimate_expires_once_the_engine_is_idle():
     core.check_admission(job("next", "a", arrival=clock.monotonic()))               # admitted: an idle engine starts it at once
     core.submit(job("next", "a", arrival=clock.monotonic()))
     assert [x.job.request_id for x in core.dispatch()] == ["next"]
+
+
+def test_without_a_protected_tier_a_binding_limit_grows_to_the_demand():
+    """Only batch traffic, 48 requests kept in flight (a closed loop): there is no latency promise
+    to keep, so the limit must not hold the engine at ``engine_limit_initial`` (the
+    engine-overhead benchmark found kvmeter running 8 of 16 concurrent batch requests)."""
+    core, clock = _core(engine_limit_initial=8, max_engine_running=256)
+    engine = LatencyEngine(core, clock)
+    core.submit(job("b0", "t0", max_tokens=50, tier="batch"))
+    engine.step()                                   # the first latency report turns the limit on
+    n = 0
+    for _ in range(100):
+        while len(engine.running) + core.snapshot(include_tenants=False).queued_total < 48:
+            n += 1
+            core.submit(job(f"b{n}", f"t{n % 4}", max_tokens=50, tier="batch"))
+        engine.step()
+    assert core.engine_limits()[0] >= 48
+    assert engine.max_running == 48

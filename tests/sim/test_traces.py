@@ -17,6 +17,12 @@ def test_azure_trace_parses_seven_digit_timestamps_from_zero():
     assert all(r.tenant_id is None and r.tier is None for r in reqs)
 
 
+@pytest.mark.parametrize("limit", [0, -5])
+def test_a_limit_below_one_is_a_trace_error(limit):
+    with pytest.raises(TraceError, match="limit"):
+        load_trace("azure-conv", limit=limit)
+
+
 def test_windows_shift_arrivals_to_their_start_and_limit_counts_inside_the_window():
     full = load_trace("azure-conv")
     win = load_trace("azure-conv", start_s=600.0, duration_s=60.0)
