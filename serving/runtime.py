@@ -156,12 +156,18 @@ class ServeRuntime:
         engine: an already-built engine (tests share one vLLM engine across apps).
         nvml: the NVML module for the GPU poller (default: the real ``pynvml``; tests pass the
             capture-backed stand-in).
+    Raises:
+        ValueError: an invalid setting, the ledger's included (its DSN, its ``KVMETER_LEDGER_*``
+            variables: :class:`~kvmeter.ledger.errors.ConfigError`), checked here rather than
+            when :meth:`start` opens the ledger, so ``kvmeter serve`` refuses it in one line.
+        ModelError / EngineError: the engine cannot be built.
     """
 
     def __init__(self, config: ServeConfig, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = REGISTRY, engine: Engine | None = None,
                  bus: StatsBus | None = None, nvml: object | None = None) -> None:
         self.config = config
+        self.ledger_config()  # raises ConfigError (a ValueError) before anything is built
         self.clock = clock
         self.bus = bus or StatsBus()
         self.registry = registry
@@ -182,9 +188,10 @@ class ServeRuntime:
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes),
             slo_for=self._slo, idempotency=self.idempotency)
-        self.exporter = install_prometheus(
-            self.bus, registry, config=dataclasses.replace(
-                PrometheusConfig.from_env(), top_k_tenants=config.metrics_top_k_tenants), clock=clock)
+        prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
+        if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
+            prom = dataclasses.replace(prom, model=self.engine.model_name)
+        self.exporter = install_prometheus(self.bus, registry, config=prom, clock=clock)
         self.otel = None
         if config.otel:
             from kvmeter.exporters.otel import install_otel

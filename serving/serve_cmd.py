@@ -8,6 +8,11 @@ Examples::
 
 Flags override the config file, which overrides environment variables (see
 :mod:`kvmeter.serving.config`).
+
+Exit status: 0 after a graceful stop (Ctrl+C / SIGINT included; SIGTERM stops as gracefully, then
+uvicorn re-raises it: -15); 2 for an invalid setting, ledger DSN included (one line,
+``cannot start: ...``); 3 when the app fails while starting (uvicorn's lifespan: the engine or
+ledger could not open); 130 for Ctrl+C before the server started.
 """
 
 from __future__ import annotations
@@ -58,15 +63,24 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         config = load_serve_config(args.config, overrides)
-        runtime = ServeRuntime(config)
+        runtime = ServeRuntime(config)  # checks the ledger settings too (ConfigError: a ValueError)
     except (ServeConfigError, ModelError, EngineError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C while the model is prepared or loaded
+        log.info("kvmeter serve: interrupted before start")
+        return 130
     app = runtime.app()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
         lifespan="on", timeout_graceful_shutdown=30, access_log=False))
     log.info("kvmeter serve: %s engine, model %s, on http://%s:%d", config.engine.kind,
              runtime.engine.model_name, config.server.host, config.server.port)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # SIGINT: uvicorn has already shut down gracefully (connections drained, lifespan
+        # shutdown run: spool drained, ledger and engine closed), then re-raised the signal, which
+        # asyncio.run turns into KeyboardInterrupt. Nothing is left to do: a clean exit.
+        log.info("kvmeter serve: stopped (SIGINT)")
     return 0 if server.started else 1

@@ -8,7 +8,9 @@ Routes:
     extra routes (the ledger's read API, the quota's tool-call report, ...) as given.
 
 Every error, including unknown routes, wrong methods and unexpected exceptions, is an OpenAI-style
-JSON error; an unexpected exception is logged and answered 500 without taking the process down.
+JSON error; an unexpected exception is logged and answered 500 without taking the process down. A
+client that closes the connection while a route reads its body is logged at info, not as an error
+(status 499, never sent).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
+from kvmeter.serving.gateway.body import CLIENT_CLOSED
 from kvmeter.serving.gateway.errors import ApiError, error_response
 from kvmeter.serving.gateway.handler import CompletionEndpoint, Gateway
 
@@ -78,6 +81,12 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
             exc.status_code, str(exc.detail))
         return error_response(ApiError(exc.status_code, message, code=code), dict(exc.headers or {}))
 
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        # the client's own doing, not a server fault (any route that reads a body: tool calls,
+        # the ledger's read API; the completion routes record the attempt themselves)
+        log.info("client closed the connection during %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
+
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(ApiError(500, "internal error; the request was not billed",
@@ -97,4 +106,5 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
                     log.exception("shutdown hook %r failed", hook)
 
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error, Exception: unexpected})
+                     exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone,
+                                         Exception: unexpected})

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from kvmeter.serving.gateway.errors import ApiError
 
-__all__ = ["read_json_object"]
+__all__ = ["read_json_object", "CLIENT_CLOSED"]
+
+#: Status recorded for a client that went away before its response (nginx's 499; never sent).
+CLIENT_CLOSED = 499
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict:
@@ -21,8 +24,10 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
         The parsed object.
     Raises:
         ApiError: 413 if the body (declared or actual) exceeds ``max_bytes``; 415 for a multipart
-            body; 400 for an empty body, invalid UTF-8, malformed JSON, or JSON that
-            is not an object.
+            body; 400 for an empty body, invalid UTF-8, malformed JSON (an integer of more
+            than 4300 digits included), or JSON that is not an object; 499
+            ``client_disconnected`` if the client closed the connection before sending the whole
+            body (nothing to answer: the caller records it and sends nothing).
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -39,12 +44,16 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
                        code="unsupported_media_type")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(CLIENT_CLOSED, f"client closed the connection after {size} bytes of the body",
+                       code="client_disconnected") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
@@ -60,6 +69,8 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
                        code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
+    except ValueError:  # an integer literal past Python's int_max_str_digits (4300 digits)
+        raise ApiError(400, "malformed JSON: a number is too long", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")

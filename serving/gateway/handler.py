@@ -5,6 +5,7 @@ The steps, in order, and what each can answer:
 
 1. authenticate the API key ......................................... 401
 2. read the body (size cap, UTF-8, JSON object) and validate it ...... 400 / 413 / 415
+   (a client that leaves mid-body: 499 in the attempt record, nothing sent)
 3. check the model and tokenize with the model's chat template ........ 404 / 400
 4. check the context window (prompt + max_tokens) ..................... 400 context_length_exceeded
 5. reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
@@ -21,6 +22,7 @@ the engine is touched.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import uuid
 from contextlib import aclosing
@@ -37,7 +39,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
-from kvmeter.serving.gateway.body import read_json_object
+from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
 from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -46,7 +48,8 @@ from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
-from kvmeter.serving.quota.idempotency import (IdempotencyError, IdempotencyManager,
+from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
+from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyError, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import AuthError, Authenticator, Principal
@@ -152,6 +155,16 @@ class _Seen:
     agent_run_id: str = ""
 
 
+def _bounded(value: str, max_chars: int) -> str:
+    """A client-chosen header value as the attempt record keeps it: unchanged when it is within
+    ``max_chars`` (the longest the gateway accepts), else ``sha256:<64 hex>`` — the request was
+    refused for it, the digest still groups its retries, and the ledger's string limit (4,096
+    characters) is never exceeded."""
+    if len(value) <= max_chars:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -224,6 +237,10 @@ class CompletionEndpoint:
         try:
             admitted = await self._admit(request, request_id, arrival, seen)
         except ApiError as err:
+            if err.status == CLIENT_CLOSED:  # left mid-body: nobody to answer, nothing ran
+                log.info("request %s: %s", request_id, err.message)
+                await self._attempt(seen, request_id, err, status="error")
+                return Response(status_code=CLIENT_CLOSED)
             await self._attempt(seen, request_id, err)
             return error_response(err, rid_header)
         except _Replay as replay:
@@ -284,8 +301,10 @@ class CompletionEndpoint:
             status_code=err.status if err is not None else 200, tier=principal.tier,
             model=self.gw.engine.model_name, endpoint=self.endpoint, org_id=principal.org_id,
             workspace_id=principal.workspace_id, project_id=principal.project_id,
-            api_key_id=principal.api_key_id, agent_run_id=seen.agent_run_id,
-            idempotency_key=seen.idempotency_key,
+            api_key_id=principal.api_key_id,
+            # headers as sent: a refused over-long one is kept as a digest (see _bounded)
+            agent_run_id=_bounded(seen.agent_run_id, MAX_RUN_ID_CHARS),
+            idempotency_key=_bounded(seen.idempotency_key, MAX_KEY_CHARS),
             reserved_prompt_tokens=adm.reservation.reserved_prompt_tokens if adm and status == "admitted" else 0,
             reserved_completion_tokens=adm.reservation.reserved_completion_tokens if adm and status == "admitted" else 0,
             attempt=ident.attempt if ident is not None else attempt,

@@ -13,19 +13,39 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 from kvmeter.serving.gateway.errors import ApiError
 
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "parse_request", "usage_block",
-    "MAX_STOP_SEQUENCES", "MAX_TOKENS_CEILING",
+    "MAX_STOP_SEQUENCES", "MAX_TOKENS_CEILING", "SEED_MIN", "SEED_MAX",
 ]
 
 #: OpenAI accepts up to 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
 #: Absolute ceiling on max_tokens before the context check (rejects absurd values early).
 MAX_TOKENS_CEILING = 1 << 24
+#: ``seed`` range: a signed 64-bit integer, as vLLM's own OpenAI server accepts (the engine seeds a
+#: torch generator with it; a larger value fails inside the engine, after admission).
+SEED_MIN = -(1 << 63)
+SEED_MAX = (1 << 63) - 1
+
+
+def _one_of(what: str):
+    """A wrap validator for a union field: any failure becomes one message saying what the field
+    accepts (pydantic's own names the union member it tried first, e.g. ``prompt.constrained-str:
+    Input should be a valid string`` for a list of bad token ids)."""
+
+    def validate(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_union", f"must be {what}") from None
+
+    return classmethod(validate)
 
 
 class _Strict(BaseModel):
@@ -41,6 +61,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    _content = field_validator("content", mode="wrap")(
+        _one_of('a string or a list of {"type": "text", "text": ...} parts'))
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -60,11 +83,15 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1  # strict: true is not 1
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     user: str | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CEILING)] = 0
     ignore_eos: bool = False
+
+    # wrap validators run before the after-validator defined below (definition order)
+    _stop_type = field_validator("stop", mode="wrap")(
+        _one_of(f"a string or a list of at most {MAX_STOP_SEQUENCES} strings"))
 
     @field_validator("stop")
     @classmethod
@@ -104,6 +131,9 @@ class CompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = 16  # OpenAI's default
     echo: Literal[False] = False
 
+    _prompt = field_validator("prompt", mode="wrap")(
+        _one_of("a non-empty string or a non-empty list of token ids (integers, 0 ≤ id < vocab size)"))
+
     def output_ceiling(self) -> int | None:
         return self.max_tokens
 
@@ -122,7 +152,7 @@ _UNSUPPORTED = {
 def _reject_unsupported(data: dict[str, Any]) -> None:
     for key, why in _UNSUPPORTED.items():
         value = data.get(key)
-        if value in (None, False, [], 0) or (key == "best_of" and value == 1):
+        if value in (None, False, [], 0) or (key == "best_of" and type(value) is int and value == 1):
             continue
         raise ApiError(400, why, param=key, code="unsupported_parameter")
     fmt = data.get("response_format")
@@ -148,15 +178,22 @@ def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
         ApiError: 400 naming the first offending field (``param``) and why.
     """
     _reject_unsupported(data)
-    if "n" in data and data["n"] != 1:
-        raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
+    if "n" in data:
+        n = data["n"]
+        if type(n) is not int:  # a JSON true is not 1
+            raise ApiError(400, f"invalid n: must be an integer, got {_json_type(n)}", param="n",
+                           code="invalid_value")
+        if n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     try:
         req = kind.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
-        raise ApiError(400, f"invalid {loc or 'request'}: {first.get('msg')}", param=loc or None,
-                       code="invalid_value") from None
+        msg = first.get("msg")
+        # a union field's error already says what the field accepts: "prompt must be ..."
+        message = f"{loc} {msg}" if first.get("type") == "invalid_union" else f"invalid {loc or 'request'}: {msg}"
+        raise ApiError(400, message, param=loc or None, code="invalid_value") from None
     if isinstance(req, ChatCompletionRequest):
         for i, m in enumerate(req.messages):
             _check_text(m.text(), f"messages.{i}.content")
@@ -165,6 +202,16 @@ def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
     for s in req.stop_list():
         _check_text(s, "stop")
     return req
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type name of a parsed JSON value (for messages; never the value itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
 
 
 def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int,

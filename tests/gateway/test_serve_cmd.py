@@ -1,0 +1,62 @@
+"""``kvmeter serve`` as a user runs it (a subprocess, the instant engine): a bad ledger DSN is one
+``cannot start`` line with status 2, and Ctrl+C stops it gracefully with status 0, no traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+
+def _serve(tmp_path: Path, port: int, *flags: str) -> subprocess.Popen:
+    """``kvmeter serve --engine instant`` on ``port``, its output in ``tmp_path/serve.log``."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    with open(tmp_path / "serve.log", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvmeter.cli", "serve", "--engine", "instant",
+                                 "--port", str(port), "--spool-dir", str(tmp_path / "spool"), *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def test_bad_ledger_dsn_is_one_cannot_start_line(tmp_path):
+    log = tmp_path / "serve.log"
+    proc = _serve(tmp_path, free_port(), "--ledger-dsn", "bogus://x")
+    assert proc.wait(120) == 2, log.read_text()
+    text = log.read_text()
+    assert "cannot start: ledger DSN scheme must be chdb, http or https, got 'bogus'" in text, text
+    assert "Traceback" not in text and "Application startup failed" not in text, text
+    assert "Started server process" not in text, "uvicorn should never have started"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
+    log = tmp_path / "serve.log"
+    port = free_port()
+    proc = _serve(tmp_path, port, "--ledger-dsn", f"chdb://{tmp_path}/chdb")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "kvmeter serve did not become ready"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text and "CancelledError" not in text, text
+    assert "Application shutdown complete" in text and "kvmeter serve: stopped (SIGINT)" in text, text
