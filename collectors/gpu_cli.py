@@ -16,23 +16,14 @@ import dataclasses
 import json
 import sys
 
+from kvmeter.cliargs import non_negative_int as _non_negative_int
+
 __all__ = ["add_arguments", "run", "EXIT_NO_GPU", "EXIT_USAGE"]
 
 #: exit status of ``--require-gpu`` on a machine without a usable GPU
 EXIT_NO_GPU = 3
 #: exit status for a bad argument (an unreadable or malformed ``--capture`` file)
 EXIT_USAGE = 2
-
-
-def _non_negative_int(text: str) -> int:
-    """argparse type: an int ≥ 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

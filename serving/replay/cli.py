@@ -19,25 +19,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from kvmeter.cliargs import http_url as _server_url, positive_int as _positive_int
+
 __all__ = ["add_arguments", "run", "parse_tenant", "served_model"]
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
-    return value
-
-
-def _server_url(text: str) -> str:
-    """argparse type: an http(s):// base URL, without a trailing slash."""
-    if not text.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected an http(s):// URL such as http://127.0.0.1:8000, got {text!r}")
-    return text.rstrip("/")
 
 
 def served_model(server: str, api_key: str, *, timeout_s: float = 10.0, transport=None) -> str:  # noqa: ANN001

@@ -22,6 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
+from kvmeter.cliargs import non_negative_int as _non_negative_int, positive_int as _positive_int
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.policy import POLICIES
 from kvmeter.traces import REQUEST_TRACES, TraceError, load_trace
@@ -35,28 +36,6 @@ from .tenants import ServeGenTenantMap, load_servegen_rates
 __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    """argparse type: an int ≥ 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
-    return value
 
 
 def _tier_map_arg(text: str) -> dict[str, str]:
