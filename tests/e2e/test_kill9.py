@@ -35,7 +35,8 @@ def _start(port: int, root: Path, log_name: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "kvmeter.cli", "serve", "--port", str(port), "--max-model-len", "2048",
          "--kv-cache-gib", "1", "--ledger-dsn", f"chdb://{root}/chdb", "--spool-dir", str(root / "spool")],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+        start_new_session=True)  # its own process group: the kill takes vLLM's engine processes too
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, root: Path, log_name: str) -> None:
@@ -87,7 +88,10 @@ async def _traffic(url: str, model: str, ids: list[int], proc: subprocess.Popen 
             for t in done:
                 results[tasks[t]] = t.result()
             if proc is not None and len(results) >= kill_after and proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)  # mid-traffic: the rest are still in flight
+                # mid-traffic, the rest still in flight; the whole group, as a node or container
+                # kill would (vLLM's EngineCore/Worker do not watch their parent: a kill of serve
+                # alone leaves them running and holding gigabytes)
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return results
 
