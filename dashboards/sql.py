@@ -31,7 +31,7 @@ from kvmeter.ledger.connection import ClientHolder, describe_error
 from kvmeter.ledger.errors import LedgerError, LedgerUnavailable
 from kvmeter.ledger.period import Period
 from kvmeter.ledger.prices import PriceList
-from kvmeter.ledger.queries import LedgerQueries
+from kvmeter.ledger.queries import USAGE_TOTALS_SQL, LedgerQueries
 
 from .viewer import TierInfo
 from .window import Window
@@ -182,13 +182,8 @@ class SqlSource:
         """
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket,
-                count() AS requests,
+                {USAGE_TOTALS_SQL},
                 countIf(outcome = 'ok') AS ok_requests,
-                countIf(outcome = 'aborted') AS aborted_requests,
-                countIf(outcome = 'error') AS error_requests,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
                 sum(kv_token_seconds) AS kv_token_seconds,
                 sum(ifNull(queue_s, 0)) AS queue_seconds,
                 quantileExactInclusive(0.5)(queue_s) AS queue_p50_s,
@@ -225,12 +220,7 @@ class SqlSource:
         ``mean_prompt_tokens``, ``max_prompt_tokens``, ``max_completion_tokens``."""
         return self._query(f"""
             SELECT tenant_id, any(tier) AS tier,
-                count() AS requests,
-                countIf(outcome = 'aborted') AS aborted_requests,
-                countIf(outcome = 'error') AS error_requests,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
+                {USAGE_TOTALS_SQL},
                 sum(kv_token_seconds) AS kv_token_seconds,
                 sum(preemptions) AS preemptions,
                 sum(ifNull(queue_s, 0)) AS queue_seconds,

@@ -24,6 +24,21 @@ from .errors import LedgerError, LedgerUnavailable
 from .period import Period
 from .prices import PriceList
 
+#: The usage totals every per-group usage query selects, in this order (``usage_hourly``'s columns
+#: after its keys rely on it): requests by outcome and engine-true tokens by type. One definition,
+#: so billing, the hourly rollup and the dashboards count a request and its tokens the same way.
+USAGE_TOTALS_SQL = """count() AS requests,
+    countIf(outcome = 'aborted') AS aborted_requests,
+    countIf(outcome = 'error') AS error_requests,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(cached_prompt_tokens) AS cached_prompt_tokens,
+    sum(completion_tokens) AS completion_tokens"""
+
+#: :data:`USAGE_TOTALS_SQL` plus the other billable quantities (reasoning tokens, KV token-seconds).
+BILLABLE_TOTALS_SQL = USAGE_TOTALS_SQL + """,
+    sum(reasoning_tokens) AS reasoning_tokens,
+    sum(kv_token_seconds) AS kv_token_seconds"""
+
 __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S"]
 
 #: Allowed ``group_by`` names → SQL expression over usage_events.
@@ -144,14 +159,7 @@ class LedgerQueries:
         where = f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}"
         metrics = self._query(f"""
             SELECT {select_keys},
-                count() AS requests,
-                countIf(outcome = 'aborted') AS aborted_requests,
-                countIf(outcome = 'error') AS error_requests,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
-                sum(reasoning_tokens) AS reasoning_tokens,
-                sum(kv_token_seconds) AS kv_token_seconds,
+                {BILLABLE_TOTALS_SQL},
                 if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
                 if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
                 if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.5)(itl_mean_s)) AS itl_p50_s,
@@ -206,14 +214,7 @@ class LedgerQueries:
         keys = ", ".join(INVOICE_KEYS)
         return self._query(f"""
             SELECT {keys},
-                count() AS requests,
-                countIf(outcome = 'aborted') AS aborted_requests,
-                countIf(outcome = 'error') AS error_requests,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
-                sum(reasoning_tokens) AS reasoning_tokens,
-                sum(kv_token_seconds) AS kv_token_seconds
+                {BILLABLE_TOTALS_SQL}
             FROM usage_events FINAL
             WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
             GROUP BY {keys}

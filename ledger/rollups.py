@@ -17,6 +17,8 @@ from datetime import datetime, timedelta, timezone
 
 from clickhouse_connect.driver.client import Client
 
+from .queries import BILLABLE_TOTALS_SQL
+
 __all__ = ["refresh_rollups", "ROLLUP_MARGIN_S"]
 
 log = logging.getLogger(__name__)
@@ -39,14 +41,7 @@ INSERT INTO usage_hourly
 SELECT
     toStartOfHour(finish_ts) AS hour,
     tenant_id, org_id, workspace_id, project_id, api_key_id, model, tier,
-    count() AS requests,
-    countIf(outcome = 'aborted') AS aborted_requests,
-    countIf(outcome = 'error') AS error_requests,
-    sum(prompt_tokens) AS prompt_tokens,
-    sum(cached_prompt_tokens) AS cached_prompt_tokens,
-    sum(completion_tokens) AS completion_tokens,
-    sum(reasoning_tokens) AS reasoning_tokens,
-    sum(kv_token_seconds) AS kv_token_seconds,
+    """ + BILLABLE_TOTALS_SQL + """,
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
     now64(3) AS computed_at
