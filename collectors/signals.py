@@ -66,6 +66,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
+from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.collectors.gpu.samples import GpuSample
@@ -422,12 +423,7 @@ class SignalRecorder:
     async def stop(self, *, final_sample: bool = True) -> None:
         """Stop the task, write one last sample (the interval in progress), unsubscribe."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         if final_sample:
             self.tick(force=True)
         self.sampler.close()

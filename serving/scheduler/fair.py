@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import EngineLoad
@@ -149,12 +150,7 @@ class FairScheduler(Scheduler):
     async def stop(self) -> None:
         """Stop the background tick task."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
+from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock, ManualClock
 from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput, EngineRequest,
@@ -118,12 +119,7 @@ class SimEngine(Engine):
 
     async def shutdown(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(task)
         for rid in list(self._streams):
             await self.abort(rid)
 
