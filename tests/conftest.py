@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from pathlib import Path
@@ -18,6 +19,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def start_uvicorn(server) -> asyncio.Task:
+    """Run ``server`` (a ``uvicorn.Server``) in a task on this loop and wait until it listens
+    (up to 30 s; waiting for a server to come up, not timing logic). Stop it with
+    ``server.should_exit = True`` and ``await`` the task."""
+    task = asyncio.create_task(server.serve())
+    for _ in range(600):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    return task
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from dashkit import ACTIVE_READERS, H200_CAPTURE, ReaderServer, ReplayData, clos
 from prometheus_client import CollectorRegistry
 
 from kvmeter.serving.config import load_serve_config
-from tests.conftest import free_port
+from tests.conftest import free_port, start_uvicorn
 
 
 @pytest.fixture(scope="package")  # chDB holds one path per process: release it with the package
@@ -55,12 +55,7 @@ async def replay(vllm_engine, tmp_path_factory):
                                nvml=CaptureNvml.from_file(H200_CAPTURE))
         server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port, log_level="warning",
                                                lifespan="on"))
-        task = asyncio.create_task(server.serve())
-        for _ in range(600):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        assert server.started, "uvicorn did not start"
+        task = await start_uvicorn(server)
         data = ReplayData(root=root, start=datetime.now(timezone.utc), end=datetime.now(timezone.utc),
                           model=runtime.engine.model_name)
         await workload(f"http://127.0.0.1:{port}", data.model, data)

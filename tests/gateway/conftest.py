@@ -8,8 +8,6 @@ time, and ``stack`` holds it for the whole package), for behaviour that does not
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 import uvicorn
@@ -22,7 +20,7 @@ from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.runtime import ServeRuntime
-from tests.conftest import free_port
+from tests.conftest import free_port, start_uvicorn
 
 KEYS = {
     "acme": "sk-demo-acme-0001",          # enterprise
@@ -68,12 +66,7 @@ async def stack(vllm_engine, tmp_path_factory):
     runtime = ServeRuntime(config, registry=CollectorRegistry(), engine=vllm_engine, bus=vllm_engine.test_bus)
     server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(600):
-        if server.started:
-            break
-        await asyncio.sleep(0.05)
-    assert server.started, "uvicorn did not start"
+    task = await start_uvicorn(server)
     yield Stack(runtime, f"http://127.0.0.1:{port}")
     server.should_exit = True
     await task
@@ -134,12 +127,7 @@ async def instant_stack(model_dir):
     # log_config=None: uvicorn's records reach the root logger (and caplog) like everyone else's
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="info",
                                            log_config=None, lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(600):
-        if server.started:
-            break
-        await asyncio.sleep(0.05)
-    assert server.started, "uvicorn did not start"
+    task = await start_uvicorn(server)
     yield InstantStack(runtime, recorder, port)
     server.should_exit = True
     await task

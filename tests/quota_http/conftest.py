@@ -30,7 +30,7 @@ from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
 from kvmeter.serving.engines.instant import InstantEngine
 from kvmeter.serving.runtime import ServeRuntime
-from tests.conftest import free_port
+from tests.conftest import free_port, start_uvicorn
 from tests.gateway.conftest import Stack
 
 #: 2024-05-17 12:00:00 UTC — mid-day, mid-month: the next UTC midnight is 12 h away.
@@ -124,12 +124,7 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
         runtime = ServeRuntime(config, engine=engine, registry=CollectorRegistry(), clock=clock)
         server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
-        task = asyncio.create_task(server.serve())
-        for _ in range(600):  # waits for the server process part to come up (not timing logic)
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.05)
-        assert server.started, "uvicorn did not start"
+        task = await start_uvicorn(server)
         client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60)
         started.append((server, task, client, engine))
         return QuotaStack(runtime, f"http://127.0.0.1:{port}", clock, client)
