@@ -14,8 +14,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from kvmeter.ledger.errors import LedgerUnavailable
-from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError
+from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError, error_fields, read_api_get
 from kvmeter.ledger.period import Period
 
 from .errors import ScopeError, SignInError
@@ -61,18 +60,9 @@ class HttpSource:
         self._ledger.close()
 
     def _get(self, path: str, params: list[tuple[str, str]]) -> Any:
-        try:
-            response = self._client.get(f"{self._prefix}/{path}", params=params)
-        except httpx.HTTPError as exc:
-            raise LedgerUnavailable(f"read API at {self.base_url} unreachable: {exc}") from None
-        if response.status_code >= 500:
-            raise LedgerUnavailable(f"read API answered {response.status_code}: {response.text[:200]}")
+        response = read_api_get(self._client, f"{self._prefix}/{path}", params, self.base_url)
         if response.status_code != 200:
-            try:
-                err = response.json()["error"]
-                message, code = str(err.get("message", "")), str(err.get("code", ""))
-            except (ValueError, KeyError, TypeError):
-                message, code = response.text[:200], ""
+            message, code = error_fields(response)
             if response.status_code == 401:
                 raise SignInError(message or "unknown API key")
             if response.status_code == 403:

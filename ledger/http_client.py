@@ -16,7 +16,7 @@ import httpx
 from .errors import LedgerError, LedgerUnavailable
 from .period import Period
 
-__all__ = ["LedgerHttpClient", "ReadApiError"]
+__all__ = ["LedgerHttpClient", "ReadApiError", "read_api_get", "error_fields"]
 
 _DECIMAL_FIELDS = {"cost", "amount", "subtotal"}
 _TIME_FIELDS = {"ts", "hour", "day", "period_start", "period_end"}
@@ -33,6 +33,31 @@ class ReadApiError(LedgerError):
         super().__init__(message)
         self.status_code = status_code
         self.code = code
+
+
+def read_api_get(client: httpx.Client, path: str, params: Any, base_url: object) -> httpx.Response:
+    """``GET path`` on a kvmeter read API; returns the answer (200, or a 4xx for the caller to map).
+
+    Raises:
+        LedgerUnavailable: the server is unreachable or answered 5xx.
+    """
+    try:
+        response = client.get(path, params=params)
+    except httpx.HTTPError as exc:
+        raise LedgerUnavailable(f"read API at {base_url} unreachable: {exc}") from None
+    if response.status_code >= 500:
+        raise LedgerUnavailable(f"read API answered {response.status_code}: {response.text[:200]}")
+    return response
+
+
+def error_fields(response: httpx.Response) -> tuple[str, str]:
+    """``(message, code)`` of a read-API error answer: its OpenAI-style JSON ``error`` object,
+    else the body's first 200 characters and ``""``."""
+    try:
+        err = response.json()["error"]
+        return str(err.get("message", "")), str(err.get("code", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return response.text[:200], ""
 
 
 def _decode(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,18 +109,9 @@ class LedgerHttpClient:
         query = {"period": f"{period.start.isoformat()}/{period.end.isoformat()}", **params}
         if tenant_id is not None:
             query["tenant_id"] = tenant_id
-        try:
-            response = self._client.get(f"{self._prefix}/{name}", params=query)
-        except httpx.HTTPError as exc:
-            raise LedgerUnavailable(f"read API at {self._client.base_url} unreachable: {exc}") from None
-        if response.status_code >= 500:
-            raise LedgerUnavailable(f"read API answered {response.status_code}: {response.text[:200]}")
+        response = read_api_get(self._client, f"{self._prefix}/{name}", query, self._client.base_url)
         if response.status_code != 200:
-            try:
-                err = response.json()["error"]
-                message, code = err.get("message", ""), err.get("code", "")
-            except (ValueError, KeyError, TypeError):
-                message, code = response.text[:200], ""
+            message, code = error_fields(response)
             raise ReadApiError(f"read API refused ({response.status_code}): {message}", response.status_code, code)
         return _decode(response.json())
 
