@@ -31,16 +31,14 @@ Mounting (the lead's one-line change in :meth:`kvmeter.serving.runtime.ServeRunt
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from kvmeter.ledger.connection import ClientHolder, connect
-from kvmeter.ledger.errors import LedgerError, LedgerUnavailable
-from kvmeter.ledger.read_api import dumps, presented_key
+from kvmeter.ledger.read_api import answer_read, error_response, presented_key
 from kvmeter.serving.tenancy import AuthError, Principal
 
 from .errors import ScopeError
@@ -51,20 +49,8 @@ from .window import Window
 
 __all__ = ["dashboard_routes", "serve_routes", "DashboardRoutes", "PREFIX"]
 
-log = logging.getLogger(__name__)
-
 #: Default URL prefix of the routes.
 PREFIX = "/v1/usage/dash"
-
-
-class _JSON(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return dumps(content)
-
-
-def _error(status: int, message: str, code: str) -> Response:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}.get(status, "api_error")
-    return _JSON({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
 
 
 def dashboard_routes(source: DashboardSource, authenticate: Callable[[str | None], Principal], *,
@@ -86,20 +72,12 @@ def dashboard_routes(source: DashboardSource, authenticate: Callable[[str | None
             try:
                 principal = authenticate(presented_key(request))
             except AuthError as exc:
-                return _error(401, exc.message, exc.code)
+                return error_response(401, exc.message, exc.code)
             reader = ScopedSource(source, Viewer.from_principal(principal))
             try:
-                return _JSON(handler(request, reader))
+                return answer_read(lambda: handler(request, reader), "dashboard read API")
             except ScopeError as exc:
-                return _error(403, str(exc), "forbidden_tenant")
-            except ValueError as exc:
-                return _error(400, str(exc), "invalid_parameter")
-            except LedgerUnavailable as exc:
-                log.warning("dashboard read API: %s", exc)
-                return _error(503, "the ledger is unavailable; retry later", "ledger_unavailable")
-            except LedgerError as exc:
-                log.error("dashboard read API: %s", exc)
-                return _error(500, "ledger error", "ledger_error")
+                return error_response(403, str(exc), "forbidden_tenant")
 
         return endpoint
 

@@ -49,7 +49,7 @@ from .period import parse_period
 from .prices import PriceList
 from .queries import UsageReader
 
-__all__ = ["read_routes", "dumps", "presented_key"]
+__all__ = ["read_routes", "dumps", "presented_key", "JsonResponse", "error_response", "answer_read"]
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,34 @@ def dumps(data: Any) -> bytes:
     return json.dumps(data, default=_default, separators=(",", ":")).encode()
 
 
-class _JSON(JSONResponse):
+class JsonResponse(JSONResponse):
+    """A JSON response rendered with :func:`dumps` (exact Decimals, ISO datetimes)."""
+
     def render(self, content: Any) -> bytes:
         return dumps(content)
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, code: str, param: str | None = None) -> Response:
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}.get(status, "api_error")
-    return _JSON({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+    return JsonResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+def answer_read(read: Callable[[], Any], where: str) -> Response:
+    """Run ``read`` and answer its result as JSON, or its failure as an error response:
+    ``ValueError`` → 400 ``invalid_parameter``; :class:`LedgerUnavailable` → 503 (logged as a
+    warning); any other :class:`LedgerError` → 500 (logged as an error). ``where`` names the API
+    in the log line."""
+    try:
+        return JsonResponse(read())
+    except ValueError as exc:
+        return error_response(400, str(exc), "invalid_parameter")
+    except LedgerUnavailable as exc:
+        log.warning("%s: %s", where, exc)
+        return error_response(503, "the ledger is unavailable; retry later", "ledger_unavailable")
+    except LedgerError as exc:
+        log.error("%s: %s", where, exc)
+        return error_response(500, "ledger error", "ledger_error")
 
 
 def presented_key(request: Request) -> str | None:
@@ -108,28 +128,19 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
             try:
                 principal = authenticate(presented_key(request))
             except AuthError as exc:
-                return _error(401, exc.message, exc.code)
+                return error_response(401, exc.message, exc.code)
             asked = request.query_params.get("tenant_id") or None
             if principal.admin:
                 tenant = asked
             elif asked is not None and asked != principal.tenant_id:
-                return _error(403, "this API key can read only its own tenant's usage", "forbidden_tenant")
+                return error_response(403, "this API key can read only its own tenant's usage", "forbidden_tenant")
             else:
                 tenant = principal.tenant_id
             try:
                 period = parse_period(request.query_params.get("period", ""))
             except PeriodError as exc:  # names the period and the valid forms or range
-                return _error(400, str(exc), "invalid_parameter", "period")
-            try:
-                return _JSON(handler(request, principal, period, tenant))
-            except ValueError as exc:
-                return _error(400, str(exc), "invalid_parameter")
-            except LedgerUnavailable as exc:
-                log.warning("read API: %s", exc)
-                return _error(503, "the ledger is unavailable; retry later", "ledger_unavailable")
-            except LedgerError as exc:
-                log.error("read API: %s", exc)
-                return _error(500, "ledger error", "ledger_error")
+                return error_response(400, str(exc), "invalid_parameter", "period")
+            return answer_read(lambda: handler(request, principal, period, tenant), "read API")
 
         return endpoint
 
