@@ -272,7 +272,7 @@ ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 2, {1: _ATTEMPT_COLUMNS_V1, 
 ENGINE_STREAM = StreamSpec("engine", "engine_requests", 2, {1: _ENGINE_STATS_COLUMNS, 2: ENGINE_COLUMNS})
 STREAMS: tuple[StreamSpec, ...] = (USAGE_STREAM, ATTEMPT_STREAM, ENGINE_STREAM)
 
-# Row shapes, validated in C by msgspec.convert (about 2 µs per usage event, against ~6 µs for the
+# Row shapes (scalar fields only, so untracked by the cycle collector: gc=False), validated in C by msgspec.convert (about 2 µs per usage event, against ~6 µs for the
 # same checks in Python) and encoded as JSON arrays in column order.
 _Str = Annotated[str, Meta(max_length=_MAX_STR)]
 _U32 = Annotated[int, Meta(ge=0, le=_MAX_U32)]
@@ -282,7 +282,7 @@ _Ts = Annotated[float, Meta(ge=_MIN_TS, lt=_MAX_TS)]
 _Dur = Annotated[float, Meta(ge=0, lt=1e12)]  # also refuses NaN and infinities
 
 
-class _UsageRow(msgspec.Struct, array_like=True):
+class _UsageRow(msgspec.Struct, array_like=True, gc=False):
     event_id: uuid.UUID
     tenant_id: _Str
     request_id: _Str
@@ -320,7 +320,7 @@ class _UsageRow(msgspec.Struct, array_like=True):
     schema_version: _U16
 
 
-class _AttemptRow(msgspec.Struct, array_like=True):
+class _AttemptRow(msgspec.Struct, array_like=True, gc=False):
     attempt_id: uuid.UUID
     event_id: uuid.UUID
     tenant_id: _Str
@@ -345,7 +345,7 @@ class _AttemptRow(msgspec.Struct, array_like=True):
     dimension: _Str
 
 
-class _EngineRow(msgspec.Struct, array_like=True):
+class _EngineRow(msgspec.Struct, array_like=True, gc=False):
     request_id: Annotated[str, Meta(min_length=1, max_length=_MAX_STR)]
     finish_reason: _Str
     prompt_tokens: _U32

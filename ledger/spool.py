@@ -40,6 +40,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -55,7 +56,7 @@ from kvmeter.clock import Clock
 from .errors import LedgerLocked, SpoolWriteError
 from .records import StreamSpec
 
-__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "HEADER", "MAGIC"]
+__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC"]
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,44 @@ def _parse_blocks(buf: bytes | memoryview, base: int, segment: int) -> tuple[lis
         blocks.append(Block(segment, base + pos, base + end, count, schema, ts))
         pos = end
     return blocks, base + pos
+
+
+class BatchPayload:
+    """A drain batch's ``JSONCompactEachRow`` bytes as a list of views (no joined copy).
+
+    Readable as a binary file (:meth:`read`), which is how chDB's ``raw_insert`` copies it into
+    its input file; :meth:`tobytes` joins it for senders that need one buffer.
+    """
+
+    __slots__ = ("_views", "_index", "_offset", "nbytes")
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._index = 0
+        self._offset = 0
+        self.nbytes = sum(v.nbytes for v in views)
+
+    def read(self, n: int = -1) -> bytes | memoryview:
+        """Up to ``n`` bytes (all that is left when ``n`` < 0) from the current position;
+        ``b""`` at the end. Views are returned as they are when they fit."""
+        out: list[memoryview] = []
+        want = self.nbytes if n is None or n < 0 else n
+        while want > 0 and self._index < len(self._views):
+            v = self._views[self._index]
+            take = v[self._offset:self._offset + want]
+            out.append(take)
+            want -= take.nbytes
+            self._offset += take.nbytes
+            if self._offset >= v.nbytes:
+                self._index += 1
+                self._offset = 0
+        if len(out) == 1:
+            return out[0]
+        return b"".join(out)
+
+    def tobytes(self) -> bytes:
+        """All of it in one buffer (independent of the read position)."""
+        return b"".join(self._views)
 
 
 class SpoolStream:
@@ -549,17 +588,28 @@ class SpoolStream:
             OSError: if the segment cannot be read.
             ValueError: if a block no longer validates (disk damage since it was written).
         """
-        fd = os.open(self._segment_path(batch.segment), os.O_RDONLY)
-        try:
-            raw = os.pread(fd, batch.end - batch.start, batch.start)
-        finally:
-            os.close(fd)
-        view = memoryview(raw)
+        return self.read_batch_views(batch).tobytes()
+
+    def read_batch_views(self, batch: DrainBatch) -> "BatchPayload":
+        """The batch's records (CRC re-checked) as a :class:`BatchPayload`: the blocks' payloads
+        as views of the memory-mapped segment, without copying them into one buffer.
+
+        Raises:
+            OSError: if the segment cannot be read.
+            ValueError: if a block no longer validates (disk damage since it was written).
+        """
+        with open(self._segment_path(batch.segment), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < batch.end:
+                raise ValueError(f"spool {self.name}: segment {batch.segment} is {size} bytes, "
+                                 f"shorter than the batch [{batch.start}, {batch.end})")
+            mapped = mmap.mmap(fh.fileno(), batch.end, access=mmap.ACCESS_READ)
+        view = memoryview(mapped)[batch.start:batch.end]
         blocks, valid_end = _parse_blocks(view, batch.start, batch.segment)
         if valid_end != batch.end or sum(b.count for b in blocks) != batch.count:
             raise ValueError(f"spool {self.name}: segment {batch.segment} [{batch.start}, {batch.end}) "
                              f"no longer validates (damaged at {valid_end})")
-        return b"".join(view[b.offset - batch.start + HEADER.size:b.end - batch.start] for b in blocks)
+        return BatchPayload([view[b.offset - batch.start + HEADER.size:b.end - batch.start] for b in blocks])
 
     def quarantine(self, batch: DrainBatch) -> Path:
         """Copy a damaged batch's raw bytes aside (``.corrupt``) before it is skipped."""

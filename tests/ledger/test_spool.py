@@ -243,3 +243,30 @@ def test_a_failed_fsync_fails_that_group_only_and_the_segment_stays_valid(tmp_pa
     spool = _open(tmp_path)  # the failed group was cut from the segment: 1 and 3 remain, intact
     assert [json.loads(line)[2] for line in _lines(spool)] == ["acme-r1", "acme-r3"]
     spool.close()
+
+
+def test_batch_views_read_back_in_any_chunk_size_and_damage_after_write_is_refused(tmp_path: Path) -> None:
+    spool = _open(tmp_path)
+    stream = spool.streams["usage"]
+    lines = [encode_usage(make_event(i)) for i in range(300)]
+    for i in range(0, 300, 50):  # six groups → six blocks
+        stream.submit_many(lines[i:i + 50]).wait(10)
+    batch = stream.next_batch(10**6)
+    expected = b"\n".join(lines) + b"\n"
+    for size in (1, 7, 4096, len(expected), -1):
+        payload = stream.read_batch_views(batch)
+        assert payload.nbytes == len(expected)
+        got = bytearray()
+        while chunk := payload.read(size):
+            assert size < 0 or len(chunk) <= size
+            got += chunk
+        assert bytes(got) == expected == payload.tobytes()
+    # a byte flipped inside the third block after it was written: the drain refuses the batch
+    block = list(stream._index)[2]
+    seg = stream._segment_path(block.segment)
+    data = bytearray(seg.read_bytes())
+    data[block.offset + HEADER.size + 5] ^= 0x20
+    seg.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="no longer validates"):
+        stream.read_batch_views(batch)
+    spool.close()
