@@ -13,13 +13,16 @@ The key reaches Streamlit through its environment (never its command line) and i
 
 The dashboards only read: a ``chdb://`` path that does not hold a kvmeter ledger is refused
 (exit 2) rather than created empty.
+
+Once the settings are valid, this process *becomes* Streamlit (``os.execvpe``: same pid, same
+stdin/stdout/stderr): ``kill PID``, Ctrl-C or ``docker stop`` (kvmeter as PID 1) reach Streamlit
+itself, which stops and frees its port — no orphan server is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -66,7 +69,13 @@ def streamlit_command(host: str, port: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the settings, then run Streamlit in the foreground; its exit status is ours."""
+    """Validate the settings, then replace this process with Streamlit (see the module docstring).
+
+    Returns (only when Streamlit was not started):
+        2 on invalid settings (one ``kvmeter dashboard: ...`` line on stderr); 127 when the
+        Streamlit command cannot be executed. On success it does not return: Streamlit's exit
+        status is the process's.
+    """
     explicit = {"server_url": args.server, "ledger_dsn": args.ledger_dsn, "api_key": args.api_key,
                 "tenants_path": args.tenants, "prices_path": args.prices, "refresh_s": args.refresh,
                 "cache_ttl_s": args.cache_ttl, "default_range": args.range, "until": args.until}
@@ -91,7 +100,15 @@ def run(args: argparse.Namespace) -> int:
     if config.mode == "server":
         env.pop(ENV["ledger_dsn"], None)
     print(f"kvmeter dashboard: {config.mode} mode on {config.target}; http://{args.host}:{args.port}", file=sys.stderr)
+    argv = streamlit_command(args.host, args.port)
+    sys.stdout.flush()  # exec discards Python's buffers
+    sys.stderr.flush()
     try:
-        return subprocess.call(streamlit_command(args.host, args.port), env=env)
-    except KeyboardInterrupt:
-        return 0
+        # Replace this process rather than run a child: signals sent to this pid (kill, docker stop,
+        # Ctrl-C) then go to Streamlit itself, which stops cleanly; a parent that waited on a child
+        # would die of SIGTERM and leave the child serving the port, orphaned.
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        print(f"kvmeter dashboard: cannot start Streamlit ({argv[0]}): {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    raise AssertionError("os.execvpe returned")  # unreachable: exec replaces the process or raises

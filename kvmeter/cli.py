@@ -5,6 +5,11 @@ or Streamlit for ``kvmeter billing`` would cost seconds). A command module defin
 
     def add_arguments(parser: argparse.ArgumentParser) -> None: ...
     def run(args: argparse.Namespace) -> int: ...     # the process exit status
+
+Logging goes to stderr. The commands that print a result (``billing``, ``gpu``) log at WARNING by
+default, so no library INFO line (httpx's ``HTTP Request: ...``, the ledger's ``ledger open``)
+comes before their output; the others (``serve``, ``demo``, ...) at INFO. ``-v``/``--verbose``
+sets INFO for any command, ``--log-level LEVEL`` any level (it wins over ``-v``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import importlib
 import logging
 import sys
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "QUIET_COMMANDS", "log_level"]
 
 #: name → (module, one-line help). Order is the order ``kvmeter --help`` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,18 +33,54 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu": ("kvmeter.collectors.gpu_cli", "read GPU signals through NVML (or a capture) once"),
 }
 
+#: Commands whose output is a result read by people or scripts: WARNING unless -v/--log-level.
+QUIET_COMMANDS = frozenset({"billing", "gpu"})
+
+_VERBOSE_HELP = "show INFO logs, the libraries' included (e.g. httpx's request lines)"
+
+
+def _level(text: str) -> str:
+    """argparse type: a logging level name (any case) or number, returned upper-cased."""
+    level = text.strip().upper()
+    if not level.isdigit() and not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {text!r}")
+    return level
+
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     # the docstring's first line without its reST markup: "kvmeter — the one console script."
     parser = argparse.ArgumentParser(prog="kvmeter", description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", type=_level, default=None, metavar="LEVEL",
+                        help="logging level (default INFO; WARNING for " + ", ".join(sorted(QUIET_COMMANDS)) + ")")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in COMMANDS), None)  # skips global options' values
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module that will run
             importlib.import_module(module).add_arguments(p)
+        _accept_verbose(p)
     return parser
+
+
+def _accept_verbose(parser: argparse.ArgumentParser) -> None:
+    """Let ``-v`` follow the command too, at any depth (``kvmeter billing report -v``), unless a
+    command defines its own ``-v``/``--verbose``. SUPPRESS: a sub-command's default must not
+    overwrite a ``-v`` given before it."""
+    if not {"-v", "--verbose"} & set(parser._option_string_actions):
+        parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser once
+                _accept_verbose(child)
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The logging level for parsed ``args``: ``--log-level``, else INFO with ``-v``, else WARNING
+    for :data:`QUIET_COMMANDS` and INFO for the rest."""
+    if args.log_level:
+        return args.log_level
+    return "INFO" if args.verbose or args.command not in QUIET_COMMANDS else "WARNING"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level.upper(),
+    level = log_level(args)
+    logging.basicConfig(level=int(level) if level.isdigit() else level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.run(args) or 0)

@@ -20,6 +20,11 @@ directory exists (progress lines on stderr), then read. ``migrate`` creates what
 Exit status: 0 ok; 1 reconciliation found unexplained drift above the threshold; 2 bad
 arguments or configuration; 3 the report has usage the price list does not price; 4 the ledger
 is unavailable or held by another process.
+
+Output: report paths on stdout; progress, the summary line and errors on stderr, each error one
+``error: ...`` line. An embedded ledger held by another process is that one line (naming
+``--server URL --api-key KEY``), never chDB's own ``Cannot lock file`` text; library INFO logs
+show only with ``kvmeter -v`` (see :mod:`kvmeter.cli`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Iterator
@@ -113,6 +119,39 @@ def _drain(ledger) -> None:  # noqa: ANN001 — a Ledger
 
 
 @contextlib.contextmanager
+def _chdb_stderr_held() -> Iterator[None]:
+    """Hold what is written to file descriptor 2 while the embedded engine opens.
+
+    chDB prints its own errors straight to descriptor 2 (C++, past ``sys.stderr``) before the
+    Python exception arrives — for a path another process holds, ``Code: 76. DB::Exception: Cannot
+    lock file .../status ...``. When the open fails with :class:`LedgerLocked`, the one ``error:``
+    line this command prints says it all, so the held text is dropped; otherwise (success or any
+    other error) it is written out afterwards, unchanged.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        locked = False
+        try:
+            yield
+        except LedgerLocked:
+            locked = True
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()  # Python's own lines written meanwhile go to the held file too
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not locked:
+                held.seek(0)
+                text = held.read()
+                if text:
+                    os.write(2, text)
+
+
+@contextlib.contextmanager
 def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[UsageReader, str]]:
     if args.server:
         from .http_client import LedgerHttpClient
@@ -127,7 +166,8 @@ def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[Usage
     require_existing_ledger(config.parsed_dsn, config.effective_database)  # read-only: never create
     if config.embedded and config.spool_dir.is_dir():
         from .ledger import Ledger
-        ledger = Ledger.open(config, prices=prices)
+        with _chdb_stderr_held():
+            ledger = Ledger.open(config, prices=prices)
         try:
             _drain(ledger)
             yield ledger.queries, config.parsed_dsn.redacted()
@@ -141,6 +181,9 @@ def _reader(args: argparse.Namespace, prices: PriceList) -> Iterator[tuple[Usage
     from .schema import migrate
     holder = ClientHolder(lambda: connect(config), lambda c: migrate(c, config.cluster))
     try:
+        if config.embedded:  # open it now, its chDB output held (the first query would open it)
+            with _chdb_stderr_held():
+                holder.get()
         yield LedgerQueries(holder, prices), config.parsed_dsn.redacted()
     finally:
         holder.close()

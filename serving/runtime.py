@@ -54,8 +54,12 @@ __all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_f
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: ServeConfig, bus: StatsBus) -> Engine:
+def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK) -> Engine:
     """The engine named by ``config.engine.kind`` (model resolved/prepared here).
+
+    The local engines (``vllm``, ``instant``) publish their stats on ``bus`` — each finished
+    request's :class:`~kvmeter.stats.EngineRequestStats` is the engine view that the ledger stores
+    for reconciliation; ``clock`` stamps the instant engine's (vLLM's hooks use their own).
 
     Raises:
         ModelError: the model cannot be found or prepared.
@@ -77,7 +81,8 @@ def build_engine(config: ServeConfig, bus: StatsBus) -> Engine:
         from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
         from kvmeter.serving.engines.instant import InstantEngine
 
-        return InstantEngine(HFTokenizer(model_dir), name, max_model_len=eng.max_model_len or 8192)
+        return InstantEngine(HFTokenizer(model_dir), name, max_model_len=eng.max_model_len or 8192,
+                             bus=bus, clock=clock)
     from kvmeter.serving.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
     return VllmEngine(VllmEngineConfig(
@@ -153,7 +158,9 @@ class ServeRuntime:
         config: the serve configuration.
         clock: injected clock (tests); the system clock by default.
         registry: Prometheus registry (tests pass a fresh one).
-        engine: an already-built engine (tests share one vLLM engine across apps).
+        engine: an already-built engine (tests share one vLLM engine across apps); it publishes
+            its stats on whatever bus it was built with, so pass that bus as ``bus``.
+        bus: the stats bus every part shares (default: a new one, which a built engine gets).
         nvml: the NVML module for the GPU poller (default: the real ``pynvml``; tests pass the
             capture-backed stand-in).
     Raises:
@@ -173,7 +180,7 @@ class ServeRuntime:
         self.registry = registry
         self.directory = TenantDirectory.from_file(config.tenants_path(), bus=self.bus, clock=clock)
         self.prices = load_price_list(config.prices)
-        self.engine = engine or build_engine(config, self.bus)
+        self.engine = engine or build_engine(config, self.bus, clock)
         self._owns_engine = engine is None
         self.quota = self._build_quota()
         self.idempotency = (RedisIdempotencyManager(redis_client(config.quota_store), clock=clock, bus=self.bus)

@@ -5,12 +5,19 @@ sentence of the model's own tokens) in one delta, with exact token accounting, s
 quota, scheduler and metering paths run unchanged while the engine costs nothing. Used by
 ``bench/quota`` (gateway ceiling) and by tests that exercise the HTTP surface without vLLM.
 It is never a default for ``kvmeter serve`` (``--engine instant`` must be asked for).
+
+Like vLLM's engine hooks, it publishes each finished request's
+:class:`~kvmeter.stats.EngineRequestStats` on the stats bus (before the last delta reaches the
+caller), so the ledger stores the engine-side view and ``kvmeter billing reconcile`` matches the
+requests it served instead of counting them as ledger-only drift.
 """
 
 from __future__ import annotations
 
 from typing import AsyncIterator
 
+from kvmeter.bus import StatsBus
+from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput,
                                           EngineRequest, Tokenizer)
 from kvmeter.stats import EngineRequestStats
@@ -28,10 +35,16 @@ class InstantEngine(Engine):
         model_name: served model name.
         max_model_len: context window in tokens.
         max_output_tokens: cap on generated tokens per request (``None``: honour max_tokens).
+        bus: where each finished request's :class:`~kvmeter.stats.EngineRequestStats` is
+            published (as vLLM's hooks do); ``None``: a private bus nobody reads.
+        clock: gives the stats' ``wall_ts`` (epoch seconds at the finish) and their durations.
     """
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int = 8192,
-                 max_output_tokens: int | None = None) -> None:
+                 max_output_tokens: int | None = None, *, bus: StatsBus | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self._bus = bus or StatsBus()
+        self._clock = clock
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -57,14 +70,25 @@ class InstantEngine(Engine):
         return EngineLoad()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """One delta with all ``max_tokens`` (capped) output tokens, ``finish_reason="length"``;
+        its ``stats`` are the ones published on the bus just before it is yielded.
+
+        Raises:
+            EngineError: the engine is not started.
+        """
         if not self._started:
             raise EngineError("engine not started")
+        started = self._clock.monotonic()
         self.requests_total += 1
         n = request.max_tokens if self._cap is None else min(request.max_tokens, self._cap)
         ids = [self._sentence[i % len(self._sentence)] for i in range(n)]
         prompt = len(request.prompt_token_ids)
+        elapsed = max(0.0, self._clock.monotonic() - started)
         stats = EngineRequestStats(request_id=request.request_id, finish_reason="length",
-                                   prompt_tokens=prompt, generation_tokens=n)
+                                   prompt_tokens=prompt, generation_tokens=n, prefill_s=elapsed,
+                                   inference_s=elapsed, e2e_s=elapsed, wall_ts=self._clock.wall())
+        # as vLLM's hooks: the engine's account is on the bus before the caller sees the finish
+        self._bus.publish(stats)
         yield EngineOutput(new_token_ids=ids, new_text=self._tokenizer.decode(ids),
                            num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
                            finish_reason="length", stats=stats)

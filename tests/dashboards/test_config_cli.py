@@ -44,13 +44,38 @@ def test_invalid_settings_fail_at_construction(bad):
         DashboardConfig.from_env({}, **bad)
 
 
+class _Execd(Exception):
+    """Raised by the stand-in for ``os.execvpe``: the point where this process would become Streamlit."""
+
+
+def _streamlit_calls(monkeypatch) -> list:
+    """Replace ``os.execvpe`` in the command (the one stand-in: a real exec would replace pytest;
+    test_dashboard_process.py runs the real one) and record (argv, env) of each exec."""
+    calls: list = []
+
+    def execvpe(file, argv, env):  # noqa: ANN001
+        assert file == argv[0]
+        calls.append((list(argv), dict(env)))
+        raise _Execd
+
+    monkeypatch.setattr(cli.os, "execvpe", execvpe)
+    return calls
+
+
+def _run(args) -> int | str:  # noqa: ANN001
+    """``cli.run(args)``: its exit status, or ``"exec"`` when it handed the process to Streamlit."""
+    try:
+        return cli.run(args)
+    except _Execd:
+        return "exec"
+
+
 def test_the_command_runs_streamlit_on_the_app_with_settings_in_the_environment(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    calls = _streamlit_calls(monkeypatch)
     monkeypatch.setenv("KVMETER_LEDGER_DSN", "chdb:///should/not/leak")
     args = build_parser(["dashboard"]).parse_args(
         ["dashboard", "--server", "http://127.0.0.1:8000", "--refresh", "15", "--port", "8600"])
-    assert cli.run(args) == 0
+    assert _run(args) == "exec"
     argv, env = calls[0]
     assert argv[1:4] == ["-m", "streamlit", "run"] and argv[4] == str(cli.APP) and cli.APP.is_file()
     assert argv[argv.index("--server.port") + 1] == "8600" and "--server.headless" in argv
@@ -58,19 +83,24 @@ def test_the_command_runs_streamlit_on_the_app_with_settings_in_the_environment(
     assert "KVMETER_LEDGER_DSN" not in env  # server mode reads through serve only
 
 
-def test_the_command_refuses_both_modes(capsys):
+def test_the_command_refuses_both_modes(monkeypatch, capsys):
+    calls = _streamlit_calls(monkeypatch)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--server", "http://a:1", "--ledger-dsn", "chdb:///x"])
     args = parser.parse_args(["--refresh", "1"])
-    assert cli.run(args) == 2 and "refresh_s" in capsys.readouterr().err
+    assert _run(args) == 2 and "refresh_s" in capsys.readouterr().err and not calls
 
 
-def _streamlit_calls(monkeypatch) -> list:
-    calls: list = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
-    return calls
+def test_a_streamlit_that_cannot_be_executed_is_one_line_and_exit_127(monkeypatch, capsys, tmp_path):
+    """The real ``os.execvpe`` on an interpreter path that does not exist (it cannot succeed)."""
+    missing = tmp_path / "no-python"
+    monkeypatch.setattr(cli.sys, "executable", str(missing))
+    args = build_parser(["dashboard"]).parse_args(["dashboard", "--server", "http://127.0.0.1:8000"])
+    assert cli.run(args) == 127
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"kvmeter dashboard: cannot start Streamlit ({missing}): No such file or directory", err
 
 
 def test_api_key_flag_signs_in_at_start_through_the_environment_and_is_never_printed(monkeypatch, capsys):
@@ -78,7 +108,7 @@ def test_api_key_flag_signs_in_at_start_through_the_environment_and_is_never_pri
     monkeypatch.delenv("KVMETER_DASHBOARD_API_KEY", raising=False)
     args = build_parser(["dashboard"]).parse_args(
         ["dashboard", "--server", "http://127.0.0.1:8000", "--api-key", "sk-flag-secret"])
-    assert cli.run(args) == 0
+    assert _run(args) == "exec"
     argv, env = calls[-1]
     assert env["KVMETER_DASHBOARD_API_KEY"] == "sk-flag-secret"  # Streamlit's environment, not its argv
     assert not any("sk-flag-secret" in a for a in argv)
@@ -86,11 +116,11 @@ def test_api_key_flag_signs_in_at_start_through_the_environment_and_is_never_pri
     assert "sk-flag-secret" not in out.out + out.err and "server mode" in out.err
     # without the flag: the variable, as before
     monkeypatch.setenv("KVMETER_DASHBOARD_API_KEY", "sk-env-secret")
-    assert cli.run(build_parser(["dashboard"]).parse_args(["dashboard", "--server", "http://127.0.0.1:8000"])) == 0
+    assert _run(build_parser(["dashboard"]).parse_args(["dashboard", "--server", "http://127.0.0.1:8000"])) == "exec"
     assert calls[-1][1]["KVMETER_DASHBOARD_API_KEY"] == "sk-env-secret"
     # the flag wins over the variable
-    assert cli.run(build_parser(["dashboard"]).parse_args(
-        ["dashboard", "--server", "http://127.0.0.1:8000", "--api-key", "sk-flag-secret"])) == 0
+    assert _run(build_parser(["dashboard"]).parse_args(
+        ["dashboard", "--server", "http://127.0.0.1:8000", "--api-key", "sk-flag-secret"])) == "exec"
     assert calls[-1][1]["KVMETER_DASHBOARD_API_KEY"] == "sk-flag-secret"
     out = capsys.readouterr()
     assert "secret" not in out.out + out.err
@@ -100,20 +130,20 @@ def test_a_chdb_path_without_a_ledger_is_refused_not_created(monkeypatch, capsys
     calls = _streamlit_calls(monkeypatch)
     for path, why in ((tmp_path / "nonexistent2" / "x", "no such directory"), (tmp_path, "not a kvmeter ledger")):
         args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{path}"])
-        assert cli.run(args) == 2
+        assert _run(args) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("kvmeter dashboard: ") and why in err and "\n" not in err, err
     assert not calls and not (tmp_path / "nonexistent2").exists()
     # the default DSN (no flag, no variable) is checked too
     monkeypatch.delenv("KVMETER_LEDGER_DSN", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert cli.run(build_parser(["dashboard"]).parse_args(["dashboard"])) == 2 and not calls
+    assert _run(build_parser(["dashboard"]).parse_args(["dashboard"])) == 2 and not calls
     assert not (tmp_path / "var").exists()
     # a migrated chDB path (what `kvmeter serve` leaves) starts
     (tmp_path / "ledger" / "metadata" / "kvmeter").mkdir(parents=True)
     (tmp_path / "ledger" / "metadata" / "kvmeter" / "schema_migrations.sql").write_text("ATTACH TABLE ...")
     args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{tmp_path / 'ledger'}"])
-    assert cli.run(args) == 0 and len(calls) == 1
+    assert _run(args) == "exec" and len(calls) == 1
 
 
 @pytest.mark.parametrize("flag", ["--tenants", "--prices"])
@@ -121,7 +151,7 @@ def test_a_missing_tenants_or_prices_file_is_refused_before_streamlit_starts(fla
     calls = _streamlit_calls(monkeypatch)
     args = build_parser(["dashboard"]).parse_args(
         ["dashboard", "--server", "http://127.0.0.1:8000", flag, str(tmp_path / "nope.yaml")])
-    assert cli.run(args) == 2 and not calls
+    assert _run(args) == 2 and not calls
     err = capsys.readouterr().err.strip()
     assert err == f"kvmeter dashboard: {flag} {tmp_path / 'nope.yaml'}: no such file"
 
