@@ -75,9 +75,20 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
+    """The HTTP server and the gateway's request limits.
+
+    Attributes:
+        host, port: where to listen.
+        max_body_bytes: largest request body (bytes; 413 above it).
+        body_read_timeout_s: longest a request body may take to arrive (seconds, > 0; 408
+            ``request_timeout`` after it, so a client that stalls mid-body cannot hold a request).
+        log_level: uvicorn's and kvmeter's log level.
+    """
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    body_read_timeout_s: float = Field(30.0, gt=0)
     log_level: str = "info"
 
 

@@ -193,7 +193,8 @@ class ServeRuntime:
         self.gateway = Gateway(
             engine=self.engine, authenticator=self.directory, quota=self.quota,
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
-            settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes),
+            settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
+                                     body_read_timeout_s=config.server.body_read_timeout_s),
             slo_for=self._slo, idempotency=self.idempotency)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label

@@ -17,6 +17,7 @@ from .engine import EngineMetrics
 from .gpu import GpuMetrics
 from .ledger import LedgerMetrics
 from .quota import QuotaMetrics
+from .refusals import RefusalMetrics
 from .remote import RemoteEngineMetrics
 from .requests import RequestMetrics
 from .scheduler import SchedulerMetrics
@@ -28,11 +29,12 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
-    """Every source: engine (local + scraped), requests, admission, GPU, scheduler, quota
-    (with retries and tenancy reloads), ledger."""
+    """Every source: engine (local + scraped), requests, admission, refusals before admission,
+    GPU, scheduler, quota (with retries and tenancy reloads), ledger."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
-            GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), LedgerMetrics(ctx)]
+            RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx),
+            LedgerMetrics(ctx)]
 
 
 @dataclass

@@ -4,10 +4,10 @@ One table, read by the source modules (which create their metrics from it), by t
 tests (every metric a rule reads must be declared here) and by people wiring a new producer.
 
 ``emitted=True`` signals are produced today by a module of this package (one module per producer:
-:mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.gpu`, :mod:`.scheduler`,
-:mod:`.quota`, :mod:`.ledger`). ``emitted=False`` ones are **reserved**: their names and labels are
-fixed so that the alert rules can use them, and a source module emits exactly these once their
-producer publishes the data on the bus (today: the reconciliation gauges).
+:mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
+:mod:`.scheduler`, :mod:`.quota`, :mod:`.ledger`). ``emitted=False`` ones are **reserved**: their
+names and labels are fixed so that the alert rules can use them, and a source module emits exactly
+these once their producer publishes the data on the bus (today: the reconciliation gauges).
 
 Flags without a unit word: ``kvmeter_*_up``, ``kvmeter_quota_store_degraded`` (0/1) and
 ``kvmeter_scheduler_pressure_level`` (0/1/2).
@@ -120,6 +120,12 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("kvmeter_admission_admitted_requests_total", "counter", ("tier", "tenant"), "requests admitted", "gateway"),
     Signal("kvmeter_admission_rejected_requests_total", "counter", ("tier", "tenant", "reason", "level", "dimension"),
            "requests rejected or shed at admission, by reason and the limit that bound", "gateway"),
+    # ---- refusals before admission (RequestRefused): refusals.py. Labels from fixed sets only:
+    # status is the HTTP status (400-599, else "other"), code one of the gateway's REFUSAL_CODES
+    # (else "other"; "none" for an error without a code)
+    Signal("kvmeter_gateway_refused_requests_total", "counter", ("status", "code"),
+           "requests answered with an error before admission (authentication, invalid body or field, "
+           "unknown model or route, body timeout, Idempotency-Key), by HTTP status and error code", "gateway"),
     # ---- GPU (NVML collector)
     Signal("kvmeter_gpu_nvml_available", "gauge", (), "1 if NVML is readable, 0 if no GPU / NVML error",
            "gpu", multiprocess_mode="max"),

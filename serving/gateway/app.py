@@ -10,21 +10,30 @@ Routes:
 Every error, including unknown routes, wrong methods and unexpected exceptions, is an OpenAI-style
 JSON error; an unexpected exception is logged and answered 500 without taking the process down. A
 client that closes the connection while a route reads its body is logged at info, not as an error
-(status 499, never sent).
+(status 499, never sent). Refusals (401 on ``/v1/models``, unknown routes, wrong methods) are
+published on the gateway's bus as :class:`~kvmeter.serving.gateway.signals.RequestRefused`.
+
+A request still unanswered when the server stops (uvicorn cancels it once its graceful-shutdown
+period is over, e.g. a body still being waited for) is answered 503 ``server_shutting_down`` with
+``Connection: close`` and one info line, instead of uvicorn's plain-text 500 and a
+``CancelledError`` traceback; one whose response had already started is cut off (the connection
+closes; a stream's usage is recorded by its handler) with one warning line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmeter.serving.gateway.body import CLIENT_CLOSED
 from kvmeter.serving.gateway.errors import ApiError, error_response
@@ -33,6 +42,48 @@ from kvmeter.serving.gateway.handler import CompletionEndpoint, Gateway
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
+
+
+class _AnswerCancelledRequests:
+    """ASGI middleware: a request cancelled by the server (shutdown) ends without a traceback.
+
+    uvicorn cancels the requests still running when its graceful-shutdown period is over, then
+    logs each ``CancelledError`` as "Exception in ASGI application" and answers a plain-text 500.
+    Here such a request is answered 503 (if nothing was sent yet) and ends normally. Only a
+    cancellation of this request's own task is absorbed (``Task.cancelling()``); handlers below
+    have already released what they held (their ``finally`` blocks ran on the way out).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() == 0:
+                raise  # not a cancellation of this request (a cancel scope's own): not ours
+            task.uncancel()
+            where = f"{scope.get('method', '')} {scope.get('path', '')[:200]}"
+            if started:  # part of the answer is out: nothing valid can follow it
+                log.warning("%s: cut off by server shutdown after its response started", where)
+                return
+            log.info("%s: cancelled by server shutdown before its response; answered 503", where)
+            err = ApiError(503, "the server is shutting down; retry the request",
+                           code="server_shutting_down", headers={"connection": "close", "retry-after": "1"})
+            await error_response(err)(scope, receive, send)
 
 
 def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
@@ -54,6 +105,7 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         try:
             gateway.authenticate(request)
         except ApiError as err:
+            gateway.refused(err, "models")
             return error_response(err)
         engine = gateway.engine
         return JSONResponse({"object": "list", "data": [{
@@ -79,7 +131,10 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} not allowed on {request.url.path}"}.get(
             exc.status_code, str(exc.detail))
-        return error_response(ApiError(exc.status_code, message, code=code), dict(exc.headers or {}))
+        err = ApiError(exc.status_code, message, code=code)
+        if exc.status_code < 500:
+            gateway.refused(err, "other")
+        return error_response(err, dict(exc.headers or {}))
 
     async def client_gone(request: Request, exc: Exception) -> Response:
         # the client's own doing, not a server fault (any route that reads a body: tool calls,
@@ -105,6 +160,6 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
                 except Exception:  # noqa: BLE001 — shut down the rest regardless
                     log.exception("shutdown hook %r failed", hook)
 
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_AnswerCancelledRequests)],
                      exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone,
                                          Exception: unexpected})

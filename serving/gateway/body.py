@@ -1,30 +1,64 @@
-"""Reading a request body safely: size cap, strict UTF-8, JSON object."""
+"""Reading a request body safely: media type, size cap, time limit, strict UTF-8, JSON object."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from contextlib import aclosing
 
 from starlette.requests import ClientDisconnect, Request
 
 from kvmeter.serving.gateway.errors import ApiError
 
-__all__ = ["read_json_object", "CLIENT_CLOSED"]
+__all__ = ["read_json_object", "check_media_type", "CLIENT_CLOSED", "JSON_MEDIA_TYPES"]
+
+log = logging.getLogger(__name__)
 
 #: Status recorded for a client that went away before its response (nginx's 499; never sent).
 CLIENT_CLOSED = 499
 
+#: Media types read as JSON, besides ``application/*+json``. ``application/x-www-form-urlencoded``
+#: is what ``curl -d`` sends when no ``-H 'Content-Type: ...'`` is given (the common way to try an
+#: API by hand); its body is still parsed as JSON, so a real form body is a 400 ``invalid_json``.
+#: A request without a Content-Type is read as JSON too. Any other explicit type (``text/plain``,
+#: ``multipart/form-data``, ``application/xml``, ``application/octet-stream``...) is a 415.
+JSON_MEDIA_TYPES = frozenset({"application/json", "application/x-www-form-urlencoded"})
 
-async def read_json_object(request: Request, max_bytes: int) -> dict:
+
+def check_media_type(request: Request) -> None:
+    """Refuse an explicit non-JSON ``Content-Type`` (parameters such as ``charset`` are ignored).
+
+    Raises:
+        ApiError: 415 ``unsupported_media_type`` naming the type that was sent (at most 100
+            characters of it).
+    """
+    sent = request.headers.get("content-type", "")
+    ctype = sent.split(";")[0].strip().lower()
+    if not ctype or ctype in JSON_MEDIA_TYPES or (ctype.startswith("application/") and ctype.endswith("+json")):
+        return
+    raise ApiError(415, f"Content-Type must be application/json, got {ctype[:100]!r}",
+                   code="unsupported_media_type", param="Content-Type")
+
+
+async def read_json_object(request: Request, max_bytes: int, *, timeout_s: float | None = None,
+                           allow_empty: bool = False) -> dict:
     """Read and parse the body as a JSON object.
 
     Args:
         request: the Starlette request.
         max_bytes: the largest body accepted (bytes, ≥ 1).
+        timeout_s: the longest the whole body may take to arrive, counted from the first read
+            (seconds, > 0; None: no limit). A deadline for the whole body rather than between
+            chunks, so a client trickling a byte at a time cannot hold the request either.
+        allow_empty: answer ``{}`` for an empty body instead of a 400.
     Returns:
         The parsed object.
     Raises:
-        ApiError: 413 if the body (declared or actual) exceeds ``max_bytes``; 415 for a multipart
-            body; 400 for an empty body, invalid UTF-8, malformed JSON (an integer of more
+        ApiError: 415 for an explicit non-JSON Content-Type (see :func:`check_media_type`); 413 if
+            the body (declared or actual) exceeds ``max_bytes``; 408 ``request_timeout`` (with
+            ``Connection: close``) if the body did not arrive within ``timeout_s``, logged as one
+            info line; 400 for an empty body, invalid UTF-8, malformed JSON (an integer of more
             than 4300 digits included), or JSON that is not an object; 499
             ``client_disconnected`` if the client closed the connection before sending the whole
             body (nothing to answer: the caller records it and sends nothing).
@@ -38,24 +72,31 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
         if declared_n > max_bytes:
             raise ApiError(413, f"request body is {declared_n} bytes; the limit is {max_bytes}",
                            code="request_too_large")
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype.startswith("multipart/"):  # anything else is tried as JSON (curl -d sends form type)
-        raise ApiError(415, f"content-type must be application/json, got {ctype!r}",
-                       code="unsupported_media_type")
+    check_media_type(request)
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s), aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ApiError(CLIENT_CLOSED, f"client closed the connection after {size} bytes of the body",
                        code="client_disconnected") from None
+    except TimeoutError:  # only our own deadline: a cancellation from outside stays CancelledError
+        of = f" of {declared_n}" if declared is not None else ""
+        log.info("%s %s: request body not received within %g s (%d%s bytes arrived); answered 408",
+                 request.method, request.url.path, timeout_s, size, of)
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
+                            f"({size}{of} bytes received)",
+                       code="request_timeout", headers={"connection": "close"}) from None
     raw = b"".join(chunks)
     if not raw.strip():
+        if allow_empty:
+            return {}
         raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
     try:
         text = raw.decode("utf-8")

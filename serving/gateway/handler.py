@@ -4,7 +4,9 @@ generate → meter → record → reconcile.
 The steps, in order, and what each can answer:
 
 1. authenticate the API key ......................................... 401
-2. read the body (size cap, UTF-8, JSON object) and validate it ...... 400 / 413 / 415
+   (Idempotency-Key / X-Agent-Run-Id sent twice with different values: 400)
+2. read the body (media type, size cap, time limit, UTF-8, JSON object)
+   and validate it .................................................... 400 / 408 / 413 / 415
    (a client that leaves mid-body: 499 in the attempt record, nothing sent)
 3. check the model and tokenize with the model's chat template ........ 404 / 400
 4. check the context window (prompt + max_tokens) ..................... 400 context_length_exceeded
@@ -16,7 +18,9 @@ The steps, in order, and what each can answer:
 9. reconcile the reservation to engine-true counts; release the scheduler slot.
 
 Nothing is billed for a request rejected in steps 1–6, and every failure there is answered before
-the engine is touched.
+the engine is touched. A refusal in steps 1–4 is published as a
+:class:`~kvmeter.serving.gateway.signals.RequestRefused`; one in steps 5–6 as an
+:class:`~kvmeter.stats.AdmissionDecision`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionR
                                               parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
+from kvmeter.serving.gateway.signals import RequestRefused
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
@@ -82,14 +87,25 @@ class GatewaySettings:
 
     Attributes:
         max_body_bytes: largest request body accepted (413 above it).
+        body_read_timeout_s: longest a request body may take to arrive once the gateway starts
+            reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
         tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
             thread so the event loop keeps serving streams.
         slos: latency promise per tier (goodput and deadlines).
+    Raises:
+        ValueError: for ``max_body_bytes`` < 1 or ``body_read_timeout_s`` ≤ 0.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
+    body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
     slos: dict[str, TierSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.body_read_timeout_s is not None and not self.body_read_timeout_s > 0:
+            raise ValueError(f"body_read_timeout_s must be > 0 (or None), got {self.body_read_timeout_s}")
 
 
 @dataclass(slots=True)
@@ -133,6 +149,30 @@ class Gateway:
         except AuthError as exc:
             raise ApiError(401, exc.message, code=exc.code) from None
 
+    def refused(self, err: ApiError, endpoint: str, principal: Principal | None = None) -> None:
+        """Publish the refusal ``err`` of a request that got no admission decision (see
+        :class:`~kvmeter.serving.gateway.signals.RequestRefused`; ``endpoint`` is one of its
+        ``REFUSAL_ENDPOINTS``)."""
+        self.bus.publish(RequestRefused(
+            status_code=err.status, code=err.code or "", endpoint=endpoint,
+            tenant_id=principal.tenant_id if principal is not None else "",
+            tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
+
+
+def single_header(request: Request, name: str, display: str, *, code: str) -> str:
+    """The value of header ``name`` ("" when absent), sent once or repeated with one value.
+
+    Raises:
+        ApiError: 400 ``code`` (``param``: ``display``) when the header lines disagree: which one
+            the client meant cannot be known, and picking one could run (and bill) the request
+            under the wrong key.
+    """
+    values = request.headers.getlist(name)
+    if len(set(values)) > 1:
+        raise ApiError(400, f"{display} was sent {len(values)} times with different values; send it once",
+                       param=display, code=code)
+    return values[0] if values else ""
+
 
 class _ClientGone(Exception):
     """The client disconnected before the response was ready."""
@@ -153,6 +193,7 @@ class _Seen:
     principal: Principal | None = None
     idempotency_key: str = ""
     agent_run_id: str = ""
+    decided: bool = False  # an AdmissionDecision was published (quota or scheduler refusal)
 
 
 def _bounded(value: str, max_chars: int) -> str:
@@ -241,6 +282,8 @@ class CompletionEndpoint:
                 log.info("request %s: %s", request_id, err.message)
                 await self._attempt(seen, request_id, err, status="error")
                 return Response(status_code=CLIENT_CLOSED)
+            if not seen.decided:
+                self.gw.refused(err, self.endpoint, seen.principal)
             await self._attempt(seen, request_id, err)
             return error_response(err, rid_header)
         except _Replay as replay:
@@ -248,6 +291,7 @@ class CompletionEndpoint:
             try:
                 return replay_response(replay.ticket)
             except ApiError as err:
+                self.gw.refused(err, self.endpoint, seen.principal)
                 return error_response(err, rid_header)
         headers = {**rid_header, **admitted.reservation.headers}
         try:
@@ -275,10 +319,11 @@ class CompletionEndpoint:
                     self._stream(admitted, headers), on_close=lambda: self._close_unfinished(admitted),
                     media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
             return await self._complete(request, admitted, headers)
-        except BaseException:
-            # Cancelled (server shutdown) or an unexpected error: never leave the reservation,
-            # the scheduler slot or the idempotency ticket held.
-            await self._close_unfinished(admitted, status_code=500, outcome="error")
+        except BaseException as exc:
+            # Cancelled (server shutdown: the client gets app.py's 503) or an unexpected error
+            # (500): never leave the reservation, the scheduler slot or the idempotency ticket held.
+            status = 503 if isinstance(exc, asyncio.CancelledError) else 500
+            await self._close_unfinished(admitted, status_code=status, outcome="error")
             raise
         finally:
             if admitted.watch is not None:  # a stream's response watches the client itself
@@ -321,9 +366,12 @@ class CompletionEndpoint:
         gw = self.gw
         principal = gw.authenticate(request)
         seen.principal = principal
-        seen.idempotency_key = idem = request.headers.get("idempotency-key", "")
-        seen.agent_run_id = run_id = request.headers.get("x-agent-run-id", "")
-        data = await read_json_object(request, gw.settings.max_body_bytes)
+        seen.idempotency_key = idem = single_header(request, "idempotency-key", "Idempotency-Key",
+                                                    code="invalid_idempotency_key")
+        seen.agent_run_id = run_id = single_header(request, "x-agent-run-id", "X-Agent-Run-Id",
+                                                   code="invalid_request")
+        data = await read_json_object(request, gw.settings.max_body_bytes,
+                                      timeout_s=gw.settings.body_read_timeout_s)
         body = parse_request(data, self._kind)
         engine = gw.engine
         if body.model != engine.model_name:
@@ -352,6 +400,7 @@ class CompletionEndpoint:
                 raise
             rej = exc
             self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
+            seen.decided = True
             headers = merge_headers(retry_after_header(rej.retry_after_s), rej.headers)
             raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
                            extra={"level": rej.level, "dimension": rej.dimension}) from None
@@ -427,6 +476,8 @@ class CompletionEndpoint:
         """
         window = self.gw.engine.max_model_len
         requested = body.output_ceiling()
+        ceiling_param = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
+                         and body.max_completion_tokens is not None else "max_tokens")
         if prompt_tokens >= window:
             raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
                                 f"your prompt is {prompt_tokens} tokens, leaving no room for output.",
@@ -440,8 +491,8 @@ class CompletionEndpoint:
                 raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
                                     f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} "
                                     f"in the prompt, {requested} in the completion). Please reduce the "
-                                    f"prompt or max_tokens.",
-                               param="max_tokens", code="context_length_exceeded")
+                                    f"prompt or {ceiling_param}.",
+                               param=ceiling_param, code="context_length_exceeded")
             budget = requested
         if body.min_tokens > budget:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the output budget ({budget})",

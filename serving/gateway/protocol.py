@@ -2,8 +2,9 @@
 
 Requests are validated strictly (``"max_tokens": "10"`` is a type error, as on OpenAI's API).
 Unknown fields are ignored, except parameters kvmeter cannot honour (``n`` > 1, ``tools``,
-``logprobs``, non-text ``response_format``): those are rejected with 400 rather than silently
-dropped, since a silent downgrade is worse than an error.
+``logprobs``, non-text ``response_format``, ``max_completion_tokens`` on ``/v1/completions``):
+those are rejected with 400 rather than silently dropped, since a silent downgrade is worse than
+an error.
 
 vLLM extensions accepted: ``min_tokens``, ``ignore_eos`` (used by trace replays to hold an output to
 its trace length).
@@ -149,7 +150,23 @@ _UNSUPPORTED = {
 }
 
 
-def _reject_unsupported(data: dict[str, Any]) -> None:
+#: Chat-only parameters refused on ``/v1/completions``. OpenAI's legacy completions API has no
+#: ``max_completion_tokens`` (only ``max_tokens``) and answers an unrecognized argument with a 400,
+#: so an OpenAI-compatible client expects a refusal, not an alias. Ignoring it (as this gateway
+#: used to, and as vLLM does with a warning) silently runs to ``max_tokens`` (default 16) instead
+#: of the ceiling the client asked for; honouring it as an alias would make ``max_tokens`` and it
+#: disagree with no rule OpenAI defines. So any non-null value is a 400 pointing at ``max_tokens``.
+_CHAT_ONLY = {
+    "max_completion_tokens": "max_completion_tokens is a chat completions parameter; "
+                             "/v1/completions takes max_tokens",
+}
+
+
+def _reject_unsupported(data: dict[str, Any], chat: bool = True) -> None:
+    if not chat:
+        for key, why in _CHAT_ONLY.items():
+            if data.get(key) is not None:  # null is "not set", as OpenAI reads it
+                raise ApiError(400, why, param=key, code="unsupported_parameter")
     for key, why in _UNSUPPORTED.items():
         value = data.get(key)
         if value in (None, False, [], 0) or (key == "best_of" and type(value) is int and value == 1):
@@ -175,9 +192,12 @@ def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
     """Validate a parsed JSON object as ``kind``.
 
     Raises:
-        ApiError: 400 naming the first offending field (``param``) and why.
+        ApiError: 400 naming the first offending field (``param``) and why: ``invalid_value`` for
+            a wrong type or range (``max_tokens`` / ``max_completion_tokens``: an integer from 1
+            to ``MAX_TOKENS_CEILING``), ``unsupported_parameter`` for what kvmeter cannot honour
+            (``max_completion_tokens`` on ``/v1/completions`` included).
     """
-    _reject_unsupported(data)
+    _reject_unsupported(data, chat=issubclass(kind, ChatCompletionRequest))
     if "n" in data:
         n = data["n"]
         if type(n) is not int:  # a JSON true is not 1

@@ -60,3 +60,47 @@ def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text and "CancelledError" not in text, text
     assert "Application shutdown complete" in text and "kvmeter serve: stopped (SIGINT)" in text, text
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "kvmeter serve did not become ready"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_server_body_read_timeout_from_the_config_file_answers_a_stalled_body_408(tmp_path):
+    import socket
+
+    (tmp_path / "serve.yaml").write_text("server:\n  body_read_timeout_s: 0.3\n")
+    log = tmp_path / "serve.log"
+    port = free_port()
+    proc = _serve(tmp_path, port, "--config", str(tmp_path / "serve.yaml"),
+                  "--ledger-dsn", f"chdb://{tmp_path}/chdb")
+    try:
+        _wait_ready(proc, port, log)
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer sk-demo-acme-0001\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 62\r\n\r\n{\"model\": ")
+            raw = b""
+            while chunk := sock.recv(65536):  # until the server closes (Connection: close)
+                raw += chunk
+        assert raw.startswith(b"HTTP/1.1 408"), raw[:300]
+        assert b'"code":"request_timeout"' in raw and b"0.3 s" in raw, raw
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "request body not received within 0.3 s" in text, text
+    assert "Traceback" not in text, text
