@@ -19,7 +19,7 @@ import importlib
 import logging
 import sys
 
-__all__ = ["main", "COMMANDS", "QUIET_COMMANDS", "log_level"]
+__all__ = ["main", "COMMANDS", "QUIET_COMMANDS", "CHATTY_LIBRARIES", "log_level", "configure_logging"]
 
 #: name → (module, one-line help). Order is the order ``kvmeter --help`` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,6 +83,22 @@ def log_level(args: argparse.Namespace) -> str:
     return "INFO" if args.verbose or args.command not in QUIET_COMMANDS else "WARNING"
 
 
+#: Libraries whose INFO lines (one per HTTP request) only ``-v``/``--log-level`` shows.
+CHATTY_LIBRARIES = ("httpx", "httpcore")
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Logging to stderr at :func:`log_level`; without ``-v`` or ``--log-level`` the
+    :data:`CHATTY_LIBRARIES` log at WARNING (a trace replay would print a line per request)."""
+    level = log_level(args)
+    level_value = int(level) if level.isdigit() else level
+    logging.basicConfig(level=level_value, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level_value)  # also when a handler was installed before
+    quiet = not args.verbose and not args.log_level
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -90,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    level = log_level(args)
-    logging.basicConfig(level=int(level) if level.isdigit() else level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.run(args) or 0)
 

@@ -462,7 +462,7 @@ class LedgerQueries:
                     SELECT 3, request_key, tenant_id, 0, 0,
                            toUInt64(reserved_prompt_tokens) + reserved_completion_tokens, status = 'admitted', 0,
                            event_key IN (SELECT event_key FROM usage_events
-                                         WHERE attempt > 1 AND finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}),
+                                         WHERE finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}),
                            ts
                     FROM attempts
                     WHERE ts >= {w_start} AND ts < {w_end}{in_set}

@@ -9,8 +9,10 @@ explained (expected by design, reported, not drift)
                         are billed from the frontend's counts.
     ``frontend_only``   non-aborted events counted by the frontend (``token_source != engine_hooks``,
                         e.g. a remote engine without hooks).
-    ``superseded``      engine work of an attempt whose logical request was billed under a later
-                        attempt (one billable record per logical request).
+    ``superseded``      engine work of an attempt whose logical request was billed under another
+                        attempt (one billable record per logical request) — a retry after a
+                        crash, or a re-run of an idempotent request whose replay was forgotten
+                        (the in-memory idempotency store does not survive a restart).
     ``duplicate_rows``  stored rows not yet merged by the ReplacingMergeTree (billing reads FINAL).
     ``replayed``        idempotent replays served without engine work.
 unexplained (drift)

@@ -31,9 +31,14 @@ def check_media_type(request: Request) -> None:
 
     Raises:
         ApiError: 415 ``unsupported_media_type`` naming the type that was sent (at most 100
-            characters of it).
+            characters of it); 400 when ``Content-Type`` is sent more than once with different
+            values (which one the client meant cannot be known).
     """
-    sent = request.headers.get("content-type", "")
+    types = request.headers.getlist("content-type")
+    if len(set(types)) > 1:
+        raise ApiError(400, f"Content-Type was sent {len(types)} times with different values; send it once",
+                       code="invalid_request", param="Content-Type")
+    sent = types[0] if types else ""
     ctype = sent.split(";")[0].strip().lower()
     if not ctype or ctype in JSON_MEDIA_TYPES or (ctype.startswith("application/") and ctype.endswith("+json")):
         return

@@ -132,9 +132,11 @@ class Gateway:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
 
         Raises:
-            ApiError: 401 for a missing or unknown key (the key never appears in the message).
+            ApiError: 401 for a missing or unknown key (the key never appears in the message);
+                400 when ``Authorization`` or ``x-api-key`` is sent more than once with different
+                values (picking one could bill the request to the wrong tenant).
         """
-        header = request.headers.get("authorization")
+        header = single_header(request, "authorization", "Authorization", code="invalid_api_key")
         key: str | None = None
         if header:
             scheme, _, value = header.partition(" ")
@@ -143,7 +145,7 @@ class Gateway:
                                code="invalid_api_key")
             key = value.strip()
         else:
-            key = request.headers.get("x-api-key")
+            key = single_header(request, "x-api-key", "x-api-key", code="invalid_api_key") or None
         try:
             return self.authenticator.authenticate(key)
         except AuthError as exc:

@@ -250,6 +250,28 @@ async def test_one_header_sent_twice_with_different_values_is_a_400(instant_stac
     assert rec.billed("acme") == before + 1
 
 
+@pytest.mark.parametrize("header, first, second, display, code", [
+    ("authorization", "Bearer {acme}", "Bearer {globex}", "Authorization", "invalid_api_key"),
+    ("x-api-key", "{acme}", "{globex}", "x-api-key", "invalid_api_key"),
+    ("content-type", "application/json", "text/plain", "Content-Type", "invalid_request")])
+async def test_credentials_or_media_type_sent_twice_with_different_values_is_a_400(
+        instant_stack, iclient, header, first, second, display, code):
+    rec = instant_stack.recorder
+    before = {t: rec.billed(t) for t in ("acme", "globex")}
+    body = json.dumps({"model": instant_stack.model, **GOOD}).encode()
+    base = [] if header == "content-type" else [("content-type", "application/json")]
+    if header != "authorization" and header != "x-api-key":
+        base.append(("authorization", f"Bearer {KEYS['acme']}"))
+    twice = base + [(header, first.format(**KEYS)), (header, second.format(**KEYS))]
+    for order in (twice, base + twice[len(base):][::-1]):  # whichever comes first: refused
+        resp = await iclient.post("/v1/chat/completions", headers=order, content=body)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["param"], err["code"]) == (display, code)
+        assert KEYS["acme"] not in resp.text and KEYS["globex"] not in resp.text  # keys never echoed
+    assert {t: rec.billed(t) for t in ("acme", "globex")} == before
+
+
 # -- 5. refusals on /metrics ---------------------------------------------------------------------
 
 

@@ -67,6 +67,17 @@ def scenario(open_ledger):
     ledger.record_attempt_sync(make_attempt(make_event(9, "drifty"), status="rejected", reason="rate_limited",
                                             status_code=429))
 
+    # an idempotent request run twice: the server restarted between, forgot the replay, and the
+    # re-run (attempt 1 again, a new request id) replaced the first row — explained, not drift
+    once = make_event(0, "rerun", key="idem-1", request_id="rerun-a")
+    ledger.record_attempt_sync(make_attempt(once))
+    _engine(bus, once)
+    ledger.record_sync(once)
+    again = make_event(0, "rerun", key="idem-1", request_id="rerun-b", arrival_ts=T0 + 100, finish_ts=T0 + 100.5)
+    ledger.record_attempt_sync(make_attempt(again))
+    _engine(bus, again)
+    ledger.record_sync(again)
+
     # engine work nobody can attribute
     bus.publish(EngineRequestStats("ghost-1", "stop", 7, 3, wall_ts=T0 + 5))
     assert ledger.flush()
@@ -97,6 +108,11 @@ def test_each_difference_is_classified(scenario) -> None:
     assert d["unexplained_drift_tokens"] == 4 + 35
     assert (d["gateway_attempts"], d["gateway_admitted"], d["rejected_attempts"]) == (7, 6, 1)
     assert d["reserved_tokens"] == 3 * (25 + 64) and d["actual_tokens"] == 3 * 35
+
+    rerun = rows["rerun"]
+    assert rerun["status"] == "ok" and rerun["unexplained_drift_tokens"] == 0, rerun
+    assert (rerun["ledger_requests"], rerun["engine_requests"], rerun["superseded_requests"]) == (1, 2, 1)
+    assert rerun["engine_unbilled_requests"] == 0 and rerun["duplicate_rows"] == 1
 
     ghost = rows[UNATTRIBUTED]
     assert ghost["engine_unbilled_requests"] == 1 and ghost["engine_unbilled_tokens"] == 10
