@@ -696,6 +696,25 @@ class Spool:
         SpoolWriteError: if the directory cannot be created or written.
     """
 
+    @staticmethod
+    def held_elsewhere(root: Path) -> bool:
+        """Whether another open spool holds ``root`` now (a probe of its ``LOCK``, released at
+        once; False when there is no spool there). For start-up checks: the answer can change
+        right after."""
+        try:
+            fd = os.open(Path(root) / "LOCK", os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
     def __init__(self, root: Path, specs: Iterable[StreamSpec], *, clock: Clock,
                  segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True) -> None:
         self.root = Path(root)

@@ -10,8 +10,9 @@ Flags override the config file, which overrides environment variables (see
 :mod:`kvmeter.serving.config`).
 
 Exit status: 0 after a graceful stop (Ctrl+C / SIGINT included; SIGTERM stops as gracefully, then
-uvicorn re-raises it: -15); 2 for an invalid setting, ledger DSN included (one line,
-``cannot start: ...``); 3 when the app fails while starting (uvicorn's lifespan: the engine or
+uvicorn re-raises it: -15); 2 for an invalid setting, ledger DSN included, a port already in use
+or a ledger spool held by another process (one line, ``cannot start: ...``, before the engine
+loads); 3 when the app fails while starting (uvicorn's lifespan: the engine or
 ledger could not open); 130 for Ctrl+C before the server started.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,6 +43,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ledger-dsn", help="chdb:///path or http(s)://user:pw@host:port/db")
     parser.add_argument("--spool-dir", help="the ledger's durable spool directory")
     parser.add_argument("--prices", help="price list YAML (default: the packaged one)")
+
+
+def _preflight(host: str, port: int, spool_dir) -> str | None:  # noqa: ANN001 — a Path
+    """What would make the server fail after loading the engine (minutes, on vLLM), checked
+    first: the port is taken, or another process holds the ledger's spool. ``None`` if neither."""
+    from kvmeter.ledger.spool import Spool
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve --host {host!r}: {exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server on that port?)"
+    if Spool.held_elsewhere(spool_dir):
+        return (f"the ledger spool {spool_dir} is held by another process (another `kvmeter serve`?); "
+                "stop it, or give this server its own --spool-dir and --ledger-dsn")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl+C while the model is prepared or loaded
         log.info("kvmeter serve: interrupted before start")
         return 130
+    problem = _preflight(config.server.host, config.server.port, runtime.ledger_config().spool_dir)
+    if problem:
+        log.error("cannot start: %s", problem)
+        return 2
     app = runtime.app()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,

@@ -35,6 +35,44 @@ def test_bad_ledger_dsn_is_one_cannot_start_line(tmp_path):
     assert "Started server process" not in text, "uvicorn should never have started"
 
 
+def test_a_taken_port_is_one_cannot_start_line_before_anything_loads(tmp_path):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(tmp_path, port, "--ledger-dsn", f"chdb://{tmp_path / 'chdb'}")
+        assert proc.wait(120) == 2
+    text = (tmp_path / "serve.log").read_text()
+    assert f"cannot start: cannot listen on 127.0.0.1:{port}" in text, text
+    assert "Traceback" not in text and "Started server process" not in text, text
+    assert not (tmp_path / "chdb").exists(), "the ledger was opened before the port was checked"
+
+
+def test_a_spool_held_by_another_process_is_one_cannot_start_line(tmp_path):
+    from kvmeter.clock import SYSTEM_CLOCK
+    from kvmeter.ledger.records import STREAMS
+    from kvmeter.ledger.spool import Spool
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from kvmeter.clock import SYSTEM_CLOCK; "
+        "from kvmeter.ledger.records import STREAMS; from kvmeter.ledger.spool import Spool; "
+        f"s = Spool(Path({str(tmp_path / 'spool')!r}), STREAMS, clock=SYSTEM_CLOCK); print('held', flush=True); "
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert Spool.held_elsewhere(tmp_path / "spool")
+        proc = _serve(tmp_path, free_port(), "--ledger-dsn", f"chdb://{tmp_path / 'chdb'}")
+        assert proc.wait(120) == 2
+        text = (tmp_path / "serve.log").read_text()
+        assert f"cannot start: the ledger spool {tmp_path / 'spool'} is held by another process" in text, text
+        assert "Traceback" not in text and "Started server process" not in text, text
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    assert not Spool.held_elsewhere(tmp_path / "spool")  # released with its holder
+    Spool(tmp_path / "spool", STREAMS, clock=SYSTEM_CLOCK).close()  # and free to open
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
     log = tmp_path / "serve.log"
