@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from kvmeter.ledger.config import DEFAULT_DATABASE, parse_dsn, require_existing_ledger
@@ -68,6 +69,33 @@ def streamlit_command(host: str, port: int) -> list[str]:
             "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal"]
 
 
+def check_server(url: str, api_key: str | None, timeout_s: float = 5.0) -> None:
+    """Check the serve process once before the dashboard starts: a key it refuses is an error
+    (every page would fail); a server that does not answer only gets a warning on stderr (it may
+    still be starting, e.g. under docker compose).
+
+    Raises:
+        ConfigError: the server answered 401/403 for ``api_key``.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    path = "/v1/usage/summary" if api_key else "/healthz"
+    params = {"period": datetime.now(timezone.utc).strftime("%Y-%m")} if api_key else None
+    try:
+        response = httpx.get(url.rstrip("/") + path, headers=headers, params=params, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        print(f"kvmeter dashboard: warning: {url} does not answer now ({exc}); the pages will "
+              "show an error until it does", file=sys.stderr)
+        return
+    if api_key and response.status_code in (401, 403):
+        raise ConfigError(f"{url} refused the API key (HTTP {response.status_code}); "
+                          "pass a tenant or admin key of that server with --api-key")
+    if response.status_code >= 400:
+        print(f"kvmeter dashboard: warning: {url}{path} answered HTTP {response.status_code}",
+              file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the settings, then replace this process with Streamlit (see the module docstring).
 
@@ -87,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         for flag, path in (("--tenants", config.tenants_path), ("--prices", config.prices_path)):
             if path is not None and not path.is_file():  # else Streamlit would start, then fail per page
                 raise ConfigError(f"{flag} {path}: no such file")
+        if config.mode == "server":
+            check_server(config.server_url, config.api_key)
     except (ConfigError, LedgerConfigError) as exc:
         print(f"kvmeter dashboard: {exc}", file=sys.stderr)
         return 2

@@ -208,3 +208,19 @@ def test_http_source_scoping(reader, replay):
     with pytest.raises(SignInError):
         HttpSource(reader.url, "sk-unknown").whoami()
 
+
+
+def test_dashboard_start_check_refuses_a_key_the_server_refuses_and_warns_when_it_is_away(reader, capsys):
+    from kvmeter.dashboards.cli import check_server
+    from kvmeter.dashboards.errors import ConfigError
+    from tests.conftest import free_port
+
+    check_server(reader.url, KEYS["acme"])  # a tenant key of that server: fine, nothing printed
+    check_server(reader.url, None)  # no key: the sign-in form; the server answers /healthz
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="refused the API key") as refused:
+        check_server(reader.url, "sk-not-a-key-of-this-server")
+    assert "sk-not-a-key" not in str(refused.value)  # the key is never shown
+    away = f"http://127.0.0.1:{free_port()}"
+    check_server(away, KEYS["acme"], timeout_s=2)  # may still be starting: a warning, not an error
+    assert "does not answer now" in capsys.readouterr().err
