@@ -34,15 +34,15 @@ MONEY = pl.Decimal(38, 18)
 
 _USAGE_INTS = ("requests", "aborted_requests", "error_requests", "prompt_tokens", "cached_prompt_tokens",
                "completion_tokens", "reasoning_tokens")
-_ATTEMPT_INTS = ("attempts", "rejected_attempts", "replayed_attempts")
+_ATTEMPT_INTS = ("attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts")
 _TYPES = (("input", "uncached"), ("cached_input", "cached_prompt_tokens"), ("output", "nonreasoning"),
           ("reasoning", "reasoning_tokens"))
 
 #: Column order of the invoice line frame (and of the CSV / Parquet files).
 INVOICE_COLUMNS = (
     "period", "period_start", "period_end", "line_type", *INVOICE_KEYS,
-    "requests", "attempts", "rejected_attempts", "replayed_attempts", "aborted_requests", "error_requests",
-    "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
+    "requests", "attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts", "aborted_requests",
+    "error_requests", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
     "currency", "price_list_version", "priced", "subtotal", "cost", "note",
 )
 
@@ -129,7 +129,8 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
         adj = pl.DataFrame(adj_rows, schema={**{k: pl.String for k in INVOICE_KEYS}, "subtotal": MONEY,
                                              "cost": cost_dtype, "note": pl.String})
         zeros = [pl.lit(0, pl.Int64).alias(c) for c in ("requests", "attempts", "rejected_attempts",
-                                                          "replayed_attempts", "aborted_requests", "error_requests",
+                                                          "replayed_attempts", "invalid_attempts",
+                                                          "aborted_requests", "error_requests",
                                                           "input_tokens", "cached_input_tokens", "output_tokens",
                                                           "reasoning_tokens")]
         adj = adj.with_columns(zeros + meta + [pl.lit(0.0).alias("kv_token_seconds"), pl.lit(True).alias("priced"),

@@ -224,15 +224,18 @@ class LedgerQueries:
         """HTTP attempts per invoice line key in a period (by attempt ``ts``).
 
         Returns:
-            One dict per line key: the keys, ``attempts``, ``rejected_attempts``,
-            ``replayed_attempts`` (ints).
+            One dict per line key: the keys, ``attempts``, ``rejected_attempts`` (quota or
+            scheduler refusals), ``replayed_attempts`` (idempotent replays), ``invalid_attempts``
+            (refused before admission as invalid requests, or failed before any engine work:
+            statuses ``invalid`` and ``error``) (ints). The rest of ``attempts`` were admitted.
         """
         keys = ", ".join(INVOICE_KEYS)
         return self._query(f"""
             SELECT {keys},
                 count() AS attempts,
                 countIf(status = 'rejected') AS rejected_attempts,
-                countIf(status = 'replayed') AS replayed_attempts
+                countIf(status = 'replayed') AS replayed_attempts,
+                countIf(status IN ('invalid', 'error')) AS invalid_attempts
             FROM attempts FINAL
             WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
             GROUP BY {keys}

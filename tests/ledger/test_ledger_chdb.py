@@ -133,9 +133,13 @@ async def test_attempts_are_recorded(open_ledger) -> None:
     await ledger.record_attempt(make_attempt(make_event(2), status="rejected", reason="rate_limited",
                                              status_code=429))
     await ledger.record_attempt(make_attempt(event))  # re-recorded: same deterministic attempt id
+    for i, (status, code) in enumerate((("invalid", 400), ("error", 499)), start=3):  # never admitted
+        await ledger.record_attempt(make_attempt(make_event(i), status=status, reason="bad", status_code=code,
+                                                 event_id=""))
     assert ledger.flush()
     (row,) = ledger.queries.invoice_attempts(PERIOD)
-    assert (row["attempts"], row["rejected_attempts"]) == (2, 1)
+    assert (row["attempts"], row["rejected_attempts"], row["replayed_attempts"], row["invalid_attempts"]) == \
+        (4, 1, 0, 2)  # attempts = 1 admitted + 1 rejected + 0 replayed + 2 invalid
 
 
 def test_signals_and_adjustments_are_stored(open_ledger) -> None:
