@@ -61,6 +61,8 @@ __all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "Batch
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVS1"
+#: ``flock(LOCK_NB)`` errors meaning another open file description holds the lock.
+_LOCK_HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 HEADER = struct.Struct("<4sHHIIId")
 _META = struct.Struct("<HHIId")  # the header fields the CRC covers (all but magic and crc)
 MAX_BLOCK_PAYLOAD = 8 * 1024 * 1024
@@ -708,7 +710,7 @@ class Spool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+            return exc.errno in _LOCK_HELD_ERRNOS
         else:
             fcntl.flock(fd, fcntl.LOCK_UN)
             return False
@@ -727,7 +729,7 @@ class Spool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(self._lock_fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if exc.errno in _LOCK_HELD_ERRNOS:
                 raise LedgerLocked(
                     f"spool {self.root} is held by another process (a running `kvmeter serve`?); "
                     "read through it with --server URL --api-key KEY") from None

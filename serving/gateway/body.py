@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from kvmeter.serving.gateway.errors import ApiError
 
-__all__ = ["read_json_object", "check_media_type", "CLIENT_CLOSED", "JSON_MEDIA_TYPES"]
+__all__ = ["read_json_object", "check_media_type", "single_header", "CLIENT_CLOSED", "JSON_MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,21 @@ CLIENT_CLOSED = 499
 JSON_MEDIA_TYPES = frozenset({"application/json", "application/x-www-form-urlencoded"})
 
 
+def single_header(request: Request, name: str, display: str, *, code: str) -> str:
+    """The value of header ``name`` ("" when absent), sent once or repeated with one value.
+
+    Raises:
+        ApiError: 400 ``code`` (``param``: ``display``) when the header lines disagree: which one
+            the client meant cannot be known, and picking one could run (and bill) the request
+            under the wrong key.
+    """
+    values = request.headers.getlist(name)
+    if len(set(values)) > 1:
+        raise ApiError(400, f"{display} was sent {len(values)} times with different values; send it once",
+                       param=display, code=code)
+    return values[0] if values else ""
+
+
 def check_media_type(request: Request) -> None:
     """Refuse an explicit non-JSON ``Content-Type`` (parameters such as ``charset`` are ignored).
 
@@ -34,11 +49,7 @@ def check_media_type(request: Request) -> None:
             characters of it); 400 when ``Content-Type`` is sent more than once with different
             values (which one the client meant cannot be known).
     """
-    types = request.headers.getlist("content-type")
-    if len(set(types)) > 1:
-        raise ApiError(400, f"Content-Type was sent {len(types)} times with different values; send it once",
-                       code="invalid_request", param="Content-Type")
-    sent = types[0] if types else ""
+    sent = single_header(request, "content-type", "Content-Type", code="invalid_request")
     ctype = sent.split(";")[0].strip().lower()
     if not ctype or ctype in JSON_MEDIA_TYPES or (ctype.startswith("application/") and ctype.endswith("+json")):
         return

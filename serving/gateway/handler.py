@@ -43,7 +43,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
-from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
+from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -159,21 +159,6 @@ class Gateway:
             status_code=err.status, code=err.code or "", endpoint=endpoint,
             tenant_id=principal.tenant_id if principal is not None else "",
             tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
-
-
-def single_header(request: Request, name: str, display: str, *, code: str) -> str:
-    """The value of header ``name`` ("" when absent), sent once or repeated with one value.
-
-    Raises:
-        ApiError: 400 ``code`` (``param``: ``display``) when the header lines disagree: which one
-            the client meant cannot be known, and picking one could run (and bill) the request
-            under the wrong key.
-    """
-    values = request.headers.getlist(name)
-    if len(set(values)) > 1:
-        raise ApiError(400, f"{display} was sent {len(values)} times with different values; send it once",
-                       param=display, code=code)
-    return values[0] if values else ""
 
 
 class _ClientGone(Exception):
