@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from kvmeter.ledger.config import DEFAULT_DATABASE, parse_dsn, require_existing_ledger
@@ -70,30 +69,41 @@ def streamlit_command(host: str, port: int) -> list[str]:
 
 
 def check_server(url: str, api_key: str | None, timeout_s: float = 5.0) -> None:
-    """Check the serve process once before the dashboard starts: a key it refuses is an error
-    (every page would fail); a server that does not answer only gets a warning on stderr (it may
-    still be starting, e.g. under docker compose).
+    """Check the serve process once before the dashboard starts: with ``api_key``, the pages' own
+    sign-in read (:meth:`HttpSource.whoami`), where a key the server refuses is an error (every
+    page would fail); without one (the pages' sign-in form), that ``/healthz`` answers. A server
+    that does not answer only gets a warning on stderr (it may still be starting, e.g. under
+    docker compose).
 
     Raises:
-        ConfigError: the server answered 401/403 for ``api_key``.
+        ConfigError: the server answered 401 for ``api_key``.
     """
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    path = "/v1/usage/summary" if api_key else "/healthz"
-    params = {"period": datetime.now(timezone.utc).strftime("%Y-%m")} if api_key else None
+    from kvmeter.ledger.errors import LedgerUnavailable
+    from kvmeter.ledger.http_client import ReadApiError, read_api_get
+
+    from .errors import SignInError
+    from .http_source import HttpSource
+
     try:
-        response = httpx.get(url.rstrip("/") + path, headers=headers, params=params, timeout=timeout_s)
-    except httpx.HTTPError as exc:
+        if not api_key:
+            with httpx.Client(base_url=url, timeout=timeout_s) as client:
+                read_api_get(client, "/healthz", None, url)
+            return
+        source = HttpSource(url, api_key, timeout_s=timeout_s)
+        try:
+            source.whoami()
+        finally:
+            source.close()
+    except SignInError as exc:
+        raise ConfigError(f"{url} refused the API key ({exc}); "
+                          "pass a tenant or admin key of that server with --api-key") from None
+    except LedgerUnavailable as exc:
         print(f"kvmeter dashboard: warning: {url} does not answer now ({exc}); the pages will "
               "show an error until it does", file=sys.stderr)
-        return
-    if api_key and response.status_code in (401, 403):
-        raise ConfigError(f"{url} refused the API key (HTTP {response.status_code}); "
-                          "pass a tenant or admin key of that server with --api-key")
-    if response.status_code >= 400:
-        print(f"kvmeter dashboard: warning: {url}{path} answered HTTP {response.status_code}",
-              file=sys.stderr)
+    except ReadApiError as exc:
+        print(f"kvmeter dashboard: warning: {url}: {exc}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
