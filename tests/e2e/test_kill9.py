@@ -16,12 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from kvmeter.serving.demo import wait_ready
 from tests.conftest import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -37,19 +37,6 @@ def _start(port: int, root: Path, log_name: str) -> subprocess.Popen:
          "--kv-cache-gib", "1", "--ledger-dsn", f"chdb://{root}/chdb", "--spool-dir", str(root / "spool")],
         stdout=log, stderr=subprocess.STDOUT, env=env,
         start_new_session=True)  # its own process group: the kill takes vLLM's engine processes too
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, root: Path, log_name: str) -> None:
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (root / log_name).read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("kvmeter serve did not start")
 
 
 async def _send(client: httpx.AsyncClient, i: int, model: str) -> dict | None:
@@ -105,7 +92,7 @@ def test_kill_dash_nine_then_restart_bills_each_logical_request_once(tmp_path: P
     url = f"http://127.0.0.1:{port}"
     ids = list(range(24))
     proc = _start(port, tmp_path, "serve-1.log")
-    _wait_ready(proc, url, tmp_path, "serve-1.log")
+    wait_ready(proc, url, tmp_path / "serve-1.log")
     first = asyncio.run(_traffic(url, DEFAULT_MODEL_NAME, ids, proc, kill_after=8))
     assert proc.returncode == -signal.SIGKILL
     completed = {i: u for i, u in first.items() if u is not None}
@@ -113,7 +100,7 @@ def test_kill_dash_nine_then_restart_bills_each_logical_request_once(tmp_path: P
     assert completed and unfinished, "the kill should land mid-traffic"
 
     proc = _start(port, tmp_path, "serve-2.log")  # same ledger, same spool: recovery drains it
-    _wait_ready(proc, url, tmp_path, "serve-2.log")
+    wait_ready(proc, url, tmp_path / "serve-2.log")
     retried = asyncio.run(_traffic(url, DEFAULT_MODEL_NAME, unfinished))
     proc.send_signal(signal.SIGINT)  # graceful: drain everything
     assert proc.wait(120) in (0, -signal.SIGINT)  # uvicorn re-raises SIGINT after a graceful stop

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from kvmeter.clock import ManualClock
 from kvmeter.model import DEFAULT_MODEL_NAME
 from kvmeter.serving.engines.base import EngineRequest
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+from kvmeter.serving.demo import wait_ready
 from kvmeter.serving.engines.instant import InstantEngine
 from kvmeter.stats import EngineRequestStats
 from tests.conftest import free_port
@@ -57,19 +57,6 @@ def _serve(tmp_path: Path, port: int) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
 
 
-def _wait_ready(proc: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, f"kvmeter serve did not become ready:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-
-
 def _traffic(base: str) -> dict[str, int]:
     """A few requests of each kind; returns the admitted (engine-run) requests per tenant."""
     served = {"acme": 0, "globex": 0}
@@ -103,7 +90,7 @@ def test_reconcile_over_an_instant_engine_ledger_finds_no_drift(tmp_path: Path):
     start = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=1)
     proc = _serve(tmp_path, port)
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, base, log, timeout_s=180)
         served = _traffic(base)
         proc.send_signal(signal.SIGINT)  # graceful: the spool drains into chDB, the ledger closes
         assert proc.wait(120) == 0, log.read_text()

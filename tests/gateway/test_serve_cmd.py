@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from kvmeter.serving.demo import wait_ready
 from tests.conftest import free_port
 
 
@@ -79,16 +78,7 @@ def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
     port = free_port()
     proc = _serve(tmp_path, port, "--ledger-dsn", f"chdb://{tmp_path}/chdb")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "kvmeter serve did not become ready"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_ready(proc, f"http://127.0.0.1:{port}", log, timeout_s=180)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()
     finally:
@@ -98,19 +88,6 @@ def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text and "CancelledError" not in text, text
     assert "Application shutdown complete" in text and "kvmeter serve: stopped (SIGINT)" in text, text
-
-
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "kvmeter serve did not become ready"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
 
 
 @pytest.mark.slow
@@ -123,7 +100,7 @@ def test_server_body_read_timeout_from_the_config_file_answers_a_stalled_body_40
     proc = _serve(tmp_path, port, "--config", str(tmp_path / "serve.yaml"),
                   "--ledger-dsn", f"chdb://{tmp_path}/chdb")
     try:
-        _wait_ready(proc, port, log)
+        wait_ready(proc, f"http://127.0.0.1:{port}", log, timeout_s=180)
         with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                          b"Authorization: Bearer sk-demo-acme-0001\r\nContent-Type: application/json\r\n"

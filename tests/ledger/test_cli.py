@@ -4,43 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from decimal import Decimal
 from pathlib import Path
 
 import polars as pl
 import pytest
-import uvicorn
-from ledgerkit import make_attempt, make_event
-from starlette.applications import Starlette
+from ledgerkit import fill_ledger, read_api_in_thread
 
-from kvmeter.bus import StatsBus
 from kvmeter.cli import build_parser, main
-from kvmeter.ledger.read_api import read_routes
-from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
-from kvmeter.stats import EngineRequestStats
+from kvmeter.serving.tenancy import Principal
+
+ACME = Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")
 
 
 def kvmeter(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvmeter.cli", *args],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
-
-
-async def _fill(ledger, *, drift: bool = False, unpriced: bool = False) -> None:  # noqa: ANN001
-    bus = StatsBus()
-    ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
-    for i in range(40):
-        e = make_event(i, "acme" if i % 2 else "globex", api_key_id=f"key-{i % 4}",
-                       model="mystery-model" if unpriced and i == 0 else "SmolLM2-135M-Instruct")
-        await ledger.record_attempt(make_attempt(e))
-        bus.publish(EngineRequestStats(e.request_id, "stop", e.prompt_tokens,
-                                       e.completion_tokens + (1 if drift and i == 3 else 0), wall_ts=e.finish_ts))
-        await ledger.record(e)
-    assert ledger.flush()
 
 
 def _source(config) -> list[str]:  # noqa: ANN001
@@ -49,7 +30,7 @@ def _source(config) -> list[str]:  # noqa: ANN001
 
 async def test_report_writes_csv_parquet_and_html(open_ledger, config, tmp_path: Path) -> None:
     ledger = open_ledger()
-    await _fill(ledger)
+    await fill_ledger(ledger)
     ledger.close()  # the CLI is another process: it may open the embedded ledger only when free
     out = tmp_path / "out"
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(out), *_source(config))
@@ -69,7 +50,7 @@ async def test_report_writes_csv_parquet_and_html(open_ledger, config, tmp_path:
 
 async def test_reconcile_exit_status_follows_the_drift_threshold(open_ledger, config, tmp_path: Path) -> None:
     ledger = open_ledger()
-    await _fill(ledger, drift=True)
+    await fill_ledger(ledger, drift=True)
     ledger.close()
     run = kvmeter("billing", "reconcile", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
     assert run.returncode == 1, run.stderr
@@ -83,7 +64,7 @@ async def test_reconcile_exit_status_follows_the_drift_threshold(open_ledger, co
 
 async def test_unpriced_usage_fails_the_report(open_ledger, config, tmp_path: Path) -> None:
     ledger = open_ledger()
-    await _fill(ledger, unpriced=True)
+    await fill_ledger(ledger, unpriced=True)
     ledger.close()
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
     assert run.returncode == 3 and "mystery-model" in run.stderr
@@ -98,43 +79,22 @@ def test_bad_arguments_exit_2_with_a_message(config) -> None:
 
 async def test_a_held_ledger_is_read_through_the_serve_process(open_ledger, config, tmp_path: Path) -> None:
     ledger = open_ledger()  # this process plays `kvmeter serve`: it holds the embedded ledger
-    await _fill(ledger)
+    await fill_ledger(ledger)
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *_source(config))
     assert run.returncode == 4 and "--server" in run.stderr
     other_spool = ["--dsn", config.dsn, "--spool-dir", str(tmp_path / "other-spool")]
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), *other_spool)
     assert run.returncode == 4 and "held by another process" in run.stderr  # the chDB path itself
 
-    keys = {hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")}
-
-    def authenticate(key: str | None) -> Principal:
-        principal = constant_time_lookup(keys, key or "")
-        if principal is None:
-            raise AuthError("unknown API key")
-        return principal
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=read_routes(ledger.queries, authenticate)),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:  # readiness wait, not timing logic
-        time.sleep(0.02)
-    try:
+    with read_api_in_thread(ledger, {"sk-acme": ACME}) as url:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvmeter.cli", "billing", "report", "--period", "2026-11", "--out",
-            str(tmp_path / "via-api"), "--server", f"http://127.0.0.1:{port}", "--api-key", "sk-acme",
+            str(tmp_path / "via-api"), "--server", url, "--api-key", "sk-acme",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 300)
         assert proc.returncode == 0, err.decode()
         lines = pl.read_parquet(tmp_path / "via-api" / "billing-2026-11.parquet")
         assert set(lines["tenant_id"]) == {"acme"} and lines["requests"].sum() == 20
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.mark.parametrize("action", ["prices", "migrate"])
@@ -181,7 +141,7 @@ def test_read_only_commands_refuse_a_path_without_a_ledger(action: str, tmp_path
 async def test_a_ledger_without_a_spool_directory_is_read_without_creating_one(open_ledger, config,
                                                                                tmp_path: Path) -> None:
     ledger = open_ledger()
-    await _fill(ledger)
+    await fill_ledger(ledger)
     ledger.close()
     no_spool = tmp_path / "no-spool"
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path / "out"), "--formats", "csv",

@@ -5,22 +5,16 @@ stdout and stderr captured apart): the result and its one summary line, no libra
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
-from ledgerkit import make_attempt, make_event
-from starlette.applications import Starlette
+from ledgerkit import fill_ledger, read_api_in_thread
 
-from kvmeter.bus import StatsBus
-from kvmeter.ledger.read_api import read_routes
-from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
-from kvmeter.stats import EngineRequestStats
+from kvmeter.serving.tenancy import Principal
+
+ACME = Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")
 
 NO_LEDGER_ENV = ("KVMETER_LEDGER_DSN", "KVMETER_SPOOL_DIR", "KVMETER_API_KEY")
 
@@ -32,19 +26,6 @@ def kvmeter(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300, env=env, cwd=cwd)
 
 
-async def _fill(ledger, n: int = 6) -> None:  # noqa: ANN001
-    """``n`` requests of two tenants, each with its attempt, engine record and usage event (no drift)."""
-    bus = StatsBus()
-    ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
-    for i in range(n):
-        e = make_event(i, "acme" if i % 2 else "globex")
-        await ledger.record_attempt(make_attempt(e))
-        bus.publish(EngineRequestStats(e.request_id, "stop", e.prompt_tokens, e.completion_tokens,
-                                       wall_ts=e.finish_ts))
-        await ledger.record(e)
-    assert ledger.flush()
-
-
 def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
@@ -52,7 +33,7 @@ def _lines(text: str) -> list[str]:
 @pytest.mark.parametrize("action", ["report", "reconcile"])
 async def test_a_held_embedded_ledger_is_one_error_line_not_chdbs_text(action, open_ledger, config, tmp_path):
     ledger = open_ledger()  # this process plays `kvmeter serve`: it holds the chDB path and the spool
-    await _fill(ledger)
+    await fill_ledger(ledger, 6, keys_per_tenant=1)
     free_spool = tmp_path / "free-spool"
     free_spool.mkdir()  # a spool directory nobody holds: the command opens the Ledger (chDB next)
     for spool in ([], ["--spool-dir", str(free_spool)]):  # [] = the default ./var/... (absent in cwd)
@@ -69,7 +50,7 @@ async def test_a_held_embedded_ledger_is_one_error_line_not_chdbs_text(action, o
 
 async def test_a_free_ledger_prints_its_result_without_info_logs_unless_verbose(open_ledger, config, tmp_path):
     ledger = open_ledger()
-    await _fill(ledger)
+    await fill_ledger(ledger, 6, keys_per_tenant=1)
     ledger.close()  # free: the command opens it itself, spool and all (the Ledger logs "ledger open")
     source = ["--ledger-dsn", config.dsn, "--spool-dir", str(config.spool_dir)]
     run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path / "a"), "--formats", "csv",
@@ -98,28 +79,9 @@ def test_a_bad_log_level_is_a_usage_error(tmp_path):
 
 async def test_reading_through_the_serve_process_shows_no_httpx_lines_unless_verbose(open_ledger, tmp_path):
     ledger = open_ledger()
-    await _fill(ledger)
-    keys = {hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")}
-
-    def authenticate(key: str | None) -> Principal:
-        principal = constant_time_lookup(keys, key or "")
-        if principal is None:
-            raise AuthError("unknown API key")
-        return principal
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=read_routes(ledger.queries, authenticate)),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:  # readiness wait, not timing logic
-        assert thread.is_alive() and time.monotonic() < deadline, "read API did not start"
-        time.sleep(0.02)
-    try:
-        via = ["--server", f"http://127.0.0.1:{port}", "--api-key", "sk-acme"]
+    await fill_ledger(ledger, 6, keys_per_tenant=1)
+    with read_api_in_thread(ledger, {"sk-acme": ACME}) as url:
+        via = ["--server", url, "--api-key", "sk-acme"]
         # the subprocess blocks this thread; the read API answers from its own thread
         run = kvmeter("billing", "reconcile", "--period", "2026-11", "--out", str(tmp_path / "a"), "--formats", "csv",
                       *via, cwd=tmp_path)
@@ -130,6 +92,3 @@ async def test_reading_through_the_serve_process_shows_no_httpx_lines_unless_ver
                       "--formats", "csv", *via, cwd=tmp_path)
         assert run.returncode == 0, run.stderr
         assert " INFO httpx: HTTP Request: GET http://127.0.0.1:" in run.stderr, run.stderr
-    finally:
-        server.should_exit = True
-        thread.join(30)
