@@ -7,7 +7,13 @@ from typing import Sequence
 
 from kvmeter.serving.engines.base import Tokenizer
 
-__all__ = ["HFTokenizer"]
+__all__ = ["HFTokenizer", "GIL_FREE_CHARS"]
+
+#: Texts longer than this (characters) are encoded with the Rust tokenizer's ``encode_batch``, which
+#: releases the GIL while it works (its ``encode`` holds it: a 1.3 M-character prompt held the
+#: gateway's event loop for 2.8 s, even from a worker thread). Shorter texts keep ``encode``:
+#: releasing the GIL costs a re-acquisition, up to a switch interval on a busy process.
+GIL_FREE_CHARS = 16_384
 
 
 class HFTokenizer(Tokenizer):
@@ -27,9 +33,14 @@ class HFTokenizer(Tokenizer):
         # the transformers wrapper (which adds ~0.1 ms of Python per call), see encode_chat.
         self._backend = getattr(self._tok, "backend_tokenizer", None)
 
+    def _backend_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._backend_ids(text, add_special_tokens)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -40,7 +51,7 @@ class HFTokenizer(Tokenizer):
                 # What apply_chat_template(tokenize=True) does: render, then encode the text
                 # without adding special tokens (the template writes them).
                 text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                return self._backend.encode(text, add_special_tokens=False).ids
+                return self._backend_ids(text, False)
             ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
         except Exception as exc:  # noqa: BLE001 — jinja errors of all kinds
