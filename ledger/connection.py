@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import clickhouse_connect
@@ -20,12 +21,24 @@ from clickhouse_connect.driver.exceptions import ClickHouseError, DatabaseError,
 
 from .config import LedgerConfig
 from .errors import LedgerLocked, LedgerUnavailable, LedgerError
+from .spool import lock_held_elsewhere
 
-__all__ = ["ClientFactory", "connect", "ClientHolder", "is_data_error", "describe_error"]
+__all__ = ["ClientFactory", "connect", "ClientHolder", "is_data_error", "describe_error",
+           "embedded_held_elsewhere"]
 
 log = logging.getLogger(__name__)
 
 ClientFactory = Callable[[], Client]
+
+#: The file ClickHouse (chDB) holds an ``flock`` on in its data directory while a process has it open.
+CHDB_STATUS_FILE = "status"
+
+
+def embedded_held_elsewhere(config: LedgerConfig) -> bool:
+    """Whether another process has the embedded (``chdb://``) ledger of ``config`` open now — a
+    probe of chDB's lock on its status file, for start-up checks. False for a server DSN or a
+    path that holds no ledger yet."""
+    return config.embedded and lock_held_elsewhere(Path(config.parsed_dsn.path) / CHDB_STATUS_FILE)
 
 #: ClickHouse error codes that mean "this data cannot be inserted" (retrying will not help):
 #: CANNOT_PARSE_* (6, 25, 26, 27, 38, 41, 72, 376), ATTEMPT_TO_READ_AFTER_EOF (32),

@@ -56,7 +56,7 @@ from kvmeter.clock import Clock
 from .errors import LedgerLocked, SpoolWriteError
 from .records import StreamSpec
 
-__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC"]
+__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC", "lock_held_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,25 @@ def _parse_blocks(buf: bytes | memoryview, base: int, segment: int) -> tuple[lis
         blocks.append(Block(segment, base + pos, base + end, count, schema, ts))
         pos = end
     return blocks, base + pos
+
+
+def lock_held_elsewhere(lock_file: Path) -> bool:
+    """Whether another open file description holds an ``flock`` on ``lock_file`` now (a
+    non-blocking probe, released at once; False when the file does not exist). For start-up
+    checks: the answer can change right after."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in _LOCK_HELD_ERRNOS
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 class BatchPayload:
@@ -700,22 +719,9 @@ class Spool:
 
     @staticmethod
     def held_elsewhere(root: Path) -> bool:
-        """Whether another open spool holds ``root`` now (a probe of its ``LOCK``, released at
-        once; False when there is no spool there). For start-up checks: the answer can change
-        right after."""
-        try:
-            fd = os.open(Path(root) / "LOCK", os.O_RDWR)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            return exc.errno in _LOCK_HELD_ERRNOS
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        """Whether another open spool holds ``root`` now (see :func:`lock_held_elsewhere`; False
+        when there is no spool there)."""
+        return lock_held_elsewhere(Path(root) / "LOCK")
 
     def __init__(self, root: Path, specs: Iterable[StreamSpec], *, clock: Clock,
                  segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True) -> None:

@@ -11,8 +11,8 @@ Flags override the config file, which overrides environment variables (see
 
 Exit status: 0 after a graceful stop (Ctrl+C / SIGINT included; SIGTERM stops as gracefully, then
 uvicorn re-raises it: -15); 2 for an invalid setting, ledger DSN included, a port already in use
-or a ledger spool held by another process (one line, ``cannot start: ...``, before the engine
-loads); 3 when the app fails while starting (uvicorn's lifespan: the engine or
+or a ledger spool or embedded ledger path held by another process (one line, ``cannot start:
+...``, before the engine loads); 3 when the app fails while starting (uvicorn's lifespan: the engine or
 ledger could not open); 130 for Ctrl+C before the server started.
 """
 
@@ -45,9 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prices", help="price list YAML (default: the packaged one)")
 
 
-def _preflight(host: str, port: int, spool_dir) -> str | None:  # noqa: ANN001 — a Path
+def _preflight(host: str, port: int, ledger) -> str | None:  # noqa: ANN001 — a LedgerConfig
     """What would make the server fail after loading the engine (minutes, on vLLM), checked
-    first: the port is taken, or another process holds the ledger's spool. ``None`` if neither."""
+    first: the port is taken, or another process holds the ledger's spool or its embedded chDB
+    path. ``None`` if none of these."""
+    from kvmeter.ledger.connection import embedded_held_elsewhere
     from kvmeter.ledger.spool import Spool
 
     try:
@@ -61,9 +63,12 @@ def _preflight(host: str, port: int, spool_dir) -> str | None:  # noqa: ANN001 �
             probe.bind(address)
         except OSError as exc:
             return f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server on that port?)"
-    if Spool.held_elsewhere(spool_dir):
-        return (f"the ledger spool {spool_dir} is held by another process (another `kvmeter serve`?); "
+    if Spool.held_elsewhere(ledger.spool_dir):
+        return (f"the ledger spool {ledger.spool_dir} is held by another process (another `kvmeter serve`?); "
                 "stop it, or give this server its own --spool-dir and --ledger-dsn")
+    if embedded_held_elsewhere(ledger):
+        return (f"the embedded ledger at {ledger.parsed_dsn.path} is held by another process (another "
+                "`kvmeter serve`?); stop it, or give this server its own --ledger-dsn")
     return None
 
 
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl+C while the model is prepared or loaded
         log.info("kvmeter serve: interrupted before start")
         return 130
-    problem = _preflight(config.server.host, config.server.port, runtime.ledger_config().spool_dir)
+    problem = _preflight(config.server.host, config.server.port, runtime.ledger_config())
     if problem:
         log.error("cannot start: %s", problem)
         return 2

@@ -72,6 +72,32 @@ def test_a_spool_held_by_another_process_is_one_cannot_start_line(tmp_path):
     Spool(tmp_path / "spool", STREAMS, clock=SYSTEM_CLOCK).close()  # and free to open
 
 
+def test_an_embedded_ledger_held_by_another_process_is_one_cannot_start_line(tmp_path):
+    from kvmeter.ledger import LedgerConfig
+    from kvmeter.ledger.connection import embedded_held_elsewhere
+    chdb = tmp_path / "chdb"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from kvmeter.ledger import Ledger, LedgerConfig; "
+        f"l = Ledger.open(LedgerConfig(dsn='chdb://{chdb}', spool_dir={str(tmp_path / 'held-spool')!r})); "
+        "print('held', flush=True); sys.stdin.read(); l.close()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    config = LedgerConfig(dsn=f"chdb://{chdb}", spool_dir=tmp_path / "spool")
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert embedded_held_elsewhere(config)
+        proc = _serve(tmp_path, free_port(), "--ledger-dsn", f"chdb://{chdb}")  # its own spool: free
+        assert proc.wait(120) == 2
+        text = (tmp_path / "serve.log").read_text()
+        assert f"cannot start: the embedded ledger at {chdb} is held by another process" in text, text
+        assert "Traceback" not in text and "Cannot lock file" not in text, text
+        assert "Started server process" not in text, text
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    assert not embedded_held_elsewhere(config)  # released with its holder
+    assert not embedded_held_elsewhere(LedgerConfig(dsn="http://127.0.0.1:1/kvmeter", spool_dir=tmp_path))
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_gracefully_without_a_traceback(tmp_path):
     log = tmp_path / "serve.log"
