@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from kvmeter.ledger.config import DEFAULT_DATABASE, parse_dsn, require_existing_ledger
+from kvmeter.ledger.connection import chdb_path_held_elsewhere
 from kvmeter.ledger.errors import ConfigError as LedgerConfigError
 
 from .config import ENV, DashboardConfig
@@ -122,6 +123,9 @@ def run(args: argparse.Namespace) -> int:
         if config.mode == "dsn":
             dsn = parse_dsn(config.ledger_dsn)
             require_existing_ledger(dsn, dsn.database or DEFAULT_DATABASE)  # read-only: never create
+            if dsn.kind == "chdb" and chdb_path_held_elsewhere(dsn.path):  # else every page would fail
+                raise ConfigError(f"the embedded ledger at {dsn.path} is held by another process (a running "
+                                  "`kvmeter serve`?); read it through that process with --server URL --api-key KEY")
         for flag, path in (("--tenants", config.tenants_path), ("--prices", config.prices_path)):
             if path is not None and not path.is_file():  # else Streamlit would start, then fail per page
                 raise ConfigError(f"{flag} {path}: no such file")

@@ -24,7 +24,7 @@ from .errors import LedgerLocked, LedgerUnavailable, LedgerError
 from .spool import lock_held_elsewhere
 
 __all__ = ["ClientFactory", "connect", "ClientHolder", "is_data_error", "describe_error",
-           "embedded_held_elsewhere"]
+           "chdb_path_held_elsewhere", "embedded_held_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,16 @@ ClientFactory = Callable[[], Client]
 CHDB_STATUS_FILE = "status"
 
 
+def chdb_path_held_elsewhere(path: str | Path) -> bool:
+    """Whether another process has the chDB data directory ``path`` open now — a probe of chDB's
+    lock on its status file, for start-up checks. False for a path that holds no ledger yet."""
+    return lock_held_elsewhere(Path(path) / CHDB_STATUS_FILE)
+
+
 def embedded_held_elsewhere(config: LedgerConfig) -> bool:
-    """Whether another process has the embedded (``chdb://``) ledger of ``config`` open now — a
-    probe of chDB's lock on its status file, for start-up checks. False for a server DSN or a
-    path that holds no ledger yet."""
-    return config.embedded and lock_held_elsewhere(Path(config.parsed_dsn.path) / CHDB_STATUS_FILE)
+    """:func:`chdb_path_held_elsewhere` for the embedded (``chdb://``) ledger of ``config``; False
+    for a server DSN."""
+    return config.embedded and chdb_path_held_elsewhere(config.parsed_dsn.path)
 
 #: ClickHouse error codes that mean "this data cannot be inserted" (retrying will not help):
 #: CANNOT_PARSE_* (6, 25, 26, 27, 38, 41, 72, 376), ATTEMPT_TO_READ_AFTER_EOF (32),

@@ -146,6 +146,30 @@ def test_a_chdb_path_without_a_ledger_is_refused_not_created(monkeypatch, capsys
     assert _run(args) == "exec" and len(calls) == 1
 
 
+def test_a_chdb_path_another_process_holds_is_refused_before_streamlit_starts(monkeypatch, capsys, tmp_path):
+    import subprocess
+    import sys
+    calls = _streamlit_calls(monkeypatch)
+    path = tmp_path / "ledger"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from kvmeter.ledger import Ledger, LedgerConfig; "
+        f"l = Ledger.open(LedgerConfig(dsn='chdb://{path}', spool_dir={str(tmp_path / 'spool')!r})); "
+        "print('held', flush=True); sys.stdin.read(); l.close()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{path}"])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _run(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"kvmeter dashboard: the embedded ledger at {path} is held by another process"), err
+        assert "--server" in err and "\n" not in err, err
+        assert not calls
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    assert _run(args) == "exec" and len(calls) == 1  # released: the dashboard may open it
+
+
 @pytest.mark.parametrize("flag", ["--tenants", "--prices"])
 def test_a_missing_tenants_or_prices_file_is_refused_before_streamlit_starts(flag, monkeypatch, capsys, tmp_path):
     calls = _streamlit_calls(monkeypatch)
