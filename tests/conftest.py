@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -19,6 +23,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def ledger_held_by_another_process(chdb_path: Path, spool_dir: Path) -> Iterator[None]:
+    """Another process holding an embedded ledger (its chDB path and spool) open — what a running
+    ``kvmeter serve`` does — until the block ends; it then closes the ledger and exits."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from kvmeter.ledger import Ledger, LedgerConfig; "
+        f"l = Ledger.open(LedgerConfig(dsn='chdb://{chdb_path}', spool_dir={str(spool_dir)!r})); "
+        "print('held', flush=True); sys.stdin.read(); l.close()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", "the holder could not open the ledger"
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
 
 
 async def start_uvicorn(server) -> asyncio.Task:

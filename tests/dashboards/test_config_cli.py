@@ -12,6 +12,7 @@ from kvmeter.cli import build_parser
 from kvmeter.dashboards import cli
 from kvmeter.dashboards.config import DashboardConfig
 from kvmeter.dashboards.errors import ConfigError
+from tests.conftest import ledger_held_by_another_process
 
 
 def test_explicit_beats_environment_beats_default():
@@ -147,26 +148,15 @@ def test_a_chdb_path_without_a_ledger_is_refused_not_created(monkeypatch, capsys
 
 
 def test_a_chdb_path_another_process_holds_is_refused_before_streamlit_starts(monkeypatch, capsys, tmp_path):
-    import subprocess
-    import sys
     calls = _streamlit_calls(monkeypatch)
     path = tmp_path / "ledger"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from kvmeter.ledger import Ledger, LedgerConfig; "
-        f"l = Ledger.open(LedgerConfig(dsn='chdb://{path}', spool_dir={str(tmp_path / 'spool')!r})); "
-        "print('held', flush=True); sys.stdin.read(); l.close()")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     args = build_parser(["dashboard"]).parse_args(["dashboard", "--ledger-dsn", f"chdb://{path}"])
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with ledger_held_by_another_process(path, tmp_path / "spool"):
         assert _run(args) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"kvmeter dashboard: the embedded ledger at {path} is held by another process"), err
         assert "--server" in err and "\n" not in err, err
         assert not calls
-    finally:
-        holder.stdin.close()
-        holder.wait(60)
     assert _run(args) == "exec" and len(calls) == 1  # released: the dashboard may open it
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvmeter.serving.demo import wait_ready
-from tests.conftest import free_port
+from tests.conftest import free_port, ledger_held_by_another_process
 
 
 def _serve(tmp_path: Path, port: int, *flags: str) -> subprocess.Popen:
@@ -76,14 +76,8 @@ def test_an_embedded_ledger_held_by_another_process_is_one_cannot_start_line(tmp
     from kvmeter.ledger import LedgerConfig
     from kvmeter.ledger.connection import embedded_held_elsewhere
     chdb = tmp_path / "chdb"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from kvmeter.ledger import Ledger, LedgerConfig; "
-        f"l = Ledger.open(LedgerConfig(dsn='chdb://{chdb}', spool_dir={str(tmp_path / 'held-spool')!r})); "
-        "print('held', flush=True); sys.stdin.read(); l.close()")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     config = LedgerConfig(dsn=f"chdb://{chdb}", spool_dir=tmp_path / "spool")
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with ledger_held_by_another_process(chdb, tmp_path / "held-spool"):
         assert embedded_held_elsewhere(config)
         proc = _serve(tmp_path, free_port(), "--ledger-dsn", f"chdb://{chdb}")  # its own spool: free
         assert proc.wait(120) == 2
@@ -91,9 +85,6 @@ def test_an_embedded_ledger_held_by_another_process_is_one_cannot_start_line(tmp
         assert f"cannot start: the embedded ledger at {chdb} is held by another process" in text, text
         assert "Traceback" not in text and "Cannot lock file" not in text, text
         assert "Started server process" not in text, text
-    finally:
-        holder.stdin.close()
-        holder.wait(60)
     assert not embedded_held_elsewhere(config)  # released with its holder
     assert not embedded_held_elsewhere(LedgerConfig(dsn="http://127.0.0.1:1/kvmeter", spool_dir=tmp_path))
 
