@@ -13,7 +13,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py
+$(STAMP): $(PY) pyproject.toml
 	$(PIP) install -e '.[cpu,dev]'
 	# PyPI's torchvision/torchaudio/torchcodec break transformers on the CPU torch (../shared/design/ARCHITECTURE.md)
 	$(PIP) uninstall -y torchvision torchaudio torchcodec || true
