@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from .errors import LedgerError, LedgerUnavailable
-from .period import Period
+from .errors import LedgerError, LedgerUnavailable, PeriodError
+from .period import Period, parse_period
 
 __all__ = ["LedgerHttpClient", "ReadApiError", "read_api_get", "error_fields"]
 
@@ -72,6 +72,19 @@ def _decode(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _wire_period(period: Period) -> str:
+    """How ``period`` travels: its label when the server parses it back to the same interval (so
+    rows that carry the label — invoice lines — read the same as on a local ledger), else the
+    explicit ``START/END`` range."""
+    try:
+        parsed = parse_period(period.label)
+    except PeriodError:
+        parsed = None
+    if parsed is not None and (parsed.start, parsed.end) == (period.start, period.end):
+        return period.label
+    return f"{period.start.isoformat()}/{period.end.isoformat()}"
+
+
 class LedgerHttpClient:
     """Reads usage through a serve process's ``/v1/usage`` routes.
 
@@ -106,7 +119,7 @@ class LedgerHttpClient:
         self.close()
 
     def _get(self, name: str, period: Period, tenant_id: str | None, **params: Any) -> list[dict[str, Any]]:
-        query = {"period": f"{period.start.isoformat()}/{period.end.isoformat()}", **params}
+        query = {"period": _wire_period(period), **params}
         if tenant_id is not None:
             query["tenant_id"] = tenant_id
         response = read_api_get(self._client, f"{self._prefix}/{name}", query, self._client.base_url)
