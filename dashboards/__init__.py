@@ -9,7 +9,9 @@ directly: a server, or a chDB path no process holds) or :class:`~kvmeter.dashboa
 frames in :mod:`.frames` (polars) and charts in :mod:`.charts` (altair); :mod:`.ui` holds the
 Streamlit plumbing (sign-in, filters, cache, auto-refresh).
 
-Dashboards only read.
+Dashboards only read, and hold no SQL: both sources end in the ledger's query layer
+(:mod:`kvmeter.ledger.window_queries`, :mod:`kvmeter.ledger.queries`) and its one invoice
+assembly (:func:`kvmeter.ledger.billing.build_invoice`).
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def bucket_seconds(window: Window, now: datetime | None = None) -> pl.Expr:
 
 
 def traffic_rates(traffic: pl.DataFrame, window: Window, now: datetime | None = None) -> pl.DataFrame:
-    """Per-bucket rates from :meth:`SqlSource.traffic` rows (filled to every bucket).
+    """Per-bucket rates from :meth:`~kvmeter.ledger.window_queries.WindowQueries.traffic` rows
+    (filled to every bucket).
 
     Adds: ``requests_per_s``, ``input_tokens_per_s``, ``output_tokens_per_s``,
     ``tokens_per_request`` (mean prompt + output tokens per request, ``None`` without requests),
@@ -177,7 +178,7 @@ def jain_index(values: Iterable[float]) -> float | None:
 def jain_by_bucket(by_tenant: pl.DataFrame, tiers: Iterable[TierInfo], *,
                    backlogged_only: bool = True) -> pl.DataFrame:
     """Jain's index of weight-normalised service per bucket from
-    :meth:`SqlSource.traffic_by_tenant` rows.
+    :meth:`~kvmeter.ledger.window_queries.WindowQueries.traffic_by_tenant` rows.
 
     Fairness is only at stake among tenants that wanted more than they got, so by default only
     *backlogged* tenants of a bucket count (a request waited ≥ ``BACKLOG_QUEUE_S`` in the queue),
@@ -203,8 +204,8 @@ def jain_by_bucket(by_tenant: pl.DataFrame, tiers: Iterable[TierInfo], *,
 
 
 def tenant_ranking(totals: pl.DataFrame, tiers: Iterable[TierInfo], window: Window) -> pl.DataFrame:
-    """The noisy-neighbour table from :meth:`SqlSource.tenant_totals` rows: who carries the load
-    by tokens and KV held, beside who sends the most requests.
+    """The noisy-neighbour table from :meth:`~kvmeter.ledger.window_queries.WindowQueries.tenant_totals`
+    rows: who carries the load by tokens and KV held, beside who sends the most requests.
 
     Returns:
         The totals plus ``total_tokens``, ``service_tokens``, ``normalised_service``,
@@ -234,7 +235,7 @@ def tenant_ranking(totals: pl.DataFrame, tiers: Iterable[TierInfo], window: Wind
 
 
 def goodput_by_tier(goodput: pl.DataFrame) -> pl.DataFrame:
-    """Window totals per tier from :meth:`SqlSource.goodput` rows.
+    """Window totals per tier from :meth:`~kvmeter.ledger.window_queries.WindowQueries.goodput` rows.
 
     Returns:
         ``tier``, ``requests``, ``good_requests``, ``slo_missed_requests``,
@@ -261,7 +262,7 @@ def goodput_by_tier(goodput: pl.DataFrame) -> pl.DataFrame:
 
 def slo_table(latency: pl.DataFrame, tiers: Iterable[TierInfo]) -> pl.DataFrame:
     """Latency percentiles per tier beside the tier's SLOs, from
-    :meth:`SqlSource.latency_by_tier` rows.
+    :meth:`~kvmeter.ledger.window_queries.WindowQueries.latency_by_tier` rows.
 
     Adds ``ttft_slo_s``, ``itl_slo_s`` (``None``: no promise), ``ttft_p95_within_slo`` and
     ``itl_p95_within_slo`` (bool, ``None`` without an SLO or without data).
@@ -276,7 +277,7 @@ def slo_table(latency: pl.DataFrame, tiers: Iterable[TierInfo]) -> pl.DataFrame:
 
 
 def reservation_drift(df: pl.DataFrame) -> pl.DataFrame:
-    """Reservation vs actual per row of :meth:`SqlSource.reservation_by_tenant`.
+    """Reservation vs actual per row of :meth:`~kvmeter.ledger.window_queries.WindowQueries.reservation_by_tenant`.
 
     Adds ``reserved_tokens``, ``actual_tokens``, ``drift_tokens`` (reserved − actual: > 0 means
     admission held back capacity nobody used), ``drift_ratio`` (drift ÷ reserved, ``None`` when

@@ -110,7 +110,7 @@ class HttpSource:
 
     def signal_gauge(self, window: Window, name: str, by: Sequence[str] = (), agg: str = "avg",
                      tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """See :meth:`kvmeter.dashboards.sql.SqlSource.signal_gauge`."""
+        """See :meth:`kvmeter.ledger.window_queries.WindowQueries.signal_gauge`."""
         params = self._window(window, tenants) + [("name", name), ("agg", agg)] + [("by", b) for b in by]
         return self._decode(self._get("signal_gauge", params))
 

@@ -1,9 +1,11 @@
 """Extra read-API routes for the dashboards, for the serve process to mount beside the ledger's.
 
 While ``kvmeter serve`` holds the embedded (chDB) ledger, no other process may open it, so the
-dashboards read through these routes (mode *a*). They expose the reads of
-:class:`~kvmeter.dashboards.sql.SqlSource` the ledger's ``/v1/usage/*`` routes lack; billing and
-reconciliation keep using the ledger's own ``/v1/usage/invoice`` and ``/v1/usage/reconcile_views``.
+dashboards read through these routes (mode *a*). They expose the ledger's window reads
+(:class:`~kvmeter.ledger.window_queries.WindowQueries`, through the same
+:class:`~kvmeter.dashboards.sql.SqlSource` mode *b* uses) that the ledger's ``/v1/usage/*`` routes
+lack; billing and reconciliation keep using the ledger's own ``/v1/usage/invoice``
+(:func:`~kvmeter.ledger.billing.build_invoice`) and ``/v1/usage/reconcile_views``.
 
 Scope, exactly as :mod:`kvmeter.ledger.read_api`: the API key (``Authorization: Bearer KEY`` or
 ``X-API-Key``) is resolved by the injected ``authenticate``; every read runs through a

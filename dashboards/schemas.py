@@ -1,4 +1,5 @@
-"""Polars schemas of the window reads (columns as documented on :class:`~kvmeter.dashboards.sql.SqlSource`).
+"""Polars schemas of the window reads (columns as documented on
+:class:`~kvmeter.ledger.window_queries.WindowQueries`, the ledger's window reads).
 
 A frame built with :func:`kvmeter.dashboards.frames.frame` has these columns and dtypes even when
 the read returned no rows, so a quiet window draws empty charts instead of failing.

@@ -26,7 +26,8 @@ from .window import Window
 
 __all__ = ["DashboardSource", "ScopedSource", "WINDOW_READS"]
 
-#: Reads that take ``(window, tenants)`` and return rows (see :class:`~kvmeter.dashboards.sql.SqlSource`).
+#: Reads that take ``(window, tenants)`` and return rows (the ledger's
+#: :class:`~kvmeter.ledger.window_queries.WindowQueries`, where each read's columns are documented).
 WINDOW_READS: tuple[str, ...] = (
     "tenants", "traffic", "traffic_by_tenant", "tenant_totals", "latency_by_tier", "latency_timeseries",
     "goodput", "attempts_timeseries", "attempts_by_tenant", "rejections_by_limit", "reservation_by_tenant",
@@ -38,7 +39,7 @@ Rows = list[dict[str, Any]]
 
 class DashboardSource(Protocol):
     """Every read of the dashboards. Rows are JSON-friendly dicts (see
-    :class:`~kvmeter.dashboards.sql.SqlSource` for each read's columns)."""
+    :class:`~kvmeter.ledger.window_queries.WindowQueries` for each read's columns)."""
 
     def tiers(self) -> Rows: ...
     def tenants(self, window: Window, tenants: Sequence[str] | None = None) -> Rows: ...
@@ -123,7 +124,8 @@ class ScopedSource:
 
     def signal_gauge(self, window: Window, name: str, by: Sequence[str] = (), agg: str = "avg",
                      tenants: Sequence[str] | None = None) -> Rows:
-        """A gauge per bucket (see :meth:`SqlSource.signal_gauge`); a tenant key gets only its
+        """A gauge per bucket (see :meth:`WindowQueries.signal_gauge
+        <kvmeter.ledger.window_queries.WindowQueries.signal_gauge>`); a tenant key gets only its
         own tenant-labelled series."""
         return self._source.signal_gauge(window, name, tuple(by), agg, self.scope(tenants))
 

@@ -3,9 +3,11 @@
 Where a token is billed: the gateway hands each finished request's
 :class:`~kvmeter.events.UsageEvent` to :meth:`Ledger.record`, which returns once the event is
 fsynced in the spool (:mod:`.spool`); a writer thread (:mod:`.drain`) inserts it into ClickHouse
-exactly once (:mod:`.schema` for the tables); :mod:`.queries` reads it back deduplicated;
-:mod:`.billing` prices it (:mod:`.prices`) into invoice lines; :mod:`.reconcile` compares the
-engine, gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
+exactly once (:mod:`.schema` for the tables); :mod:`.queries` reads it back deduplicated per
+period and :mod:`.window_queries` per time bucket (the dashboards' reads), both through
+:class:`~.connection.QueryRunner`; :mod:`.billing` prices it (:mod:`.prices`) into the invoice
+(:func:`~.billing.build_invoice`, the one assembly); :mod:`.reconcile` compares the engine,
+gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
 reads it from another process; :mod:`.cli` is ``kvmeter billing``.
 """
 

@@ -1,4 +1,9 @@
-"""Invoice lines: deduplicated usage × price list, computed with polars in exact decimals.
+"""Invoices: deduplicated usage × price list, computed with polars in exact decimals.
+
+:func:`build_invoice` is the one place an invoice is assembled — ``kvmeter billing report``, the
+read API's ``/v1/usage/invoice`` and the dashboards' billing page all call it: it reads the
+period's usage, attempts and adjustments through a
+:class:`~kvmeter.ledger.queries.UsageReader` and prices them with :func:`invoice_lines`.
 
 One usage line per (period, tenant, org, workspace, project, API key, model, tier) — the
 attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus one line per adjustment.
@@ -18,6 +23,7 @@ KV token-seconds are reported, not priced (a float measure; pricing it would bre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Iterable
 
@@ -25,9 +31,9 @@ import polars as pl
 
 from .period import Period
 from .prices import PriceList
-from .queries import INVOICE_KEYS
+from .queries import INVOICE_KEYS, UsageReader
 
-__all__ = ["invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
+__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
 
 #: polars dtype of exact money and unit prices.
 MONEY = pl.Decimal(38, 18)
@@ -157,3 +163,60 @@ def invoice_totals(lines: pl.DataFrame) -> pl.DataFrame:
         pl.col("cost").filter(pl.col("line_type") == "adjustment").sum().alias("adjustments"),
         pl.col("cost").sum().alias("total"), pl.col("currency").first(),
     ).sort("tenant_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class Invoice:
+    """The invoice of a period, as :func:`build_invoice` assembles it.
+
+    Attributes:
+        period: the billed period.
+        prices: the price list the lines were priced with.
+        lines: the line frame (:data:`INVOICE_COLUMNS`; see :func:`invoice_lines`).
+    """
+
+    period: Period
+    prices: PriceList
+    lines: pl.DataFrame
+
+    @property
+    def totals(self) -> pl.DataFrame:
+        """Per-tenant totals (:func:`invoice_totals`)."""
+        return invoice_totals(self.lines)
+
+    @property
+    def total(self) -> Decimal:
+        """Every line's rounded cost summed (unpriced lines count 0): exact, in the list's currency."""
+        return sum((c for c in self.lines["cost"].to_list() if c is not None), Decimal(0)) if self.lines.height \
+            else Decimal(0)
+
+    @property
+    def unpriced(self) -> pl.DataFrame:
+        """The lines whose model the price list does not price (``priced`` false)."""
+        return self.lines.filter(~self.lines["priced"]) if self.lines.height else self.lines
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The lines as dicts (the read API's JSON rows: money as exact ``Decimal``)."""
+        return self.lines.to_dicts()
+
+
+def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant_id: str | None = None) -> Invoice:
+    """Assemble the invoice of ``period``: the one assembly the CLI, the read API and the
+    dashboards share.
+
+    Args:
+        reader: where the ledger is read — :class:`~kvmeter.ledger.queries.LedgerQueries`
+            (ClickHouse) or :class:`~kvmeter.ledger.http_client.LedgerHttpClient` (a serve
+            process's read API).
+        period: the billed period.
+        prices: the price list (Decimal unit prices; the rounding rule is the list's).
+        tenant_id: one tenant, or ``None`` for all.
+    Returns:
+        The :class:`Invoice`: one usage line per :data:`~kvmeter.ledger.queries.INVOICE_KEYS`
+        plus one line per adjustment, each rounded once.
+    Raises:
+        whatever the reader raises (``LedgerUnavailable``, ``LedgerError``, ``ValueError``).
+    """
+    lines = invoice_lines(reader.invoice_usage(period, tenant_id), reader.invoice_attempts(period, tenant_id),
+                          reader.adjustments(period, tenant_id), prices, period)
+    return Invoice(period, prices, lines)

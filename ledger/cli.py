@@ -36,10 +36,10 @@ import os
 import sys
 import tempfile
 from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
+from decimal import InvalidOperation
 from typing import Iterator
 
-from .billing import invoice_lines, invoice_totals
+from .billing import build_invoice
 from .config import LedgerConfig, require_existing_ledger
 from .errors import LedgerError, LedgerLocked, LedgerUnavailable
 from .period import Period, parse_period
@@ -207,10 +207,8 @@ def _report(args: argparse.Namespace) -> int:
     formats = _formats(args.formats)
     prices = load_price_list(args.prices)
     with _reader(args, prices) as (reader, source):
-        lines = invoice_lines(reader.invoice_usage(period, args.tenant), reader.invoice_attempts(period, args.tenant),
-                              reader.adjustments(period, args.tenant), prices, period)
-    totals = invoice_totals(lines)
-    unpriced = lines.filter(~lines["priced"]) if lines.height else lines
+        invoice = build_invoice(reader, period, prices, args.tenant)
+    lines, totals, unpriced = invoice.lines, invoice.totals, invoice.unpriced
     meta = _meta(period, source) | {
         "currency": prices.currency, "price list": f"{prices.version} ({prices.source})",
         "rounding": prices.rounding_rule,
@@ -229,8 +227,8 @@ def _report(args: argparse.Namespace) -> int:
                                                bad_column="priced", bad_values=(False,))])
     for path in paths:
         print(path)
-    grand = sum((t for t in totals["total"].to_list() if t is not None), Decimal(0)) if totals.height else Decimal(0)
-    print(f"{lines.height} invoice lines, {totals.height} tenants, total {grand:f} {prices.currency}", file=sys.stderr)
+    print(f"{lines.height} invoice lines, {totals.height} tenants, total {invoice.total:f} {prices.currency}",
+          file=sys.stderr)
     if unpriced.height:
         print(f"error: {headline}", file=sys.stderr)
         return EXIT_UNPRICED

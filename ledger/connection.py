@@ -23,7 +23,7 @@ from .config import LedgerConfig
 from .errors import LedgerLocked, LedgerUnavailable, LedgerError
 from .spool import lock_held_elsewhere
 
-__all__ = ["ClientFactory", "connect", "ClientHolder", "is_data_error", "describe_error",
+__all__ = ["ClientFactory", "connect", "ClientHolder", "QueryRunner", "is_data_error", "describe_error",
            "chdb_path_held_elsewhere", "embedded_held_elsewhere"]
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,49 @@ class ClientHolder:
             client, self._client = self._client, None
         if client is not None:
             _close_quietly(client)
+
+
+class QueryRunner:
+    """Runs the ledger's read queries on one client: the plumbing every query class shares.
+
+    Values travel as bound parameters (``{name:Type}`` server-side binding), never spliced into
+    the SQL. Calls on one client are serialised by clickhouse-connect (its chDB backend holds a
+    lock per handle), so any number of threads may share a runner.
+
+    Args:
+        client: a :class:`ClientHolder` (reset after a connection failure, so the next query
+            reconnects) or a zero-argument function returning a connected client.
+    """
+
+    def __init__(self, client: ClientHolder | Callable[[], Client]) -> None:
+        self.holder = client if isinstance(client, ClientHolder) else None
+        self.get_client: Callable[[], Client] = client.get if isinstance(client, ClientHolder) else client
+
+    def rows(self, sql: str, params: dict[str, Any], settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The result of ``sql`` as one dict per row (column name → value, as clickhouse-connect
+        decodes it).
+
+        Raises:
+            LedgerUnavailable: ClickHouse cannot be reached (or the connection broke).
+            LedgerError: ClickHouse refused the query.
+        """
+        client = self.get_client()
+        try:
+            result = client.query(sql, parameters=params, settings=settings)
+        except LedgerError:
+            raise
+        except (OperationalError, OSError) as exc:  # the connection: reconnect next time
+            if self.holder is not None:
+                self.holder.reset()
+            raise LedgerUnavailable(f"ledger query failed: {describe_error(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 — translate at the boundary
+            raise LedgerError(f"ledger query failed: {describe_error(exc)}") from None
+        return list(result.named_results())
+
+    def close(self) -> None:
+        """Close the client if the runner holds a :class:`ClientHolder` (idempotent)."""
+        if self.holder is not None:
+            self.holder.close()
 
 
 def _close_quietly(client: Client) -> None:

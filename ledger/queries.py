@@ -17,10 +17,8 @@ from decimal import Decimal
 from typing import Any, Callable, Protocol, Sequence
 
 from clickhouse_connect.driver.client import Client
-from clickhouse_connect.driver.exceptions import OperationalError
 
-from .connection import ClientHolder, describe_error
-from .errors import LedgerError, LedgerUnavailable
+from .connection import ClientHolder, QueryRunner
 from .period import Period
 from .prices import PriceList
 
@@ -38,6 +36,12 @@ USAGE_TOTALS_SQL = """count() AS requests,
 BILLABLE_TOTALS_SQL = USAGE_TOTALS_SQL + """,
     sum(reasoning_tokens) AS reasoning_tokens,
     sum(kv_token_seconds) AS kv_token_seconds"""
+
+#: The attempt totals of an invoice line: every HTTP attempt, and those refused, replayed or invalid.
+ATTEMPT_TOTALS_SQL = """count() AS attempts,
+    countIf(status = 'rejected') AS rejected_attempts,
+    countIf(status = 'replayed') AS replayed_attempts,
+    countIf(status IN ('invalid', 'error')) AS invalid_attempts"""
 
 __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S"]
 
@@ -106,25 +110,10 @@ class LedgerQueries:
     """
 
     def __init__(self, client: ClientHolder | Callable[[], Client], prices: PriceList) -> None:
-        self._holder = client if isinstance(client, ClientHolder) else None
-        self._get = client.get if isinstance(client, ClientHolder) else client
+        self._runner = QueryRunner(client)
+        self._get = self._runner.get_client
+        self._query = self._runner.rows
         self.prices = prices
-
-    # ------------------------------------------------------------------ plumbing
-
-    def _query(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        client = self._get()
-        try:
-            result = client.query(sql, parameters=params)
-        except LedgerError:
-            raise
-        except (OperationalError, OSError) as exc:  # the connection: reconnect next time
-            if self._holder is not None:
-                self._holder.reset()
-            raise LedgerUnavailable(f"ledger query failed: {describe_error(exc)}") from None
-        except Exception as exc:  # noqa: BLE001 — translate at the boundary
-            raise LedgerError(f"ledger query failed: {describe_error(exc)}") from None
-        return list(result.named_results())
 
     # ------------------------------------------------------------------ usage
 
@@ -211,14 +200,7 @@ class LedgerQueries:
             ``prompt_tokens``, ``cached_prompt_tokens``, ``completion_tokens``,
             ``reasoning_tokens`` (ints) and ``kv_token_seconds`` (float). Deduplicated (FINAL).
         """
-        keys = ", ".join(INVOICE_KEYS)
-        return self._query(f"""
-            SELECT {keys},
-                {BILLABLE_TOTALS_SQL}
-            FROM usage_events FINAL
-            WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
-            GROUP BY {keys}
-            ORDER BY {keys}""", _params(period, tenant_id))
+        return self._per_line_key(BILLABLE_TOTALS_SQL, "usage_events", "finish_ts", period, tenant_id)
 
     def invoice_attempts(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """HTTP attempts per invoice line key in a period (by attempt ``ts``).
@@ -229,15 +211,18 @@ class LedgerQueries:
             (refused before admission as invalid requests, or failed before any engine work:
             statuses ``invalid`` and ``error``) (ints). The rest of ``attempts`` were admitted.
         """
+        return self._per_line_key(ATTEMPT_TOTALS_SQL, "attempts", "ts", period, tenant_id)
+
+    def _per_line_key(self, totals_sql: str, table: str, ts_column: str, period: Period,
+                      tenant_id: str | None) -> list[dict[str, Any]]:
+        """``totals_sql`` over ``table FINAL`` per invoice line key, rows of the period by
+        ``ts_column``, ordered by the keys."""
         keys = ", ".join(INVOICE_KEYS)
         return self._query(f"""
             SELECT {keys},
-                count() AS attempts,
-                countIf(status = 'rejected') AS rejected_attempts,
-                countIf(status = 'replayed') AS replayed_attempts,
-                countIf(status IN ('invalid', 'error')) AS invalid_attempts
-            FROM attempts FINAL
-            WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+                {totals_sql}
+            FROM {table} FINAL
+            WHERE {ts_column} >= {_PERIOD} AND {ts_column} < {_PERIOD_END}{_tenant_clause(tenant_id)}
             GROUP BY {keys}
             ORDER BY {keys}""", _params(period, tenant_id))
 

@@ -14,7 +14,7 @@ Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_peri
 =================================  ===========================================================
 ``/v1/usage/summary``              :meth:`LedgerQueries.usage_summary` (``group_by=a,b``)
 ``/v1/usage/timeseries``           :meth:`LedgerQueries.usage_timeseries` (``step=hour|day``)
-``/v1/usage/invoice``              priced invoice lines (the server's price list)
+``/v1/usage/invoice``              :func:`~kvmeter.ledger.billing.build_invoice` lines (the server's price list)
 ``/v1/usage/invoice_usage``        :meth:`LedgerQueries.invoice_usage`
 ``/v1/usage/invoice_attempts``     :meth:`LedgerQueries.invoice_attempts`
 ``/v1/usage/adjustments``          :meth:`LedgerQueries.adjustments`
@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from kvmeter.serving.tenancy import AuthError, Principal
 
-from .billing import invoice_lines
+from .billing import build_invoice
 from .errors import LedgerError, LedgerUnavailable, PeriodError
 from .period import parse_period
 from .prices import PriceList
@@ -154,9 +154,7 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
     def invoice(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
         if price_list is None:
             raise LedgerUnavailable("no price list configured")
-        frame = invoice_lines(queries.invoice_usage(period, tenant), queries.invoice_attempts(period, tenant),
-                              queries.adjustments(period, tenant), price_list, period)
-        return frame.to_dicts()
+        return build_invoice(queries, period, price_list, tenant).rows()
 
     simple = {
         "invoice_usage": lambda r, p, period, t: queries.invoice_usage(period, t),

@@ -8,8 +8,8 @@ request plus 2 % rejected attempts.
 
 Timed (each twice; the first run reads cold parts):
 
-* billing rollup = ``invoice_usage`` + ``invoice_attempts`` + ``adjustments`` (ClickHouse,
-  FINAL) + :func:`invoice_lines` (polars, exact Decimal) for the month;
+* billing rollup = :func:`build_invoice`: ``invoice_usage`` + ``invoice_attempts`` +
+  ``adjustments`` (ClickHouse, FINAL) + ``invoice_lines`` (polars, exact Decimal) for the month;
 * reconciliation = ``reconcile_views`` (ClickHouse, FINAL, per-request join of the three
   views) + :func:`reconcile` (polars);
 * for reference: ``usage_summary`` per tenant with exact percentiles, and a full hourly rollup refresh.
@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvmeter.ledger import LedgerConfig, load_price_list, parse_period
-from kvmeter.ledger.billing import invoice_lines
+from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import ClientHolder, connect
 from kvmeter.ledger.queries import LedgerQueries
 from kvmeter.ledger.reconcile import reconcile
@@ -163,8 +163,7 @@ def main() -> None:
         period = parse_period("2026-11")
 
         def billing():
-            return invoice_lines(queries.invoice_usage(period), queries.invoice_attempts(period),
-                                 queries.adjustments(period), prices, period)
+            return build_invoice(queries, period, prices).lines
 
         def reconciliation():
             return reconcile(queries.reconcile_views(period), threshold_ratio=0.0)

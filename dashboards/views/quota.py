@@ -6,9 +6,10 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
+from kvmeter.ledger.window_queries import OUTPUT_USE_BINS
+
 from .. import charts, schemas
 from ..frames import fill_buckets, long, reservation_drift
-from ..sql import OUTPUT_USE_BINS
 from ..ui import PageContext
 from .common import chart, pct, si
 

@@ -7,10 +7,11 @@ import altair as alt
 import polars as pl
 import streamlit as st
 
+from kvmeter.ledger.window_queries import BACKLOG_QUEUE_S
+
 from .. import charts, schemas
 from ..frames import fill_buckets, jain_by_bucket, per_bucket_rate, tenant_ranking, top_n
 from ..signals import SCHEDULER, TENANT
-from ..sql import BACKLOG_QUEUE_S
 from ..ui import PageContext
 from .common import chart, empty, note_fallback, pct, si
 
