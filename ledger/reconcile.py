@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import polars as pl
 
-__all__ = ["ReconcileReport", "reconcile", "RECONCILE_COLUMNS", "UNATTRIBUTED"]
+__all__ = ["ReconcileReport", "reconcile", "view_drift", "RECONCILE_COLUMNS", "UNATTRIBUTED"]
 
 UNATTRIBUTED = "(unattributed)"
 
@@ -132,3 +132,31 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
     df = df.select(RECONCILE_COLUMNS).sort("tenant_id")
     failed = tuple(df.filter(pl.col("status") == "drift")["tenant_id"].to_list())
     return ReconcileReport(frame=df, threshold_ratio=threshold_ratio, failed_tenants=failed)
+
+
+def view_drift(report: ReconcileReport) -> dict[str, tuple[int, int]]:
+    """Unexplained drift of each view against the ledger, summed over the report's tenants.
+
+    Returns:
+        ``{"engine": (tokens, seen), "gateway": (requests, admitted)}``:
+
+        * engine — ``unexplained_drift_tokens`` (matched token differences + ledger-only +
+          engine-unbilled + duplicate-billed tokens) and the work seen (ledger tokens +
+          engine-unbilled tokens): the numerator and denominator of ``unexplained_drift_ratio``;
+        * gateway — admitted attempts with neither an engine record nor a usage event
+          (``missing_finishes``) plus requests billed under more than one event id
+          (``duplicate_billed_requests``), and the admitted attempts (``gateway_admitted``).
+
+        Divide by ``max(denominator, 1)`` for the ratio (0 when nothing was seen).
+    """
+    f = report.frame
+    if f.height == 0:
+        return {"engine": (0, 0), "gateway": (0, 0)}
+    totals = f.select(
+        pl.col("unexplained_drift_tokens").sum().alias("engine"),
+        (pl.col("ledger_tokens") + pl.col("engine_unbilled_tokens")).sum().alias("seen"),
+        (pl.col("missing_finishes") + pl.col("duplicate_billed_requests")).sum().alias("gateway"),
+        pl.col("gateway_admitted").sum().alias("admitted"),
+    ).row(0, named=True)
+    return {"engine": (int(totals["engine"]), int(totals["seen"])),
+            "gateway": (int(totals["gateway"]), int(totals["admitted"]))}

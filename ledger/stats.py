@@ -1,16 +1,17 @@
-"""The ledger's own signals as a plain dataclass, published on the :class:`~kvmeter.bus.StatsBus`.
+"""The ledger's own signals as plain dataclasses, published on the :class:`~kvmeter.bus.StatsBus`.
 
 The ledger never imports an exporter: the Prometheus/OTLP exporters subscribe to
 :class:`LedgerStats` and turn it into, e.g., ``kvmeter_ledger_spool_depth_events``,
 ``kvmeter_ledger_spool_oldest_age_seconds``, ``kvmeter_ledger_events_ingested_total{status}``
-and ``kvmeter_ledger_insert_retries_total``.
+and ``kvmeter_ledger_insert_retries_total``; and :class:`ReconciliationStats` (after every
+periodic reconciliation, :mod:`kvmeter.ledger.reconciler`) into ``kvmeter_reconciliation_*``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["LedgerStats", "INGEST_STATUSES"]
+__all__ = ["LedgerStats", "INGEST_STATUSES", "ReconciliationStats", "RECONCILIATION_VIEWS", "RUN_RESULTS"]
 
 #: Statuses of :attr:`LedgerStats.events_ingested_total` (ARCHITECTURE.md, "Signals").
 INGEST_STATUSES = ("new", "duplicate", "invalid", "late")
@@ -60,3 +61,49 @@ class LedgerStats:
     signals_dropped_total: int = 0
     clickhouse_up: bool = False
     last_error: str = ""
+
+
+#: The views a periodic reconciliation compares with the ledger (:attr:`ReconciliationStats.drift_ratio`).
+RECONCILIATION_VIEWS = ("engine", "gateway")
+#: Results of a reconciliation run (:attr:`ReconciliationStats.runs_total`).
+RUN_RESULTS = ("ok", "error")
+
+
+@dataclass(slots=True)
+class ReconciliationStats:
+    """The outcome of one periodic three-way reconciliation (:class:`~kvmeter.ledger.reconciler.Reconciler`).
+
+    Drift is what :func:`~kvmeter.ledger.reconcile.reconcile` classifies as *unexplained*, summed
+    over every tenant of the reconciled window, per view compared with the ledger:
+
+    * ``engine`` — tokens: mismatched matched requests + ledger-only + engine-unbilled +
+      duplicate-billed tokens (``unexplained_drift_tokens``), over all work seen (ledger tokens +
+      engine-unbilled tokens, at least 1): ``billing reconcile``'s ratio, for all tenants.
+    * ``gateway`` — requests: admitted attempts that never finished (no engine record, no usage
+      event) + requests billed under more than one event id, over admitted attempts (at least 1).
+
+    Attributes:
+        wall_ts: wall-clock epoch seconds when the run ended (the injected clock).
+        ok: the run read the ledger and reconciled; False when the ledger could not be read
+            (then the drift fields are empty and ``error`` says why).
+        period_start_ts, period_end_ts: the reconciled window ``[start, end)``, epoch seconds.
+        tenants: tenants present in any of the three views.
+        drift_ratio: view (:data:`RECONCILIATION_VIEWS`) → unexplained drift ratio, ≥ 0.
+        drift_units: view → the unexplained tokens (engine) or requests (gateway) behind the ratio.
+        drift_tenants: tenants whose unexplained drift ratio is above 0, sorted.
+        runs_total: runs since the reconciler started, by result (:data:`RUN_RESULTS`).
+        last_ok_ts: ``wall_ts`` of the last run that succeeded, or ``None`` before the first.
+        error: why the run failed ("" when ok), password-free.
+    """
+
+    wall_ts: float
+    ok: bool
+    period_start_ts: float
+    period_end_ts: float
+    tenants: int = 0
+    drift_ratio: dict[str, float] = field(default_factory=dict)
+    drift_units: dict[str, int] = field(default_factory=dict)
+    drift_tenants: tuple[str, ...] = ()
+    runs_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RUN_RESULTS, 0))
+    last_ok_ts: float | None = None
+    error: str = ""
