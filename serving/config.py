@@ -15,6 +15,10 @@ KVMETER_SPOOL_DIR       the ledger's durable spool                   ./var/ledge
 KVMETER_SCHEDULER       vtc or fcfs                                  vtc
 ======================  ===========================================  ==========================
 
+The periodic three-way reconciliation (``reconciliation:`` in the file, see
+:class:`ReconciliationSettings`): ``KVMETER_RECONCILE_INTERVAL_S`` (seconds between runs, default
+3600) and ``KVMETER_RECONCILE_FIRST_RUN_DELAY_S`` (seconds from start to the first run, default 60).
+
 Validation errors name the offending field (pydantic), e.g. ``engine.max_num_seqs: Input should be
 greater than 0``.
 """
@@ -28,8 +32,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
-           "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "load_serve_config",
+           "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
 #: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
 DEMO_TENANTS_FILE = Path(__file__).parent / "defaults" / "demo-tenants.yaml"
@@ -115,6 +119,23 @@ class SchedulerSettings(_Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class ReconciliationSettings(_Section):
+    """The three-way reconciliation serve runs in the background (:mod:`kvmeter.ledger.reconciler`),
+    whose results become ``kvmeter_reconciliation_*`` metrics and feed the reconciliation alerts.
+
+    Attributes:
+        interval_s: seconds between runs (> 0; default hourly — the ``KvmeterReconciliationStale``
+            rule fires after two hours without a successful run).
+        first_run_delay_s: seconds from start to the first run (≥ 0).
+        lookback_s: length of the reconciled window, seconds (> 0; default one day), ending
+            10 minutes before the run (requests still running are not drift).
+    """
+
+    interval_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    first_run_delay_s: float = Field(60.0, ge=0, allow_inf_nan=False)
+    lookback_s: float = Field(86400.0, gt=0, allow_inf_nan=False)
+
+
 class ServeConfig(_Section):
     """Everything ``kvmeter serve`` needs."""
 
@@ -129,6 +150,7 @@ class ServeConfig(_Section):
     prices: str | None = None
     metrics_top_k_tenants: int = Field(20, ge=1)
     otel: bool = False
+    reconciliation: ReconciliationSettings = Field(default_factory=ReconciliationSettings)
 
     def tenants_path(self) -> Path:
         return Path(self.tenants).expanduser() if self.tenants else DEMO_TENANTS_FILE
@@ -142,6 +164,8 @@ _ENV = {
     ("ledger_dsn",): "KVMETER_LEDGER_DSN",
     ("spool_dir",): "KVMETER_SPOOL_DIR",
     ("scheduler", "policy"): "KVMETER_SCHEDULER",
+    ("reconciliation", "interval_s"): "KVMETER_RECONCILE_INTERVAL_S",
+    ("reconciliation", "first_run_delay_s"): "KVMETER_RECONCILE_FIRST_RUN_DELAY_S",
 }
 
 

@@ -33,6 +33,7 @@ from kvmeter.ledger.config import LedgerConfig
 from kvmeter.ledger.ledger import Ledger
 from kvmeter.ledger.prices import PriceList, load_price_list
 from kvmeter.ledger.read_api import read_routes
+from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.config import ServeConfig
 from kvmeter.serving.engines.base import Engine, EngineError
@@ -210,6 +211,8 @@ class ServeRuntime:
         # signal history (ClickHouse ``signals``): sampled from now, written once the ledger is open
         self.signals = SignalSampler(self.bus, clock=clock, model=self.engine.model_name)
         self.signal_recorder: SignalRecorder | None = None
+        # periodic three-way reconciliation (kvmeter_reconciliation_* metrics), once the ledger is open
+        self.reconciler: Reconciler | None = None
         self.ready = False
         self._watch: asyncio.Task | None = None
         self._dashboard_routes = None
@@ -244,8 +247,8 @@ class ServeRuntime:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Open the ledger, load the engine, start the scheduler, GPU poller, signal recorder
-        and config watcher."""
+        """Open the ledger, load the engine, start the scheduler, GPU poller, signal recorder,
+        periodic reconciliation and config watcher."""
         ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
                                          clock=self.clock, prices=self.prices)
         self.recorder.ledger = ledger
@@ -267,6 +270,11 @@ class ServeRuntime:
         await asyncio.to_thread(self.gpu.start)
         self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
         self.signal_recorder.start()
+        rec = self.config.reconciliation
+        # on the ledger's own query client, from a worker thread (see kvmeter.ledger.reconciler)
+        self.reconciler = Reconciler(ledger.queries, self.bus, clock=self.clock, interval_s=rec.interval_s,
+                                     first_run_delay_s=rec.first_run_delay_s, lookback_s=rec.lookback_s)
+        self.reconciler.start()
         if self.directory.path is not None:
             self._watch = self.directory.start_watching(2.0)
         # Everything built so far (model tokenizer, price list, tenancy, ledger, modules) lives as
@@ -285,6 +293,8 @@ class ServeRuntime:
         if self._watch is not None:
             self._watch.cancel()
         await self.scheduler.stop()
+        if self.reconciler is not None:  # a run in progress finishes before the ledger closes
+            await self.reconciler.stop()
         if self.signal_recorder is not None:  # its last sample goes in before the ledger closes
             await self.signal_recorder.stop()
         await asyncio.to_thread(self.gpu.stop)

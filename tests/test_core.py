@@ -60,6 +60,23 @@ def test_serve_config_errors_name_the_field(tmp_path: Path):
         load_serve_config(tmp_path / "missing.yaml", env={})
 
 
+def test_reconciliation_period_from_file_env_and_default(tmp_path: Path):
+    default = load_serve_config(None, env={}).reconciliation
+    assert (default.interval_s, default.first_run_delay_s, default.lookback_s) == (3600, 60, 86400)  # hourly
+    env = {"KVMETER_RECONCILE_INTERVAL_S": "900", "KVMETER_RECONCILE_FIRST_RUN_DELAY_S": "5"}
+    from_env = load_serve_config(None, env=env).reconciliation
+    assert (from_env.interval_s, from_env.first_run_delay_s) == (900, 5)
+    f = tmp_path / "k.yaml"
+    f.write_text("reconciliation: {interval_s: 1800, lookback_s: 3600}\n")
+    both = load_serve_config(f, env=env).reconciliation
+    assert (both.interval_s, both.first_run_delay_s, both.lookback_s) == (1800, 5, 3600)  # file beats env
+    f.write_text("reconciliation: {interval_s: 0}\n")
+    with pytest.raises(ServeConfigError, match="reconciliation.interval_s"):
+        load_serve_config(f, env={})
+    with pytest.raises(ServeConfigError, match="reconciliation.first_run_delay_s"):
+        load_serve_config(None, env={"KVMETER_RECONCILE_FIRST_RUN_DELAY_S": "soon"})
+
+
 def test_model_resolution_errors(tmp_path: Path):
     with pytest.raises(ModelError, match="neither"):
         resolve_model(str(tmp_path / "nothing-here"))
