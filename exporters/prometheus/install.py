@@ -17,6 +17,7 @@ from .engine import EngineMetrics
 from .gpu import GpuMetrics
 from .ledger import LedgerMetrics
 from .quota import QuotaMetrics
+from .reconciliation import ReconciliationMetrics
 from .refusals import RefusalMetrics
 from .remote import RemoteEngineMetrics
 from .requests import RequestMetrics
@@ -30,11 +31,11 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
     """Every source: engine (local + scraped), requests, admission, refusals before admission,
-    GPU, scheduler, quota (with retries and tenancy reloads), ledger."""
+    GPU, scheduler, quota (with retries and tenancy reloads), ledger, reconciliation."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
             RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx),
-            LedgerMetrics(ctx)]
+            LedgerMetrics(ctx), ReconciliationMetrics(ctx)]
 
 
 @dataclass

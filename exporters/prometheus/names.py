@@ -5,9 +5,9 @@ tests (every metric a rule reads must be declared here) and by people wiring a n
 
 ``emitted=True`` signals are produced today by a module of this package (one module per producer:
 :mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
-:mod:`.scheduler`, :mod:`.quota`, :mod:`.ledger`). ``emitted=False`` ones are **reserved**: their
-names and labels are fixed so that the alert rules can use them, and a source module emits exactly
-these once their producer publishes the data on the bus (today: the reconciliation gauges).
+:mod:`.scheduler`, :mod:`.quota`, :mod:`.ledger`, :mod:`.reconciliation`). ``emitted=False`` ones
+would be **reserved**: names and labels fixed so that alert rules can use them before their
+producer publishes the data on the bus (none today).
 
 Flags without a unit word: ``kvmeter_*_up``, ``kvmeter_quota_store_degraded`` (0/1) and
 ``kvmeter_scheduler_pressure_level`` (0/1/2).
@@ -242,13 +242,18 @@ SIGNALS: tuple[Signal, ...] = (
            "ledger"),
     Signal("kvmeter_ledger_clickhouse_up", "gauge", (),
            "1 if the ledger's last ClickHouse insert or connect succeeded", "ledger", multiprocess_mode="min"),
-    # ---- reserved: reconciliation (no producer publishes these on the bus yet)
+    # ---- reconciliation (ReconciliationStats, after every periodic run of serve's
+    # kvmeter.ledger.reconciler): reconciliation.py. view: engine, gateway (RECONCILIATION_VIEWS)
     Signal("kvmeter_reconciliation_drift_ratio", "gauge", ("view",),
-           "|view total - ledger total| / ledger total over the last reconciled period (view: engine, gateway)",
-           "ledger", emitted=False, multiprocess_mode="max"),
+           "unexplained difference between a view and the ledger over the last reconciled window, 0-1: "
+           "engine = unexplained tokens / tokens seen, gateway = admitted requests never finished or "
+           "billed twice / admitted requests", "ledger", multiprocess_mode="max"),
     Signal("kvmeter_reconciliation_last_run_timestamp_seconds", "gauge", (),
-           "wall-clock time of the last finished reconciliation, epoch seconds", "ledger", emitted=False,
+           "wall-clock time the last successful reconciliation finished, epoch seconds (0 before the first)",
+           "ledger",
            multiprocess_mode="max"),
+    Signal("kvmeter_reconciliation_runs_total", "counter", ("result",),
+           "periodic reconciliation runs by result (ok, error: the ledger could not be read)", "ledger"),
 )
 
 _BY_NAME = {s.name: s for s in SIGNALS}
@@ -274,5 +279,5 @@ def emitted_names() -> list[str]:
 
 
 def reserved_names() -> list[str]:
-    """Names fixed for producers that do not publish yet (the reconciliation gauges)."""
+    """Names fixed for producers that do not publish yet (none today)."""
     return [s.name for s in SIGNALS if not s.emitted]

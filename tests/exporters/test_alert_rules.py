@@ -1,24 +1,39 @@
 """Alert rules: valid for Prometheus, unit-tested with ``promtool test rules``, each alert shown to
-fire in a test, every metric they read declared in the exporter's names table."""
+fire in a test, every metric they read declared in the exporter's names table.
+
+The reconciliation alerts are tested on series a real run produced: ``kvmeter serve``'s runtime
+(instant engine, embedded chDB ledger, injected clock) serves requests, its periodic
+reconciliation runs, its ``/metrics`` page is scraped, and the scraped series become the input of
+a promtool test written to a temporary file."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvmeter.clock import ManualClock
 from kvmeter.exporters.prometheus import SIGNALS, rule_files
 from kvmeter.exporters.prometheus.rules import generate_slo
+from kvmeter.ledger.stats import ReconciliationStats
+from kvmeter.stats import EngineRequestStats
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not on PATH (Debian: apt-get install -y prometheus)")
 TESTS = sorted((Path(__file__).parent / "promtool").glob("*.test.yml"))
 RULE_FILES = rule_files()
+#: Alerts whose promtool tests are generated from a real run's series (test_reconciliation_alerts_*).
+FIRED_BY_REAL_RUN = {"KvmeterReconciliationDrift", "KvmeterReconciliationStale"}
 
 
 def test_every_rule_file_is_shipped_and_tested():
@@ -61,7 +76,8 @@ def test_every_alert_fires_in_some_unit_test():
                 if check.get("exp_alerts"):
                     fired.add(check["alertname"])
     alerts = {rule["alert"] for _, rule in _alerts() if "alert" in rule}
-    assert alerts - fired == set()
+    assert alerts - fired == FIRED_BY_REAL_RUN
+    assert FIRED_BY_REAL_RUN <= alerts
 
 
 def test_every_alert_has_severity_and_summary():
@@ -109,3 +125,142 @@ def test_burn_rates_follow_the_sre_workbook():
         hours = {"1h": 1, "6h": 6, "1d": 24, "3d": 72}[long]
         budget_spent = burn * hours / (30 * 24)
         assert budget_spent == pytest.approx({"1h": 0.02, "6h": 0.05, "1d": 0.10, "3d": 0.10}[long])
+
+
+# ---------------------------------------------------------------- reconciliation: a real run
+
+LEDGER_RULES = next(p for p in RULE_FILES if p.name == "ledger.yml")
+T0 = 1_790_000_000.0  # the injected clock's wall time at start (2026-09)
+ACME_KEY = "sk-demo-acme-0001"  # a demo tenant's public key
+GHOST_TOKENS = (300, 50)  # prompt, output of the engine work nobody billed
+
+
+async def _real_run(tmp_path: Path, *, ghost: bool) -> tuple[str, float, ReconciliationStats, int]:
+    """``kvmeter serve``'s runtime on a fresh ledger: three requests, an engine record without a
+    request (``ghost``), the periodic reconciliation (its own loop, due by the manual clock),
+    then ``/metrics`` 15 minutes later. Returns the exposition text, the wall time of the scrape,
+    the run's stats and the billed tokens."""
+    from kvmeter.serving.config import load_serve_config
+    from kvmeter.serving.runtime import ServeRuntime
+
+    config = load_serve_config(None, {("engine", "kind"): "instant", ("ledger_dsn",): f"chdb://{tmp_path}/chdb",
+                                      ("spool_dir",): str(tmp_path / "spool")},
+                               env={"KVMETER_RECONCILE_FIRST_RUN_DELAY_S": "120",
+                                    "KVMETER_RECONCILE_INTERVAL_S": "1800"})
+    clock = ManualClock(start_wall=T0)
+    runtime = ServeRuntime(config, registry=CollectorRegistry(), clock=clock)
+    app = runtime.app()
+    await runtime.start()
+    try:
+        loop = asyncio.get_running_loop()
+        ran = asyncio.Event()
+        runs: list[ReconciliationStats] = []
+        runtime.bus.subscribe(ReconciliationStats, lambda s: (runs.append(s), loop.call_soon_threadsafe(ran.set)))
+        billed = 0
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as client:
+            for i in range(3):
+                r = await client.post("/v1/chat/completions", headers={"authorization": f"Bearer {ACME_KEY}"},
+                                      json={"model": runtime.engine.model_name, "max_tokens": 5 + i,
+                                            "messages": [{"role": "user", "content": f"question {i}"}]})
+                assert r.status_code == 200, r.text
+                billed += r.json()["usage"]["total_tokens"]
+            if ghost:
+                runtime.bus.publish(EngineRequestStats("ghost-1", "stop", *GHOST_TOKENS, wall_ts=clock.wall()))
+            assert await asyncio.to_thread(runtime.recorder.ledger.flush, 30.0)
+            assert runtime.reconciler.interval_s == 1800  # serve's config reaches its reconciler
+            clock.advance(119)
+            assert runs == [] and not runtime.reconciler.due()  # the first run waits 120 s
+            # past the first run's delay and the window's settle time (10 min): the loop runs it
+            clock.advance(1 + 600)
+            await asyncio.wait_for(ran.wait(), 60)  # bounds a hang; when it is due is the clock's call
+            clock.advance(900)
+            r = await client.get("/metrics")
+            assert r.status_code == 200
+            return r.text, clock.wall(), runs[0], billed
+    finally:
+        await runtime.stop()
+
+
+def _promtool_input(exposition: str, scraped_at: float, samples: int) -> list[dict[str, str]]:
+    """Every scraped series the ledger rules read, constant for ``samples`` minutes. promtool's
+    clock starts at 0, so a ``*_timestamp_seconds`` value is shifted by the scrape's wall time:
+    promtool time 0 is the moment of the scrape."""
+    read = set(re.findall(r"\bkvmeter_[a-z0-9_]+", LEDGER_RULES.read_text()))
+    series = []
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name not in read:
+                continue
+            value = sample.value - scraped_at if sample.name.endswith("_timestamp_seconds") else sample.value
+            labels = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(sample.labels.items()))
+            series.append({"series": f"{sample.name}{{{labels}}}", "values": f"{value!r}x{samples}"})
+    return series
+
+
+def _annotations(alert: str, **labels: str) -> dict[str, str]:
+    """The rule's annotations with ``{{ $labels.x }}`` filled in (the value-dependent summaries
+    are given by the caller)."""
+    rule = next(r for g in yaml.safe_load(LEDGER_RULES.read_text())["groups"] for r in g["rules"]
+                if r.get("alert") == alert)
+    out = {}
+    for key, text in rule["annotations"].items():
+        for name, value in labels.items():
+            text = text.replace(f"{{{{ $labels.{name} }}}}", value)
+        out[key] = text
+    return out
+
+
+def _promtool(tmp_path: Path, series: list[dict[str, str]], checks: list[dict]) -> None:
+    test = {"rule_files": [str(LEDGER_RULES)], "evaluation_interval": "1m",
+            "tests": [{"name": "a real run's series", "interval": "1m", "input_series": series,
+                       "alert_rule_test": checks}]}
+    path = tmp_path / "reconciliation.test.yml"
+    path.write_text(yaml.safe_dump(test, sort_keys=False))
+    result = subprocess.run([PROMTOOL, "test", "rules", path.name], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout, result.stdout + result.stderr
+
+
+def _stale_checks() -> list[dict]:
+    """The last run was 15 minutes before promtool's time 0: fresh for 1 h 45 m, then stale; the
+    rule waits 10 minutes (``for``) before it fires."""
+    stale = {"severity": "warning"}
+    return [
+        {"eval_time": "1h", "alertname": "KvmeterReconciliationStale", "exp_alerts": []},
+        {"eval_time": "1h50m", "alertname": "KvmeterReconciliationStale", "exp_alerts": []},  # pending
+        {"eval_time": "3h", "alertname": "KvmeterReconciliationStale", "exp_alerts": [
+            {"exp_labels": stale, "exp_annotations": {
+                **_annotations("KvmeterReconciliationStale"),
+                "summary": "No reconciliation finished for 3h 15m 0s"}}]},
+    ]
+
+
+@needs_promtool
+@pytest.mark.prometheus
+async def test_reconciliation_alerts_fire_on_a_real_runs_drift_and_age(tmp_path, model_dir):
+    exposition, scraped_at, stats, billed = await _real_run(tmp_path, ghost=True)
+    ghost = sum(GHOST_TOKENS)
+    assert stats.ok and stats.drift_units == {"engine": ghost, "gateway": 0}
+    assert stats.drift_ratio["engine"] == pytest.approx(ghost / (billed + ghost))
+    series = _promtool_input(exposition, scraped_at, samples=240)
+    names = {s["series"].split("{")[0] for s in series}
+    assert {"kvmeter_reconciliation_drift_ratio", "kvmeter_reconciliation_last_run_timestamp_seconds"} <= names
+    drift = {"exp_labels": {"severity": "critical", "view": "engine"}, "exp_annotations": {
+        **_annotations("KvmeterReconciliationDrift", view="engine"),
+        # humanizePercentage: 4 significant digits
+        "summary": f"engine totals differ from the ledger by {stats.drift_ratio['engine'] * 100:.4g}%"}}
+    _promtool(tmp_path, series, [{"eval_time": "5m", "alertname": "KvmeterReconciliationDrift", "exp_alerts": [drift]},
+                                 *_stale_checks()])
+
+
+@needs_promtool
+@pytest.mark.prometheus
+async def test_reconciliation_alerts_stay_quiet_on_a_clean_real_run(tmp_path, model_dir):
+    exposition, scraped_at, stats, billed = await _real_run(tmp_path, ghost=False)
+    assert stats.ok and stats.drift_ratio == {"engine": 0.0, "gateway": 0.0} and billed > 0
+    series = _promtool_input(exposition, scraped_at, samples=240)
+    assert {s["series"] for s in series} >= {'kvmeter_reconciliation_drift_ratio{view="engine"}',
+                                             'kvmeter_reconciliation_drift_ratio{view="gateway"}'}
+    _promtool(tmp_path, series, [{"eval_time": "5m", "alertname": "KvmeterReconciliationDrift", "exp_alerts": []},
+                                 {"eval_time": "3h", "alertname": "KvmeterReconciliationDrift", "exp_alerts": []},
+                                 *_stale_checks()])

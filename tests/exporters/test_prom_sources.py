@@ -1,4 +1,4 @@
-"""The scheduler, quota and ledger sources: their producers' plain stats become exactly the declared
+"""The scheduler, quota, ledger and reconciliation sources: their producers' plain stats become exactly the declared
 metrics, tenant labels stay bounded (top-K by active work + ``other``) with ``other`` summing the
 rest, and running totals become counters (restarts counted from 0)."""
 
@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, install_prometheus
-from kvmeter.ledger.stats import LedgerStats
+from kvmeter.ledger.stats import LedgerStats, ReconciliationStats
 from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
                                            ToolCallReported)
@@ -215,6 +215,26 @@ def test_ledger_stats(bus, registry, clock):
                                                                       "invalid": 0, "late": 0}))
     assert registry.get_sample_value("kvmeter_ledger_events_ingested_total", {"status": "new"}) == 18
     assert registry.get_sample_value("kvmeter_ledger_insert_retries_total") == 4
+
+
+def test_reconciliation_stats(bus, registry, clock):
+    install(bus, registry, clock)
+    assert registry.get_sample_value("kvmeter_reconciliation_runs_total", {"result": "error"}) == 0
+    # no successful run yet reads 0 (the epoch): KvmeterReconciliationStale holds until a run succeeds
+    assert registry.get_sample_value("kvmeter_reconciliation_last_run_timestamp_seconds") == 0
+    bus.publish(ReconciliationStats(wall_ts=1.75e9, ok=True, period_start_ts=1.7499e9, period_end_ts=1.74999e9,
+                                    drift_ratio={"engine": 0.004, "gateway": 0.0}, runs_total={"ok": 1, "error": 0},
+                                    last_ok_ts=1.75e9))
+    assert registry.get_sample_value("kvmeter_reconciliation_drift_ratio", {"view": "engine"}) == 0.004
+    assert registry.get_sample_value("kvmeter_reconciliation_drift_ratio", {"view": "gateway"}) == 0.0
+    assert registry.get_sample_value("kvmeter_reconciliation_last_run_timestamp_seconds") == 1.75e9
+    # a failed run: counted; the drift and the last successful run's time stay as they were
+    bus.publish(ReconciliationStats(wall_ts=1.75e9 + 3600, ok=False, period_start_ts=0.0, period_end_ts=0.0,
+                                    runs_total={"ok": 1, "error": 1}, last_ok_ts=1.75e9, error="down"))
+    assert registry.get_sample_value("kvmeter_reconciliation_runs_total", {"result": "error"}) == 1
+    assert registry.get_sample_value("kvmeter_reconciliation_runs_total", {"result": "ok"}) == 1
+    assert registry.get_sample_value("kvmeter_reconciliation_last_run_timestamp_seconds") == 1.75e9
+    assert registry.get_sample_value("kvmeter_reconciliation_drift_ratio", {"view": "engine"}) == 0.004
 
 
 @pytest.mark.parametrize("k", [0, 3])
