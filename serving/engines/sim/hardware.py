@@ -2,7 +2,7 @@
 
 Peak numbers are the vendors' spec-sheet figures for *dense* math (the sheets print 2× "with
 sparsity"); memory totals are what ``nvidia-smi -q`` reports on real boards (the real captures in
-``shared/data/gpu/nvidia_smi``), because vLLM's ``gpu_memory_utilization`` is a fraction of that
+``data/gpu/nvidia_smi``), because vLLM's ``gpu_memory_utilization`` is a fraction of that
 total.
 
 Sources:
