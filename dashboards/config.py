@@ -1,4 +1,5 @@
-"""Dashboard settings: explicit argument > environment variable > default (STYLE.md).
+"""Dashboard settings: explicit argument > environment variable > default (the configuration
+order of docs/ARCHITECTURE.md, "Conventions").
 
 Two data modes, exactly one per process:
 

@@ -5,8 +5,8 @@ Producers (engine hooks, gateway, scheduler, ledger) call ``bus.publish(obj)``; 
 by exact type, synchronous and in subscription order, so a callback must be cheap (update a metric,
 append to a buffer) — anything slow belongs on the consumer's own thread or task.
 
-A failing subscriber is logged and skipped, never raised into the serving path (STYLE: fail loudly
-at construction, never crash the host at run time).
+A failing subscriber is logged and skipped, never raised into the serving path (fail loudly at
+construction, never crash the host at run time: docs/ARCHITECTURE.md, "Conventions").
 """
 
 from __future__ import annotations

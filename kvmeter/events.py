@@ -4,7 +4,7 @@ This is the contract between the serving tier (which produces it when a request 
 aborted or fails after admission) and the ledger (which makes it durable, deduplicates it and bills
 it). It is a plain, frozen dataclass with no behaviour beyond validation and (de)serialisation.
 
-Metering rules it encodes (see ARCHITECTURE.md, "Metering rules"):
+Metering rules it encodes (see docs/ARCHITECTURE.md, "Metering rules"):
 
 * Token counts are engine-true: ``prompt_tokens`` is what the engine prefilled or took from its
   prefix cache, ``completion_tokens`` what the engine generated — for an aborted stream, what the

@@ -1,7 +1,7 @@
 """Real request traces: load them into one shape. kvmeter's single trace loader — the replay, the
 demo, the dashboards' synthetic history and the simulator all read traces through here.
 
-Supported (see ``../shared/data/SOURCES.md`` for provenance):
+Supported (provenance and licences: ``data/SOURCES.md``):
 
 * ``azure-conv`` / ``azure-code`` — Azure LLM inference trace 2023 (CSV: ``TIMESTAMP`` with 7
   fractional digits, ``ContextTokens``, ``GeneratedTokens``), ~1 h each.
@@ -14,10 +14,11 @@ Supported (see ``../shared/data/SOURCES.md`` for provenance):
 
 Lengths below 1 are raised to 1 (a replayed request needs a prompt token and an output token).
 
-The data directory is ``$KVMETER_DATA_DIR`` if set, else ``../shared/data`` next to the repository
-(where this project keeps its shared real data), else ``./shared/data``. (ServeGen's per-client
-rates are also named in :data:`TRACE_FILES`; the simulator's tenant mapping reads them,
-:mod:`kvmeter.serving.engines.sim.tenants`.)
+The data folder — traces, GPU captures, vLLM ``/metrics`` pages, GPU profiles — is found here and
+only here (:func:`data_dir`): ``$KVMETER_DATA_DIR`` when set, else ``data/`` at the repository
+root, beside this package. Everything else that reads real data asks :func:`data_dir` or
+:func:`data_file`. (ServeGen's per-client rates are also named in :data:`TRACE_FILES`; the
+simulator's tenant mapping reads them, :mod:`kvmeter.serving.engines.sim.tenants`.)
 """
 
 from __future__ import annotations
@@ -27,18 +28,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TraceRequest", "load_trace", "data_dir", "trace_path", "TRACE_FILES", "REQUEST_TRACES",
-           "TraceError", "TraceNotFoundError"]
+__all__ = ["TraceRequest", "load_trace", "data_dir", "data_file", "trace_path", "TRACE_FILES",
+           "REQUEST_TRACES", "DATA_DIR_ENV", "DataNotFoundError", "TraceError", "TraceNotFoundError"]
+
+#: The environment variable that overrides the data folder (:func:`data_dir`).
+DATA_DIR_ENV = "KVMETER_DATA_DIR"
 
 TRACE_FILES = {
     "azure-conv": "traces/AzureLLMInferenceTrace_conv_2023.csv",
     "azure-code": "traces/AzureLLMInferenceTrace_code_2023.csv",
     "mooncake": "traces/mooncake_conversation_trace.jsonl",
     "servegen-rates": "traces/servegen_m-large_perclient_2days.csv",
-    "servegen-client0": "traces/servegen_m-large_client0_dataset.json",
 }
 #: The names in :data:`TRACE_FILES` that are request traces (loadable with :func:`load_trace`).
 REQUEST_TRACES = ("azure-conv", "azure-code", "mooncake")
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A file of the data folder is missing; the message says where kvmeter looked and how
+    ``$KVMETER_DATA_DIR`` overrides it."""
 
 
 class TraceError(ValueError):
@@ -74,32 +82,58 @@ class TraceRequest:
 
 
 def data_dir() -> Path:
-    """The shared data directory (see module docstring)."""
-    env = os.environ.get("KVMETER_DATA_DIR")
+    """kvmeter's data folder (see ``data/SOURCES.md`` for what is in it).
+
+    Returns:
+        ``$KVMETER_DATA_DIR`` when set and non-empty (``~`` expanded), else ``data/`` at the
+        repository root: the folder beside this package (``kvmeter/``, a real directory, resolved
+        through any link). The folder is not checked for existence here; :func:`data_file` does.
+        A kvmeter installed from a wheel has no ``data/`` beside it: set ``$KVMETER_DATA_DIR``.
+    """
+    env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    repo = Path(__file__).resolve().parents[1]
-    for candidate in (repo.parent / "shared" / "data", Path.cwd() / ".." / "shared" / "data",
-                      Path.cwd() / "shared" / "data"):
-        if candidate.is_dir():
-            return candidate
-    return repo.parent / "shared" / "data"
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+def _missing(what: str, path: Path) -> str:
+    root = data_dir()
+    origin = (f"${DATA_DIR_ENV}" if os.environ.get(DATA_DIR_ENV)
+              else f"the repository's data/ folder; ${DATA_DIR_ENV} overrides it (a pip-installed "
+                   f"kvmeter has no data/ folder)")
+    return (f"{what} not found: looked for {path} in the data folder {root} ({origin}); see "
+            f"data/SOURCES.md for the files it should hold")
+
+
+def data_file(relative: str | os.PathLike) -> Path:
+    """The path of a file in the data folder, e.g. ``data_file("gpu/dcgm/dcgm_v100_4gpu_issue250.prom")``.
+
+    Raises:
+        DataNotFoundError: no such file there (the message names the folder and the override).
+    """
+    path = data_dir() / relative
+    if not path.is_file():
+        raise DataNotFoundError(_missing(str(relative), path))
+    return path
 
 
 def trace_path(name_or_path: str | os.PathLike) -> Path:
-    """The file of a named trace (:data:`TRACE_FILES`) or of an existing path.
+    """The file of a named trace (:data:`TRACE_FILES`, in the data folder) or of an existing path.
 
     Raises:
-        TraceNotFoundError: unknown name and no such file.
+        TraceNotFoundError: unknown name and no such file, or a named trace missing from the data
+            folder (the message then names the folder and ``$KVMETER_DATA_DIR``).
     """
     key = str(name_or_path)
     if key in TRACE_FILES:
         path = data_dir() / TRACE_FILES[key]
-    else:
-        path = Path(key).expanduser()
+        if not path.is_file():
+            raise TraceNotFoundError(_missing(f"trace {key!r}", path))
+        return path
+    path = Path(key).expanduser()
     if not path.is_file():
-        raise TraceNotFoundError(f"trace {key!r} not found at {path} (set KVMETER_DATA_DIR to the data "
-                                 f"folder; named traces: {', '.join(REQUEST_TRACES)})")
+        raise TraceNotFoundError(f"trace {key!r} not found: no such file {path}, and not a named trace "
+                                 f"({', '.join(REQUEST_TRACES)})")
     return path
 
 

@@ -42,9 +42,9 @@ class LedgerUnavailable(LedgerError):
 class LedgerLocked(LedgerError):
     """The spool directory or the embedded chDB path is held by another process.
 
-    chDB on disk is single-process (ARCHITECTURE.md): while ``kvmeter serve`` owns the embedded
-    ledger, other processes read it through the serve process's read API
-    (``--server URL --api-key KEY``).
+    chDB on disk is single-process (docs/ARCHITECTURE.md, "Facts measured on the build
+    machine"): while ``kvmeter serve`` owns the embedded ledger, other processes read it through
+    the serve process's read API (``--server URL --api-key KEY``).
     """
 
 

@@ -5,8 +5,9 @@ Each difference is classified as *explained* or *unexplained*:
 
 explained (expected by design, reported, not drift)
     ``aborted``         ledger events with outcome ``aborted`` and no engine record: vLLM's hooks
-                        never report aborted requests (ARCHITECTURE.md; vLLM issue 55634), so they
-                        are billed from the frontend's counts.
+                        never report aborted requests (vLLM issue 55634; docs/ARCHITECTURE.md,
+                        "Facts measured on the build machine"), so they are billed from the
+                        frontend's counts.
     ``frontend_only``   non-aborted events counted by the frontend (``token_source != engine_hooks``,
                         e.g. a remote engine without hooks).
     ``superseded``      engine work of an attempt whose logical request was billed under another

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["LedgerStats", "INGEST_STATUSES", "ReconciliationStats", "RECONCILIATION_VIEWS", "RUN_RESULTS"]
 
-#: Statuses of :attr:`LedgerStats.events_ingested_total` (ARCHITECTURE.md, "Signals").
+#: Statuses of :attr:`LedgerStats.events_ingested_total` (docs/ARCHITECTURE.md, "Signals").
 INGEST_STATUSES = ("new", "duplicate", "invalid", "late")
 
 

@@ -1,6 +1,6 @@
 """``kvmeter serve`` configuration: one typed object, read from a YAML file and the environment.
 
-Order (STYLE.md): a command-line flag, then the config file (``--config`` or ``$KVMETER_CONFIG``),
+Order (docs/ARCHITECTURE.md, "Conventions"): a command-line flag, then the config file (``--config`` or ``$KVMETER_CONFIG``),
 then the named environment variable, then the default. Environment variables:
 
 ======================  ===========================================  ==========================

@@ -9,8 +9,8 @@
    the rule in :mod:`kvmeter.serving.replay.plan`;
 3. prints a per-tenant table computed by ClickHouse (through the serve process's read API, since
    the embedded ledger belongs to the serve process): requests, input/cached/output tokens, TTFT
-   and ITL p50/p95 — beside each tenant's share of requests and of tokens, the gap the brief is
-   about — and, as the clients saw it, how many requests met their tier's SLOs and why the others
+   and ITL p50/p95 — beside each tenant's share of requests and of tokens, the gap
+   docs/ARCHITECTURE.md, "Why tokens, not requests" is about — and, as the clients saw it, how many requests met their tier's SLOs and why the others
    were refused;
 4. says where the metrics, the ledger and the dashboards are, and stops the server (unless
    ``--keep-running``).

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real vLLM CPU engine (one per test session) and the prepared model."""
+"""Shared fixtures: the real vLLM CPU engine (one per test session), the prepared model and the
+data folder."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ async def start_uvicorn(server) -> asyncio.Task:
         await asyncio.sleep(0.05)
     assert server.started, "uvicorn did not start"
     return task
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """kvmeter's data folder (:func:`kvmeter.traces.data_dir`: the repository's ``data/`` unless
+    ``$KVMETER_DATA_DIR`` overrides it); a missing folder is an error, not a skip."""
+    from kvmeter import traces
+
+    path = traces.data_dir()
+    if not path.is_dir():
+        raise traces.DataNotFoundError(f"data folder {path} does not exist (the repository's data/; "
+                                       f"${traces.DATA_DIR_ENV} overrides it)")
+    return path
 
 
 @pytest.fixture(scope="session")

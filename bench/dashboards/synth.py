@@ -3,7 +3,7 @@
 What it builds (defaults: 1,000,000 requests over 24 h, 200 tenants, a sample every 10 s):
 
 * **Requests**: prompt/output lengths drawn from the real Azure LLM inference trace (conversation,
-  2023; ``../shared/data/traces``); arrivals follow a diurnal curve; tenants' traffic shares are
+  2023; ``data/traces``); arrivals follow a diurnal curve; tenants' traffic shares are
   Zipf-skewed (ServeGen: the top 5 clients carry ~58 %). Tiers: the five demo tenants (acme
   enterprise, globex and umbrella paid_interactive, initech batch, hobbyist free) plus ``t###``
   tenants (10 % enterprise, 30 % paid_interactive, 10 % batch, 50 % free).

@@ -27,7 +27,7 @@ from kvmeter.collectors.remote_vllm import RemoteVllmScraper, parse_vllm_metrics
 from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = data_dir()
+DATA = data_dir()
 CAPTURES = ("linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt", "linux-x86_64__nvidia-h200__590.48.01.txt",
             "linux-x86_64__nvidia-h100-mig__590.48.01.txt", "telegraf_a100-sxm4-v12.xml")
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     args = parser.parse_args()
-    gpu = SHARED / "gpu" / "nvidia_smi"
+    gpu = DATA / "gpu" / "nvidia_smi"
     print("| collector | input | cost |")
     print("|---|---|---|")
     for name in CAPTURES:
@@ -101,7 +101,7 @@ def main() -> None:
         print(f"| NVML collect() via stand-in | {name} | {bench(collector.collect, args.runs)} |")
     for name in CAPTURES:
         print(f"| capture parse (load_capture) | {name} | {bench(lambda: load_capture(gpu / name), 20)} |")
-    for name in sorted((SHARED / "vllm_metrics").glob("*.prom")):
+    for name in sorted((DATA / "vllm_metrics").glob("*.prom")):
         text = name.read_text()
         print(f"| remote parse_vllm_metrics | {name.name} ({len(text)} B) | {bench(lambda: parse_vllm_metrics(text), args.runs)} |")
     page1, page2 = big_v1_page(seed_value=1.0), big_v1_page(seed_value=2.0)
@@ -110,7 +110,7 @@ def main() -> None:
     scraper = RemoteVllmScraper("http://bench/metrics", clock=ManualClock())
     scraper.ingest(page1)
     print(f"| remote ingest (parse + diff) | V1-style, 8 engines | {bench(lambda: scraper.ingest(page2), 50)} |")
-    dcgm = (SHARED / "gpu" / "dcgm" / "dcgm_v100_4gpu_issue250.prom").read_text()
+    dcgm = (DATA / "gpu" / "dcgm" / "dcgm_v100_4gpu_issue250.prom").read_text()
     print(f"| DCGM gpu_samples_from_dcgm | dcgm_v100_4gpu_issue250.prom | {bench(lambda: gpu_samples_from_dcgm(dcgm), args.runs)} |")
 
 

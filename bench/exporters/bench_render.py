@@ -33,7 +33,7 @@ from pathlib import Path
 from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = data_dir()
+DATA = data_dir()
 TIERS = ("enterprise", "paid_interactive", "batch", "free")
 
 
@@ -125,7 +125,7 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
             bus.publish(EngineRequestStats(request_id="r", finish_reason=reason, prompt_tokens=900,
                                            cached_prompt_tokens=100, generation_tokens=80, queued_s=0.2,
                                            prefill_s=0.3, decode_s=4.0, e2e_s=4.5))
-    gpu_dir = SHARED / "gpu" / "nvidia_smi"
+    gpu_dir = DATA / "gpu" / "nvidia_smi"
     h200 = NvmlCollector(CaptureNvml.from_file(gpu_dir / "linux-x86_64__nvidia-h200__590.48.01.txt"),
                          clock=clock).collect()[0]
     for index in range(8):
@@ -133,7 +133,7 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
     mig = NvmlCollector(CaptureNvml.from_file(gpu_dir / "linux-x86_64__nvidia-h100-mig__590.48.01.txt"),
                         clock=clock).collect()[0]
     bus.publish(dataclasses.replace(mig, index=8))
-    v0 = (SHARED / "vllm_metrics" / "vllm_v0_metrics_qwen2.5-coder-1.5b_aibrix_docs.prom").read_text()
+    v0 = (DATA / "vllm_metrics" / "vllm_v0_metrics_qwen2.5-coder-1.5b_aibrix_docs.prom").read_text()
     for r in range(4):
         scraper = RemoteVllmScraper(f"http://vllm-{r}:8000/metrics", clock=clock, bus=bus)
         scraper.ingest(v0)

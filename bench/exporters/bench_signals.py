@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 from kvmeter.traces import data_dir  # noqa: E402
 
-SHARED = data_dir()
+DATA = data_dir()
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_render import TIERS, scheduler_snapshot  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
     clock = ManualClock()
     bus = StatsBus()
     sampler = SignalSampler(bus, clock=clock, model="llama-70b", config=SignalSamplerConfig())
-    gpu_dir = SHARED / "gpu" / "nvidia_smi"
+    gpu_dir = DATA / "gpu" / "nvidia_smi"
     h200 = NvmlCollector(CaptureNvml.from_file(gpu_dir / "linux-x86_64__nvidia-h200__590.48.01.txt"),
                          clock=clock).collect()[0]
     mig = NvmlCollector(CaptureNvml.from_file(gpu_dir / "linux-x86_64__nvidia-h100-mig__590.48.01.txt"),

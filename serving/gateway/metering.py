@@ -6,10 +6,11 @@ integrates the KV cache the request holds over time, and at the end produces the
 :class:`~kvmeter.events.UsageEvent` (billing) and the :class:`~kvmeter.stats.RequestCompletion`
 (signals).
 
-Token counts follow the metering rules (ARCHITECTURE.md): the engine's own per-request stats when
-it reported them (a normal finish on vLLM), else the engine-true counts carried by the outputs the
-frontend received (an abort: vLLM never reports aborted requests in its hooks). A request aborted
-before its first output bills no tokens: the frontend cannot prove the prefill happened.
+Token counts follow the metering rules (docs/ARCHITECTURE.md, "Metering rules"): the engine's own
+per-request stats when it reported them (a normal finish on vLLM), else the engine-true counts
+carried by the outputs the frontend received (an abort: vLLM never reports aborted requests in its
+hooks). A request aborted before its first output bills no tokens: the frontend cannot prove the
+prefill happened.
 """
 
 from __future__ import annotations

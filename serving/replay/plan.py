@@ -15,7 +15,8 @@ documented rule:
   the default shares are skewed too.
 * **Noisy neighbour**: requests drawn for a tenant marked ``noisy`` keep their arrival and output
   length but carry a long prompt of ``noisy_prompt_tokens`` (default 4,096, half the window): the
-  brief's "20 requests of 150k tokens" scaled to this model.
+  tenant of docs/ARCHITECTURE.md, "Why tokens, not requests" (twenty 150,000-token prompts a
+  minute) scaled to this model.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ H200 = "nvidia_smi/linux-x86_64__nvidia-h200__590.48.01.txt"
 A100_XML = "nvidia_smi/telegraf_a100-sxm4-v12.xml"
 
 
-def gpu0(shared_data, name, phase="load"):
-    return load_capture(shared_data / "gpu" / name, phase).gpus[0]
+def gpu0(data_dir, name, phase="load"):
+    return load_capture(data_dir / "gpu" / name, phase).gpus[0]
 
 
 # values read off each capture's "nvidia-smi -q" by hand
@@ -54,53 +54,53 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("name,phase", sorted(EXPECTED))
-def test_values_match_the_capture(shared_data, name, phase):
-    gpu = gpu0(shared_data, name, phase)
+def test_values_match_the_capture(data_dir, name, phase):
+    gpu = gpu0(data_dir, name, phase)
     for field, expected in EXPECTED[(name, phase)].items():
         assert getattr(gpu, field) == expected, field
 
 
-def test_na_stays_missing_under_mig(shared_data):
+def test_na_stays_missing_under_mig(data_dir):
     """utilization.gpu is [N/A] under MIG: missing, never 0 — in -q and in the CSV alike."""
-    gpu = gpu0(shared_data, H100_MIG)
+    gpu = gpu0(data_dir, H100_MIG)
     assert gpu.utilization_gpu_pct is None and gpu.utilization_memory_pct is None
-    text = (shared_data / "gpu" / H100_MIG).read_text()
+    text = (data_dir / "gpu" / H100_MIG).read_text()
     row = parse_query_gpu_csv(split_sections(text)[("load", "query-gpu (csv, what the exporter parses)")])[0]
     assert row["utilization.gpu"] is None and row["memory.total"] == "81559 MiB"
 
 
 @pytest.mark.parametrize("name", [H100, H200, H100_MIG])
 @pytest.mark.parametrize("phase", ["idle", "load"])
-def test_memory_adds_up_to_total_plus_one_mib(shared_data, name, phase):
+def test_memory_adds_up_to_total_plus_one_mib(data_dir, name, phase):
     """SOURCES.md quirk: used + reserved + free = total + 1 MiB (nvidia-smi rounds each)."""
-    g = gpu0(shared_data, name, phase)
+    g = gpu0(data_dir, name, phase)
     assert g.memory_used_mib + g.memory_reserved_mib + g.memory_free_mib == g.memory_total_mib + 1
 
 
-def test_a100_xml_memory_rounding_differs(shared_data):
+def test_a100_xml_memory_rounding_differs(data_dir):
     """The A100 XML rounds the other way (−2 MiB), and its MIG slices −1 MiB: kept as printed."""
-    g = gpu0(shared_data, A100_XML)
+    g = gpu0(data_dir, A100_XML)
     assert g.memory_used_mib + g.memory_reserved_mib + g.memory_free_mib == g.memory_total_mib - 2
     assert [m.memory_used_mib + m.memory_free_mib - m.memory_total_mib for m in g.migs] == [-1] * 4
 
 
 @pytest.mark.parametrize("name,used", [(H100, 19818), (H200, 32362), (H100_MIG, 11125)])
-def test_per_process_memory_sums_below_device_used(shared_data, name, used):
-    g = gpu0(shared_data, name)
+def test_per_process_memory_sums_below_device_used(data_dir, name, used):
+    g = gpu0(data_dir, name)
     assert len(g.processes) == 3
     assert sum(p.used_memory_mib for p in g.processes) < used == g.memory_used_mib
 
 
-def test_processes_of_the_h200(shared_data):
-    procs = gpu0(shared_data, H200).processes
+def test_processes_of_the_h200(data_dir):
+    procs = gpu0(data_dir, H200).processes
     assert [(p.pid, p.name, p.used_memory_mib, p.gpu_instance_id) for p in procs] == [
         (10291, "/root/tools/memhog", 2566, None),
         (10293, "/root/tools/memhog", 1542, None),
         (10309, "./gpu_burn", 28234, None)]
 
 
-def test_mig_devices_with_profiles_from_the_listing(shared_data):
-    g = gpu0(shared_data, H100_MIG)
+def test_mig_devices_with_profiles_from_the_listing(data_dir):
+    g = gpu0(data_dir, H100_MIG)
     assert [(m.index, m.gpu_instance_id, m.profile, m.sm_count, m.memory_total_mib) for m in g.migs] == [
         (0, 2, "3g.40gb", 60, 40448), (1, 3, "2g.20gb", 32, 20096),
         (2, 9, "1g.10gb", 16, 9984), (3, 10, "1g.10gb", 16, 9984)]
@@ -108,8 +108,8 @@ def test_mig_devices_with_profiles_from_the_listing(shared_data):
     assert {p.gpu_instance_id for p in g.processes} == {2}
 
 
-def test_a100_xml_declares_four_gpus_but_holds_one(shared_data):
-    system = load_capture(shared_data / "gpu" / A100_XML)
+def test_a100_xml_declares_four_gpus_but_holds_one(data_dir):
+    system = load_capture(data_dir / "gpu" / A100_XML)
     assert system.declared_gpu_count == 4 and len(system.gpus) == 1
     assert system.driver_version == "535.54.03"
     g = system.gpus[0]
@@ -119,24 +119,24 @@ def test_a100_xml_declares_four_gpus_but_holds_one(shared_data):
     assert [m.gpu_instance_id for m in g.migs] == [3, 4, 5, 6] and g.migs[0].profile is None
 
 
-def test_clock_event_reasons_idle_vs_load(shared_data):
-    idle, load = gpu0(shared_data, H200, "idle"), gpu0(shared_data, H200, "load")
+def test_clock_event_reasons_idle_vs_load(data_dir):
+    idle, load = gpu0(data_dir, H200, "idle"), gpu0(data_dir, H200, "load")
     assert idle.clock_event_reasons["gpu_idle"] is True
     assert not any(load.clock_event_reasons.values())
     assert load.clock_event_counters_us["hw_thermal_slowdown"] == 0.0
 
 
-def test_nvlink_links_only_outside_mig(shared_data):
-    assert gpu0(shared_data, H200).nvlink_link_gb_s == [26.562] * 18
-    assert gpu0(shared_data, H100_MIG).nvlink_link_gb_s is None
+def test_nvlink_links_only_outside_mig(data_dir):
+    assert gpu0(data_dir, H200).nvlink_link_gb_s == [26.562] * 18
+    assert gpu0(data_dir, H100_MIG).nvlink_link_gb_s is None
 
 
 @pytest.mark.parametrize("name", [H100, H200, H100_MIG])
-def test_query_text_agrees_with_query_gpu_csv(shared_data, name):
+def test_query_text_agrees_with_query_gpu_csv(data_dir, name):
     """Two views of the same GPU in one capture: identity and static limits must agree."""
-    text = (shared_data / "gpu" / name).read_text()
+    text = (data_dir / "gpu" / name).read_text()
     row = parse_query_gpu_csv(split_sections(text)[("load", "query-gpu (csv, what the exporter parses)")])[0]
-    g = gpu0(shared_data, name)
+    g = gpu0(data_dir, name)
     assert row["name"] == g.name and row["pci.bus_id"] == g.pci_bus_id
     assert parse_quantity(row["memory.total"], "MiB") == g.memory_total_mib
     assert parse_quantity(row["memory.reserved"], "MiB") == g.memory_reserved_mib
@@ -156,7 +156,7 @@ def test_value_parsing():
         parse_quantity("hot", "C")
 
 
-def test_bad_input_is_a_clear_error(tmp_path, shared_data):
+def test_bad_input_is_a_clear_error(tmp_path, data_dir):
     junk = tmp_path / "junk.txt"
     junk.write_text("this is not a capture\n")
     with pytest.raises(CaptureFormatError, match="no 'load :: query"):
@@ -166,4 +166,4 @@ def test_bad_input_is_a_clear_error(tmp_path, shared_data):
     with pytest.raises(CaptureFormatError, match="not XML"):
         load_capture(bad_xml)
     with pytest.raises(CaptureFormatError, match="have \\['idle', 'load'\\]"):
-        load_capture(shared_data / "gpu" / H200, phase="burst")
+        load_capture(data_dir / "gpu" / H200, phase="burst")

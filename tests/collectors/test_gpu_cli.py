@@ -44,6 +44,6 @@ def test_a_negative_xid_wait_is_an_argparse_error(capsys) -> None:
     assert exit_.value.code == 2 and "argument --xid-wait-ms" in capsys.readouterr().err
 
 
-def test_a_real_capture_still_reads(shared_data: Path, capsys) -> None:
-    assert _run("--capture", str(shared_data / "gpu" / "nvidia_smi" / H200), "--require-gpu") == 0
+def test_a_real_capture_still_reads(data_dir: Path, capsys) -> None:
+    assert _run("--capture", str(data_dir / "gpu" / "nvidia_smi" / H200), "--require-gpu") == 0
     assert "H200" in capsys.readouterr().out

@@ -13,8 +13,8 @@ def _readme_exposition(text: str) -> str:
                      if line.startswith(("# HELP", "# TYPE", "DCGM_")))
 
 
-def test_v100_issue_capture(shared_data):
-    samples = gpu_samples_from_dcgm((shared_data / "gpu/dcgm/dcgm_v100_4gpu_issue250.prom").read_text())
+def test_v100_issue_capture(data_dir):
+    samples = gpu_samples_from_dcgm((data_dir / "gpu/dcgm/dcgm_v100_4gpu_issue250.prom").read_text())
     assert [s.index for s in samples] == [0, 1, 2, 3]
     assert {s.name for s in samples} == {"Tesla V100-SXM2-32GB"}
     assert samples[1].uuid == "GPU-8d5053b3-9280-7d1a-751b-4fd2fdd547c5"
@@ -24,8 +24,8 @@ def test_v100_issue_capture(shared_data):
     assert samples[1].utilization_gpu_ratio is None  # not in the excerpt: missing
 
 
-def test_readme_sample_blank_memory_temperature(shared_data):
-    text = _readme_exposition((shared_data / "gpu/dcgm/dcgm-exporter_README_sample_metrics.txt").read_text())
+def test_readme_sample_blank_memory_temperature(data_dir):
+    text = _readme_exposition((data_dir / "gpu/dcgm/dcgm-exporter_README_sample_metrics.txt").read_text())
     (sample,) = gpu_samples_from_dcgm(text)
     assert sample.uuid == "GPU-604ac76c-d9cf-fef3-62e9-d92044ab6e52"
     assert sample.clocks_hz == {"sm": 139e6, "memory": 405e6}  # MHz → Hz, same as the NVML path

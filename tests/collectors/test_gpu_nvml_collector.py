@@ -32,8 +32,8 @@ A100_XML = "telegraf_a100-sxm4-v12.xml"
 ALL = [H100, H100_MIG, H200, A100_XML]
 
 
-def capture(shared_data, name, phase="load", cls=CaptureNvml):
-    return cls.from_file(shared_data / "gpu" / "nvidia_smi" / name, phase)
+def capture(data_dir, name, phase="load", cls=CaptureNvml):
+    return cls.from_file(data_dir / "gpu" / "nvidia_smi" / name, phase)
 
 
 def collect_one(nvml, **kw):
@@ -45,8 +45,8 @@ def collect_one(nvml, **kw):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_every_capture_collects_cleanly(shared_data, name):
-    collector, s = collect_one(capture(shared_data, name))
+def test_every_capture_collects_cleanly(data_dir, name):
+    collector, s = collect_one(capture(data_dir, name))
     assert collector.missing_functions == set()  # the collector calls only implemented API
     assert collector.status.read_errors == {}
     assert collector.status.device_count == 1
@@ -57,8 +57,8 @@ def test_every_capture_collects_cleanly(shared_data, name):
     assert s.sm_active_ratio is None and s.dram_bandwidth_ratio is None
 
 
-def test_h200_values_in_si_units(shared_data):
-    collector, s = collect_one(capture(shared_data, H200))
+def test_h200_values_in_si_units(data_dir):
+    collector, s = collect_one(capture(data_dir, H200))
     assert collector.status.driver_version == "590.48.01"
     assert (s.name, s.uuid, s.pci_bus_id, s.mig_enabled) == (
         "NVIDIA H200", "GPU-00000000-0000-0000-0000-000000000000", "00000000:83:00.0", False)
@@ -84,15 +84,15 @@ def test_h200_values_in_si_units(shared_data):
     assert s.mig == []
 
 
-def test_idle_phase_reports_the_idle_clock_reason(shared_data):
-    _, s = collect_one(capture(shared_data, H100, "idle"))
+def test_idle_phase_reports_the_idle_clock_reason(data_dir):
+    _, s = collect_one(capture(data_dir, H100, "idle"))
     assert s.active_clock_event_reasons == ("gpu_idle",)
     assert s.utilization_gpu_ratio == 0.0  # a real 0 %, read as 0 — not missing
     assert s.processes == []
 
 
-def test_mig_capture(shared_data):
-    _, s = collect_one(capture(shared_data, H100_MIG))
+def test_mig_capture(data_dir):
+    _, s = collect_one(capture(data_dir, H100_MIG))
     assert s.mig_enabled is True
     assert s.utilization_gpu_ratio is None and s.utilization_memory_ratio is None  # [N/A] under MIG
     assert s.remapped_rows_correctable is None and s.remapped_rows_pending is None
@@ -108,8 +108,8 @@ def test_mig_capture(shared_data):
     assert {p.gpu_instance_id for p in s.processes} == {2} and {p.compute_instance_id for p in s.processes} == {0}
 
 
-def test_a100_xml_mig_without_listing(shared_data):
-    _, s = collect_one(capture(shared_data, A100_XML))
+def test_a100_xml_mig_without_listing(data_dir):
+    _, s = collect_one(capture(data_dir, A100_XML))
     assert s.name == "NVIDIA A100-SXM4-80GB" and s.mig_enabled is True
     assert [m.gpu_instance_id for m in s.mig] == [3, 4, 5, 6]
     assert all(m.profile is None and m.uuid is None for m in s.mig)  # the XML holds neither
@@ -131,19 +131,19 @@ def test_no_gpu_is_a_state_not_a_crash():
     assert bus.errors_total == 0
 
 
-def test_samples_and_status_are_published(shared_data):
+def test_samples_and_status_are_published(data_dir):
     bus = StatsBus()
     got: list = []
     bus.subscribe(GpuSample, got.append)
     bus.subscribe(GpuCollectorStatus, got.append)
-    collector = NvmlCollector(capture(shared_data, H200), bus=bus, clock=ManualClock(start_wall=1.75e9))
+    collector = NvmlCollector(capture(data_dir, H200), bus=bus, clock=ManualClock(start_wall=1.75e9))
     collector.collect()  # starts on first use
     assert [type(x).__name__ for x in got] == ["GpuSample", "GpuCollectorStatus"]
     assert got[0].wall_ts == 1.75e9 and got[1].state == "ok"
 
 
-def test_xid_events_are_event_driven(shared_data):
-    nvml = capture(shared_data, H100_MIG)
+def test_xid_events_are_event_driven(data_dir):
+    nvml = capture(data_dir, H100_MIG)
     bus = StatsBus()
     events: list[XidEvent] = []
     bus.subscribe(XidEvent, events.append)
@@ -176,8 +176,8 @@ class _Faulty(CaptureNvml):
         return procs
 
 
-def test_sentinels_and_errors_become_missing(shared_data):
-    collector, s = collect_one(capture(shared_data, H200, cls=_Faulty))
+def test_sentinels_and_errors_become_missing(data_dir):
+    collector, s = collect_one(capture(data_dir, H200, cls=_Faulty))
     assert s.power_watts is None  # sentinel, not 4294967 W
     assert s.temperature_gpu_celsius is None
     assert collector.status.read_errors == {"NVMLError_GpuIsLost": 1}
@@ -223,8 +223,8 @@ class _WithGpm(CaptureNvml):
         return get
 
 
-def test_gpm_needs_two_samples_and_maps_percent_to_ratio(shared_data):
-    collector = NvmlCollector(capture(shared_data, H100_MIG, cls=_WithGpm), clock=ManualClock())
+def test_gpm_needs_two_samples_and_maps_percent_to_ratio(data_dir):
+    collector = NvmlCollector(capture(data_dir, H100_MIG, cls=_WithGpm), clock=ManualClock())
     first = collector.collect()[0]
     assert first.sm_active_ratio is None  # GPM is a rate between two samples
     second = collector.collect()[0]
@@ -238,8 +238,8 @@ def test_gpm_needs_two_samples_and_maps_percent_to_ratio(shared_data):
     collector.close()
 
 
-def test_stand_in_refuses_api_it_does_not_implement(shared_data):
-    nvml = capture(shared_data, H200)
+def test_stand_in_refuses_api_it_does_not_implement(data_dir):
+    nvml = capture(data_dir, H200)
     with pytest.raises(AttributeError, match="nvmlDeviceGetBoardId"):
         nvml.nvmlDeviceGetBoardId
     assert nvml.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU  # constants pass through
@@ -247,11 +247,11 @@ def test_stand_in_refuses_api_it_does_not_implement(shared_data):
         nvml.nvmlDeviceGetCount()
 
 
-def test_poller_publishes_until_stopped(shared_data):
+def test_poller_publishes_until_stopped(data_dir):
     bus = StatsBus()
     arrived = threading.Event()
     bus.subscribe(GpuSample, lambda s: arrived.set())
-    poller = GpuPoller(NvmlCollector(capture(shared_data, H200), bus=bus), interval_s=0.05)
+    poller = GpuPoller(NvmlCollector(capture(data_dir, H200), bus=bus), interval_s=0.05)
     poller.start()
     try:
         assert arrived.wait(timeout=10), "no GPU sample from the poller thread"
@@ -262,8 +262,8 @@ def test_poller_publishes_until_stopped(shared_data):
         GpuPoller(poller.collector, interval_s=0)
 
 
-def test_cli_reads_a_capture_as_json(shared_data, capsys):
-    path = shared_data / "gpu" / "nvidia_smi" / H100_MIG
+def test_cli_reads_a_capture_as_json(data_dir, capsys):
+    path = data_dir / "gpu" / "nvidia_smi" / H100_MIG
     assert kvmeter_main(["gpu", "--capture", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["status"]["state"] == "ok"
@@ -285,8 +285,8 @@ class _OldDriverMig(CaptureNvml):
         return [] if handle.mig is None else super().nvmlDeviceGetComputeRunningProcesses(handle)
 
 
-def test_mig_processes_read_from_mig_handles_when_the_parent_lists_none(shared_data):
-    _, s = collect_one(capture(shared_data, H100_MIG, cls=_OldDriverMig))
+def test_mig_processes_read_from_mig_handles_when_the_parent_lists_none(data_dir):
+    _, s = collect_one(capture(data_dir, H100_MIG, cls=_OldDriverMig))
     assert [p.pid for p in s.mig[0].processes] == [21180, 21181, 21198]
     assert [p.pid for p in s.processes] == [21180, 21181, 21198]
     assert {p.gpu_instance_id for p in s.processes} == {2}

@@ -28,8 +28,8 @@ QWEN_15 = ("Qwen/Qwen2.5-Coder-1.5B-Instruct", "0")
 
 # ------------------------------------------------------------------ the real expositions
 
-def test_v0_exposition(shared_data):
-    page = parse_vllm_metrics((shared_data / V0).read_text())
+def test_v0_exposition(data_dir):
+    page = parse_vllm_metrics((data_dir / V0).read_text())
     assert list(page.engines) == [QWEN_15]  # cache_config_info (no model_name) merged, not an engine
     eng = page.engines[QWEN_15]
     assert eng.gauges == {"num_running": 0.0, "num_swapped": 0.0, "num_waiting": 0.0,
@@ -45,15 +45,15 @@ def test_v0_exposition(shared_data):
     assert hist.quantile(0.5) is None
 
 
-def test_v0_first_scrape_stats(shared_data):
-    (st,) = RemoteVllmScraper("http://v0/metrics", clock=ManualClock()).ingest((shared_data / V0).read_text())
+def test_v0_first_scrape_stats(data_dir):
+    (st,) = RemoteVllmScraper("http://v0/metrics", clock=ManualClock()).ingest((data_dir / V0).read_text())
     assert st.kv_cache_usage_ratio == 0.0 and st.kv_blocks_total == 81767
     assert st.prefix_cache_hit_rate is None  # -1 means the prefix cache is disabled
     assert st.deltas == {} and st.interval_s is None  # nothing to diff against yet
 
 
-def test_v1_exposition_with_deprecated_kv_name(shared_data):
-    page = parse_vllm_metrics((shared_data / V1).read_text())
+def test_v1_exposition_with_deprecated_kv_name(data_dir):
+    page = parse_vllm_metrics((data_dir / V1).read_text())
     assert page.process_start_time == pytest.approx(1.74262400557e9)
     (key,) = page.engines
     assert key == ("Qwen/Qwen2.5-Coder-32B-Instruct", "0")
@@ -62,10 +62,10 @@ def test_v1_exposition_with_deprecated_kv_name(shared_data):
 
 
 @pytest.mark.parametrize("order", ["new_first", "old_first"])
-def test_current_name_wins_over_deprecated_alias(shared_data, order):
+def test_current_name_wins_over_deprecated_alias(data_dir, order):
     new = ('# TYPE vllm:kv_cache_usage_perc gauge\n'
            'vllm:kv_cache_usage_perc{model_name="Qwen/Qwen2.5-Coder-32B-Instruct",engine="0"} 0.42\n')
-    text = (shared_data / V1).read_text()
+    text = (data_dir / V1).read_text()
     page = parse_vllm_metrics(new + text if order == "new_first" else text + new)
     eng = page.engines[("Qwen/Qwen2.5-Coder-32B-Instruct", "0")]
     assert eng.gauges["kv_cache_usage"] == 0.42 and eng.sources["kv_cache_usage"] == "vllm:kv_cache_usage_perc"
@@ -177,14 +177,14 @@ def metrics_server():
         server.server_close()
 
 
-def test_scrape_rates_and_garbage_over_http(shared_data, metrics_server):
+def test_scrape_rates_and_garbage_over_http(data_dir, metrics_server):
     url, pages = metrics_server
     clock = ManualClock()
     bus = StatsBus()
     published: list[RemoteEngineStats] = []
     bus.subscribe(RemoteEngineStats, published.append)
     scraper = RemoteVllmScraper(url, clock=clock, bus=bus)
-    real = (shared_data / V0).read_text()
+    real = (data_dir / V0).read_text()
     pages.body = real
     (first,) = scraper.scrape()
     assert first.deltas == {} and first.source == url and first.engine_id == f"{url}#0"

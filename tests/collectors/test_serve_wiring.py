@@ -42,8 +42,8 @@ async def runtime_for(tmp_path: Path, tokenizer: HFTokenizer, **kwargs) -> Serve
                         **kwargs)
 
 
-async def test_gpu_machine_gets_gpu_signals_and_their_history(tmp_path, tokenizer, shared_data):
-    nvml = CaptureNvml.from_file(shared_data / "gpu" / "nvidia_smi" / H200)
+async def test_gpu_machine_gets_gpu_signals_and_their_history(tmp_path, tokenizer, data_dir):
+    nvml = CaptureNvml.from_file(data_dir / "gpu" / "nvidia_smi" / H200)
     runtime = await runtime_for(tmp_path, tokenizer, nvml=nvml)
     polled = threading.Event()
     runtime.bus.subscribe(GpuCollectorStatus, lambda s: s.state == "ok" and polled.set())

@@ -88,7 +88,7 @@ def completion(tenant_id, tier, prompt, output, *, outcome="ok", slo_met=True) -
                              prompt_tokens=prompt, completion_tokens=output, slo_met=slo_met)
 
 
-def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, shared_data):
+def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
     sampler = SignalSampler(bus, clock=clock, model="smollm2", config=SignalSamplerConfig())
     recorder = SignalRecorder(sampler, ledger.write_signals, clock=clock, interval_s=10)
     bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=7,
@@ -104,7 +104,7 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, shared_data
               completion("hob", "free", 40, 60, outcome="aborted"),
               completion("hob", "free", 10, 20)):
         bus.publish(c)
-    gpu = NvmlCollector(CaptureNvml.from_file(shared_data / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock)
+    gpu = NvmlCollector(CaptureNvml.from_file(data_dir / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock)
     gpu.collect()
     bus.publish(ledger.stats())  # the real ledger's own stats
     bus.publish(QuotaStoreState(store="redis", degraded=True))
@@ -163,11 +163,11 @@ def test_idle_tenants_and_tiers_get_one_zero_row_then_none(bus, clock, ledger):
     assert len(rows[("kvmeter_scheduler_queued_requests", ())]) == 3  # scheduler-wide rows every sample
 
 
-def test_stale_gpu_readings_are_not_sampled_but_engine_state_stands(bus, clock, shared_data):
+def test_stale_gpu_readings_are_not_sampled_but_engine_state_stands(bus, clock, data_dir):
     written: list[list[SignalSample]] = []
     sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig(stale_after_s=60))
     recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
-    NvmlCollector(CaptureNvml.from_file(shared_data / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock).collect()
+    NvmlCollector(CaptureNvml.from_file(data_dir / "gpu" / "nvidia_smi" / H200), bus=bus, clock=clock).collect()
     bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.2, num_running=1))
     clock.advance(60)
     recorder.tick()

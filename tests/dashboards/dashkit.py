@@ -16,6 +16,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvmeter.serving.config import load_serve_config
+from kvmeter.traces import data_file
 from tests.conftest import free_port
 
 KEYS = {
@@ -26,8 +27,7 @@ KEYS = {
     "admin": "sk-demo-admin-0001",
 }
 TENANTS = ("acme", "globex", "hobbyist", "umbrella")
-H200_CAPTURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu" / "nvidia_smi" / \
-    "linux-x86_64__nvidia-h200__590.48.01.txt"
+H200_CAPTURE = data_file("gpu/nvidia_smi/linux-x86_64__nvidia-h200__590.48.01.txt")
 APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
 
 

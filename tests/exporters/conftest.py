@@ -1,27 +1,15 @@
-"""Fixtures for the exporter tests: a fresh registry and bus, a manual clock, the shared data."""
+"""Fixtures for the exporter tests: a fresh registry and bus, a manual clock, free ports (the data
+folder comes from ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
-from kvmeter.traces import data_dir
-
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = data_dir()
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    """The shared data directory; a missing one is an error, not a skip."""
-    if not SHARED_DATA.is_dir():
-        raise FileNotFoundError(f"shared data not found at {SHARED_DATA} (set KVMETER_DATA_DIR)")
-    return SHARED_DATA
 
 
 @pytest.fixture

@@ -138,8 +138,8 @@ def test_admission(bus, registry, exporter):
                  level="", dimension="") == 1
 
 
-def test_gpu_from_real_captures(bus, registry, exporter, shared_data, clock):
-    gpu = shared_data / "gpu" / "nvidia_smi"
+def test_gpu_from_real_captures(bus, registry, exporter, data_dir, clock):
+    gpu = data_dir / "gpu" / "nvidia_smi"
     NvmlCollector(CaptureNvml.from_file(gpu / "linux-x86_64__nvidia-h100-mig__590.48.01.txt"),
                   bus=bus, clock=clock).collect()
     g = {"gpu": "0"}
@@ -193,8 +193,8 @@ def test_gpu_xid_and_status(bus, registry, exporter):
     assert value(registry, "kvmeter_gpu_nvml_available") == 0
 
 
-def test_gpu_from_dcgm_capture(bus, registry, exporter, shared_data):
-    text = "\n".join(line for line in (shared_data / "gpu/dcgm/dcgm-exporter_README_sample_metrics.txt")
+def test_gpu_from_dcgm_capture(bus, registry, exporter, data_dir):
+    text = "\n".join(line for line in (data_dir / "gpu/dcgm/dcgm-exporter_README_sample_metrics.txt")
                      .read_text().splitlines() if line.startswith(("# HELP", "# TYPE", "DCGM_")))
     for sample in gpu_samples_from_dcgm(text):
         bus.publish(sample)
@@ -202,9 +202,9 @@ def test_gpu_from_dcgm_capture(bus, registry, exporter, shared_data):
     assert value(registry, "kvmeter_gpu_temperature_celsius", gpu="0", sensor="memory") is None  # DCGM blank
 
 
-def test_remote_engine(bus, registry, exporter, shared_data, clock):
+def test_remote_engine(bus, registry, exporter, data_dir, clock):
     scraper = RemoteVllmScraper("http://vllm-a:8000/metrics", clock=clock, bus=bus)
-    real = (shared_data / "vllm_metrics/vllm_v0_metrics_qwen2.5-coder-1.5b_aibrix_docs.prom").read_text()
+    real = (data_dir / "vllm_metrics/vllm_v0_metrics_qwen2.5-coder-1.5b_aibrix_docs.prom").read_text()
     scraper.ingest(real)
     clock.advance(10)
     scraper.ingest(real.replace("} 955.0", "} 1955.0"))

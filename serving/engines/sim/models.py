@@ -2,8 +2,8 @@
 
 Formulas (per token, per model):
 
-* KV cache, dense MHA/GQA: ``2 (K and V) × layers × kv_heads × head_dim × bytes`` — the brief's
-  "teaching formula". MLA (DeepSeek-V2/V3 style) caches one compressed latent plus the decoupled
+* KV cache, dense MHA/GQA: ``2 (K and V) × layers × kv_heads × head_dim × bytes`` (the formula
+  of docs/ARCHITECTURE.md, "Why tokens, not requests"). MLA (DeepSeek-V2/V3 style) caches one compressed latent plus the decoupled
   RoPE key per layer: ``layers × (kv_lora_rank + qk_rope_head_dim) × bytes``.
 * Linear-layer FLOPs: ``2 × active parameters`` per token (one multiply-add per weight).
 * Attention FLOPs per token per context token it attends to: GQA ``4 × layers × q_heads ×
@@ -15,9 +15,9 @@ Shapes:
 * ``llama-3.1-70b`` — meta-llama/Llama-3.1-70B ``config.json``: 80 layers, hidden 8192, 64 query
   heads, 8 KV heads, head_dim 128, 70.6 B parameters, 131,072-token context; bf16 → 327,680 B of
   KV per token (≈ 320 KB).
-* ``mla-78l`` — the MLA shape the product brief quotes (78 layers, kv_lora_rank 512,
-  qk_rope_head_dim 64, 1M context) → 89,856 B of KV per token (≈ 88 KB). The brief gives no head
-  count or parameter count; this profile *assumes* 64 query heads and an MoE of 744 B total /
+* ``mla-78l`` — the MLA shape of docs/ARCHITECTURE.md, "Why tokens, not requests" (78 layers,
+  kv_lora_rank 512, qk_rope_head_dim 64, 1M context) → 89,856 B of KV per token (≈ 88 KB). The
+  shape gives no head count or parameter count; this profile *assumes* 64 query heads and an MoE of 744 B total /
   40 B active parameters in FP8 (say so when quoting results). Under tensor parallelism the latent
   KV is replicated on every rank (vLLM's MLA backends), so it is not divided by TP.
 * ``llama-2-7b`` — meta-llama/Llama-2-7b-hf ``config.json``: 32 layers, hidden 4096, 32 query and

@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from kvmeter.traces import TRACE_FILES, TraceRequest, data_dir
+from kvmeter.traces import TRACE_FILES, TraceRequest, data_file
 
 __all__ = [
     "load_servegen_rates", "busiest_hour_start", "ServeGenTenantMap", "servegen_arrivals",
@@ -45,10 +45,14 @@ DEFAULT_TIER_SPLIT: Mapping[str, float] = {
 def load_servegen_rates(path: str | os.PathLike | None = None) -> pl.DataFrame:
     """ServeGen per-client windows: client_id, window_start_s, rate_rps, cv (rate 0 → idle).
 
+    Args:
+        path: a CSV in that format; default the data folder's ServeGen file
+            (:func:`kvmeter.traces.data_file`).
     Raises:
-        FileNotFoundError, ValueError: missing file or columns.
+        FileNotFoundError, ValueError: missing file or columns (a missing data-folder file is a
+            :class:`kvmeter.traces.DataNotFoundError`, which names the folder and its override).
     """
-    p = Path(path) if path is not None else data_dir() / TRACE_FILES["servegen-rates"]
+    p = Path(path) if path is not None else data_file(TRACE_FILES["servegen-rates"])
     if not p.is_file():
         raise FileNotFoundError(f"ServeGen rates not found at {p}")
     df = pl.read_csv(p)
