@@ -38,15 +38,13 @@ from kvmeter.serving.config import ServeConfig
 from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
-from kvmeter.serving.gateway.metering import TierSLO
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.quota import (FailoverQuotaStore, HierarchicalQuota, MemoryIdempotencyManager,
                                    MemoryQuotaStore, RedisIdempotencyManager, RedisQuotaStore,
                                    redis_client)
 from kvmeter.serving.quota.base import QuotaGate
-from kvmeter.serving.scheduler import (DEFAULT_TIER_POLICIES, FairScheduler, SchedulerConfig,
-                                       TierPolicy)
-from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
+from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineStepStats
 
 __all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
@@ -121,17 +119,13 @@ def price_function(prices: PriceList):
 
 def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfig | None = None,
                                 **options) -> SchedulerConfig:
-    """Scheduler tiers from the tenancy tiers (weight, priority and SLOs are the tenancy's; the
-    shedding behaviour of a known tier name comes from the scheduler's defaults)."""
+    """The scheduler's config with the tenants config's tiers: the directory's
+    :class:`~kvmeter.serving.tenancy.TierPolicy` objects themselves (weights, priorities, SLOs,
+    deadline rule and overload behaviour: one definition for the scheduler and the gateway), its
+    default tier as the scheduler's fallback, and ``options`` (``SchedulerConfig`` fields)."""
     base = base or SchedulerConfig()
-    tiers: dict[str, TierPolicy] = {}
-    for name in directory.snapshot.tiers:
-        policy = directory.tier_policy(name)
-        default = DEFAULT_TIER_POLICIES.get(name, TierPolicy(name))
-        tiers[name] = dataclasses.replace(default, weight=float(policy.weight), priority=policy.priority,
-                                          ttft_slo_s=policy.ttft_slo_s, itl_slo_s=policy.itl_slo_s)
-    default_tier = directory.snapshot.default_tier if directory.snapshot.default_tier in tiers else next(iter(tiers))
-    return dataclasses.replace(base, tiers=tiers, default_tier=default_tier, **options)
+    snapshot = directory.snapshot
+    return dataclasses.replace(base, tiers=dict(snapshot.tiers), default_tier=snapshot.default_tier, **options)
 
 
 class _LedgerRecorder:
@@ -195,7 +189,7 @@ class ServeRuntime:
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
                                      body_read_timeout_s=config.server.body_read_timeout_s),
-            slo_for=self._slo, idempotency=self.idempotency)
+            tier_policy=self._tier_policy, idempotency=self.idempotency)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)
@@ -227,9 +221,9 @@ class ServeRuntime:
         return HierarchicalQuota(self.directory, store, price=price_function(self.prices),
                                  clock=self.clock, bus=self.bus, publish_decisions=False)
 
-    def _slo(self, tier: str) -> TierSLO | None:
-        policy = self.directory.tier_policy(tier)
-        return TierSLO(ttft_s=policy.ttft_slo_s, itl_s=policy.itl_slo_s)
+    def _tier_policy(self, tier: str) -> TierPolicy | None:
+        """The gateway's tier policy: the live tenants config's (follows reloads)."""
+        return self.directory.snapshot.tiers.get(tier)
 
     def ledger_config(self) -> LedgerConfig:
         base = LedgerConfig.from_env()

@@ -45,7 +45,7 @@ from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
-from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
+from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                               parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
@@ -57,20 +57,12 @@ from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
 from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyError, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
-from kvmeter.serving.tenancy import AuthError, Authenticator, Principal
+from kvmeter.serving.tenancy import DEFAULT_TIERS, AuthError, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision
 
-__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "DEFAULT_SLOS"]
+__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
 
 log = logging.getLogger(__name__)
-
-#: Latency promises per tier until the tenancy config provides its own (seconds).
-DEFAULT_SLOS: dict[str, TierSLO] = {
-    "enterprise": TierSLO(ttft_s=2.0, itl_s=0.2),
-    "paid_interactive": TierSLO(ttft_s=3.0, itl_s=0.25),
-    "batch": TierSLO(ttft_s=60.0, itl_s=None),
-    "free": TierSLO(ttft_s=10.0, itl_s=0.5),
-}
 
 
 class UsageRecorder(Protocol):
@@ -91,7 +83,6 @@ class GatewaySettings:
             reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
         tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
             thread so the event loop keeps serving streams.
-        slos: latency promise per tier (goodput and deadlines).
     Raises:
         ValueError: for ``max_body_bytes`` < 1 or ``body_read_timeout_s`` ≤ 0.
     """
@@ -99,7 +90,6 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
-    slos: dict[str, TierSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -110,7 +100,13 @@ class GatewaySettings:
 
 @dataclass(slots=True)
 class Gateway:
-    """Everything a request needs, wired once by the serve command (or a test)."""
+    """Everything a request needs, wired once by the serve command (or a test).
+
+    ``tier_policy`` gives the :class:`~kvmeter.serving.tenancy.TierPolicy` of a tier name (or
+    ``None`` for an unknown one): its deadline rule sets the deadline of the scheduler ``Job``
+    and its SLOs the usage event's ``slo_met``. ``kvmeter serve`` passes the tenant directory's
+    (the tenants config's tiers, live across reloads); the default is the built-in tiers.
+    """
 
     engine: Engine
     authenticator: Authenticator
@@ -120,13 +116,8 @@ class Gateway:
     bus: StatsBus = field(default_factory=StatsBus)
     clock: Clock = SYSTEM_CLOCK
     settings: GatewaySettings = field(default_factory=GatewaySettings)
-    slo_for: Callable[[str], TierSLO | None] | None = None
+    tier_policy: Callable[[str], TierPolicy | None] = DEFAULT_TIERS.get
     idempotency: IdempotencyManager | None = None
-
-    def slo(self, tier: str) -> TierSLO | None:
-        if self.slo_for is not None:
-            return self.slo_for(tier)
-        return self.settings.slos.get(tier)
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
@@ -496,8 +487,9 @@ class CompletionEndpoint:
     async def _dispatch(self, request: Request, adm: _Admitted) -> Grant:
         gw = self.gw
         meter = adm.meter
-        slo = gw.slo(adm.principal.tier)
-        deadline = meter.arrival_mono + slo.ttft_s if slo and slo.ttft_s is not None else None
+        policy = gw.tier_policy(adm.principal.tier)
+        # the tier's deadline rule, the one the simulator applies to the same request
+        deadline = policy.deadline_s(meter.arrival_mono) if policy is not None else None
         job = Job(request_id=adm.engine_request.request_id, tenant_id=adm.principal.tenant_id,
                   tier=adm.principal.tier, prompt_tokens=len(adm.engine_request.prompt_token_ids),
                   max_tokens=adm.engine_request.max_tokens, arrival_s=meter.arrival_mono,
@@ -637,7 +629,7 @@ class CompletionEndpoint:
                             finish_reason: str | None) -> UsageEvent:
         gw = self.gw
         event, completion = adm.meter.finish(outcome, status_code=status_code,
-                                             slo=gw.slo(adm.principal.tier),
+                                             policy=gw.tier_policy(adm.principal.tier),
                                              finish_reason=finish_reason)
         adm.finalized = event
         try:

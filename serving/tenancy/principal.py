@@ -16,10 +16,12 @@ import hmac
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
+
 __all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key", "constant_time_lookup"]
 
-#: Tiers known out of the box, most protected first.
-TIERS = ("enterprise", "paid_interactive", "batch", "free")
+#: Tiers known out of the box, most protected first (the keys of :data:`~.tiers.DEFAULT_TIERS`).
+TIERS = tuple(DEFAULT_TIERS)
 
 
 class AuthError(Exception):
