@@ -41,10 +41,11 @@ from starlette.types import Receive, Scope, Send
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import Refusal
 from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
-from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
+from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                               parse_request, usage_block)
@@ -54,10 +55,10 @@ from kvmeter.serving.gateway.signals import RequestRefused
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
-from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyError, IdempotencyManager,
+from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
-from kvmeter.serving.tenancy import DEFAULT_TIERS, AuthError, Authenticator, Principal, TierPolicy
+from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
@@ -123,9 +124,11 @@ class Gateway:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
 
         Raises:
-            ApiError: 401 for a missing or unknown key (the key never appears in the message);
-                400 when ``Authorization`` or ``x-api-key`` is sent more than once with different
-                values (picking one could bill the request to the wrong tenant).
+            Refusal: :class:`~kvmeter.serving.tenancy.AuthError` (401) for a missing or unknown key
+                (the key never appears in the message); :class:`ApiError` 401 for a malformed
+                ``Authorization`` header, 400 when ``Authorization`` or ``x-api-key`` is sent more
+                than once with different values (picking one could bill the request to the wrong
+                tenant).
         """
         header = single_header(request, "authorization", "Authorization", code="invalid_api_key")
         key: str | None = None
@@ -137,17 +140,14 @@ class Gateway:
             key = value.strip()
         else:
             key = single_header(request, "x-api-key", "x-api-key", code="invalid_api_key") or None
-        try:
-            return self.authenticator.authenticate(key)
-        except AuthError as exc:
-            raise ApiError(401, exc.message, code=exc.code) from None
+        return self.authenticator.authenticate(key)
 
-    def refused(self, err: ApiError, endpoint: str, principal: Principal | None = None) -> None:
+    def refused(self, err: Refusal, endpoint: str, principal: Principal | None = None) -> None:
         """Publish the refusal ``err`` of a request that got no admission decision (see
         :class:`~kvmeter.serving.gateway.signals.RequestRefused`; ``endpoint`` is one of its
         ``REFUSAL_ENDPOINTS``)."""
         self.bus.publish(RequestRefused(
-            status_code=err.status, code=err.code or "", endpoint=endpoint,
+            status_code=err.status_code, code=err.code or "", endpoint=endpoint,
             tenant_id=principal.tenant_id if principal is not None else "",
             tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
 
@@ -255,7 +255,8 @@ class CompletionEndpoint:
         seen = _Seen()
         try:
             admitted = await self._admit(request, request_id, arrival, seen)
-        except ApiError as err:
+        except Refusal as refusal:
+            err = api_error(refusal)
             if err.status == CLIENT_CLOSED:  # left mid-body: nobody to answer, nothing ran
                 log.info("request %s: %s", request_id, err.message)
                 await self._attempt(seen, request_id, err, status="error")
@@ -268,17 +269,16 @@ class CompletionEndpoint:
             await self._attempt(seen, request_id, None, status="replayed", attempt=replay.ticket.attempt)
             try:
                 return replay_response(replay.ticket)
-            except ApiError as err:
-                self.gw.refused(err, self.endpoint, seen.principal)
-                return error_response(err, rid_header)
+            except ApiError as unreplayable:
+                self.gw.refused(unreplayable, self.endpoint, seen.principal)
+                return error_response(unreplayable, rid_header)
         headers = {**rid_header, **admitted.reservation.headers}
         try:
             try:
                 admitted.grant = await self._dispatch(request, admitted)
             except SchedulerRejected as exc:
                 await self._release_unrun(admitted)
-                err = ApiError(exc.status_code, exc.message, code=exc.reason,
-                               headers=retry_after_header(exc.retry_after_s))
+                err = api_error(exc)
                 await self._attempt(seen, request_id, err, adm=admitted)
                 return error_response(err, headers)
             except _ClientGone:  # left while queued: nothing ran, nothing is billed
@@ -376,12 +376,9 @@ class CompletionEndpoint:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             if not isinstance(exc, QuotaRejected):
                 raise
-            rej = exc
-            self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
+            self._decided(principal, exc)
             seen.decided = True
-            headers = merge_headers(retry_after_header(rej.retry_after_s), rej.headers)
-            raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
-                           extra={"level": rej.level, "dimension": rej.dimension}) from None
+            raise
         engine_request = EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
@@ -395,12 +392,8 @@ class CompletionEndpoint:
         manager = self.gw.idempotency
         if not key or manager is None:
             return None
-        try:
-            ticket = await manager.begin(principal.tenant_id, key,
-                                         fingerprint=fingerprint(data, self.endpoint))
-        except IdempotencyError as exc:
-            raise ApiError(exc.status_code, str(exc), code=getattr(exc, "code", "idempotency_error"),
-                           param="Idempotency-Key") from None
+        ticket = await manager.begin(principal.tenant_id, key,
+                                     fingerprint=fingerprint(data, self.endpoint))  # IdempotencyError
         if ticket.replayed:
             raise _Replay(ticket)
         return ticket
@@ -483,6 +476,11 @@ class CompletionEndpoint:
             tenant_id=principal.tenant_id, tier=principal.tier, admitted=admitted, reason=reason,
             level=level, dimension=dimension, status_code=status, wall_ts=self.gw.clock.wall()))
 
+    def _decided(self, principal: Principal, refusal: QuotaRejected | SchedulerRejected) -> None:
+        """Publish the admission decision of a quota or scheduler refusal."""
+        self._decision(principal, False, refusal.code or "", refusal.level, refusal.dimension,
+                       refusal.status_code)
+
     # -- step 6 ---------------------------------------------------------------------------------
     async def _dispatch(self, request: Request, adm: _Admitted) -> Grant:
         gw = self.gw
@@ -498,7 +496,7 @@ class CompletionEndpoint:
             gw.scheduler.check_admission(job)
             grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)
         except SchedulerRejected as exc:
-            self._decision(adm.principal, False, exc.reason, "global", "scheduler", exc.status_code)
+            self._decided(adm.principal, exc)
             raise
         adm.engine_request.priority = grant.priority
         self._decision(adm.principal, True, "admitted")

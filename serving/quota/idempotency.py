@@ -59,6 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import Refusal
 from kvmeter.serving.quota.signals import IdempotencyAttempt
 
 __all__ = [
@@ -140,15 +141,15 @@ class IdempotencyTicket:
         return self.outcome is not AttemptOutcome.FIRST
 
 
-class IdempotencyError(Exception):
-    """Base of idempotency refusals. ``status_code`` and ``code`` map to the HTTP answer."""
+class IdempotencyError(Refusal):
+    """Base of idempotency refusals (:class:`~kvmeter.errors.Refusal`s about the
+    ``Idempotency-Key`` header, its ``param``). ``status_code`` and ``code`` map to the HTTP answer."""
 
     status_code = 400
     code = "invalid_idempotency_key"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, param="Idempotency-Key")
 
 
 class InvalidIdempotencyKey(IdempotencyError):

@@ -16,6 +16,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmeter.errors import Refusal
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
 
 __all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key", "constant_time_lookup"]
@@ -24,13 +25,14 @@ __all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key", "
 TIERS = tuple(DEFAULT_TIERS)
 
 
-class AuthError(Exception):
-    """Missing or unknown API key (HTTP 401). The message never contains the key."""
+class AuthError(Refusal):
+    """Missing or unknown API key (HTTP 401; ``code`` ``missing_api_key`` or ``invalid_api_key``).
+    The message never contains the key."""
+
+    status_code = 401
 
     def __init__(self, message: str, *, code: str = "invalid_api_key") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
+        super().__init__(message, code=code)
 
 
 @dataclass(frozen=True, slots=True)
