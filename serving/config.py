@@ -9,7 +9,7 @@ variable                meaning                                      default
 KVMETER_MODEL           smollm2, a model dir, or a .gguf path        smollm2 (bundled)
 KVMETER_ENGINE          vllm, remote, instant                        vllm
 KVMETER_TENANTS         principals/quota YAML                        the packaged demo tenants
-KVMETER_QUOTA_STORE     memory:// or redis://host:port/db            memory://
+KVMETER_QUOTA_STORE     memory://, redis://host:port/db, rediss://   memory://
 KVMETER_LEDGER_DSN      chdb:///path or http(s)://user:pw@host/db    chdb://./var/ledger/chdb
 KVMETER_SPOOL_DIR       the ledger's durable spool                   ./var/ledger/spool
 KVMETER_SCHEDULER       vtc or fcfs                                  vtc

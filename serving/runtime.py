@@ -39,10 +39,7 @@ from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
 from kvmeter.serving.gateway.tools import tool_call_routes
-from kvmeter.serving.quota import (FailoverQuotaStore, HierarchicalQuota, MemoryIdempotencyManager,
-                                   MemoryQuotaStore, RedisIdempotencyManager, RedisQuotaStore,
-                                   redis_client)
-from kvmeter.serving.quota.base import QuotaGate
+from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineStepStats
@@ -174,12 +171,16 @@ class ServeRuntime:
         self.registry = registry
         self.directory = TenantDirectory.from_file(config.tenants_path(), bus=self.bus, clock=clock)
         self.prices = load_price_list(config.prices)
+        # the quota store and the idempotency manager, chosen by the URL's scheme (an unknown one
+        # is refused here, before the engine is built)
+        self.quota_backend = open_quota_backend(config.quota_store, replicas=config.quota_replicas,
+                                                clock=clock, bus=self.bus)
+        self.quota = HierarchicalQuota(self.directory, self.quota_backend.store,
+                                       price=price_function(self.prices), clock=clock, bus=self.bus,
+                                       publish_decisions=False)
+        self.idempotency = self.quota_backend.idempotency
         self.engine = engine or build_engine(config, self.bus, clock)
         self._owns_engine = engine is None
-        self.quota = self._build_quota()
-        self.idempotency = (RedisIdempotencyManager(redis_client(config.quota_store), clock=clock, bus=self.bus)
-                            if config.quota_store.startswith("redis") else
-                            MemoryIdempotencyManager(clock=clock, bus=self.bus))
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
         self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats)]
@@ -209,18 +210,6 @@ class ServeRuntime:
         self._dashboard_routes = None
 
     # -- parts ------------------------------------------------------------------------------------
-    def _build_quota(self) -> QuotaGate:
-        store_url = self.config.quota_store
-        if store_url.startswith("redis"):
-            store = FailoverQuotaStore(RedisQuotaStore(redis_client(store_url)),
-                                       replicas=self.config.quota_replicas, clock=self.clock, bus=self.bus)
-        elif store_url.startswith("memory"):
-            store = MemoryQuotaStore()
-        else:
-            raise ValueError(f"quota_store must be memory:// or redis://..., got {store_url!r}")
-        return HierarchicalQuota(self.directory, store, price=price_function(self.prices),
-                                 clock=self.clock, bus=self.bus, publish_decisions=False)
-
     def _tier_policy(self, tier: str) -> TierPolicy | None:
         """The gateway's tier policy: the live tenants config's (follows reloads)."""
         return self.directory.snapshot.tiers.get(tier)
@@ -273,7 +262,7 @@ class ServeRuntime:
 
     async def stop(self) -> None:
         """Stop taking work, write a last signal sample, drain the ledger's spool, shut the engine
-        and the GPU poller down."""
+        and the GPU poller down, close the quota store's connections."""
         self.ready = False
         gc.unfreeze()  # back to the collector: frozen objects are never finalized at exit otherwise
         if self._watch is not None:
@@ -288,6 +277,7 @@ class ServeRuntime:
             await asyncio.to_thread(self.recorder.ledger.close)
         if self._owns_engine:
             await self.engine.shutdown()
+        await self.quota_backend.aclose()
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self.exporter.close()

@@ -241,6 +241,10 @@ class IdempotencyManager(abc.ABC):
     async def abandon(self, ticket: IdempotencyTicket) -> None:
         """The ``FIRST`` attempt produced no result to keep; the next retry runs (attempt + 1)."""
 
+    async def aclose(self) -> None:
+        """Release connections (no-op by default)."""
+        return None
+
     def _fit(self, response: StoredResponse) -> StoredResponse:
         if len(response.body) > self.max_body_bytes:
             return StoredResponse(response.status_code, tuple(response.headers), b"", response.streamed, True)
@@ -428,6 +432,9 @@ class RedisIdempotencyManager(IdempotencyManager):
         self._complete = client.register_script(_COMPLETE_LUA)
         self._abandon = client.register_script(_ABANDON_LUA)
         self._local: dict[str, asyncio.Event] = {}
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
     def _redis_key(self, tenant_id: str, key: str) -> str:
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
