@@ -9,7 +9,7 @@ variable                meaning                                      default
 KVMETER_MODEL           smollm2, a model dir, or a .gguf path        smollm2 (bundled)
 KVMETER_ENGINE          vllm, remote, instant                        vllm
 KVMETER_TENANTS         principals/quota YAML                        the packaged demo tenants
-KVMETER_QUOTA_STORE     memory:// or redis://host:port/db            memory://
+KVMETER_QUOTA_STORE     memory://, redis://host:port/db, rediss://   memory://
 KVMETER_LEDGER_DSN      chdb:///path or http(s)://user:pw@host/db    chdb://./var/ledger/chdb
 KVMETER_SPOOL_DIR       the ledger's durable spool                   ./var/ledger/spool
 KVMETER_SCHEDULER       vtc or fcfs                                  vtc
@@ -55,11 +55,12 @@ DEMO_ENGINE_SETTINGS = {"max_model_len": 8192, "kv_cache_space_gib": 2, "max_num
 #:
 #: * ``vtc``: the adaptive engine limit and its targets are the scheduler's defaults. The per-tenant
 #:   prefill budget is sized to the CPU engine (one noisy 4,096-token prompt in prefill per tenant
-#:   at a time). The pressure thresholds on the protected tiers' wait sit below 1 because the
-#:   gateway's deadline *is* the TTFT SLO (a request still queued at its SLO is dropped), so the
+#:   at a time). The pressure thresholds on the protected tiers' wait sit below 1 because the demo
+#:   tenants' deadline *is* the TTFT SLO (``deadline_slo_factor: 1`` in
+#:   ``serving/defaults/demo-tenants.yaml``: a request still queued at its SLO is dropped), so the
 #:   oldest protected wait ÷ SLO never reaches the scheduler's defaults (1 and 2, set for the
-#:   simulator's 3 × SLO deadlines): half the TTFT budget spent queueing pauses batch and refuses
-#:   new free work, 80 % also drops queued free work.
+#:   built-in tiers' 3 × SLO deadlines): half the TTFT budget spent queueing pauses batch and
+#:   refuses new free work, 80 % also drops queued free work.
 #: * ``fcfs``: a plain deployment for contrast — arrival order, no overload control, no budgets, no
 #:   adaptive limit (the engine takes whatever its own caps admit).
 DEMO_SCHEDULER_OPTIONS = {

@@ -145,13 +145,14 @@ def print_table(rows: list[dict], client_results: list) -> None:
               f"of the requests and {100 * ntok / total_tok:.0f}% of the tokens.")
 
 
-def _slo_met(res, ttft_slo: float | None, itl_slo: float | None) -> bool:
-    """Did the client see the tier's TTFT and mean-ITL (TPOT) objectives met for this request?"""
+def _slo_met(res, policy) -> bool:
+    """Did the client see the tier's TTFT and mean-ITL (TPOT) objectives met for this request
+    (:meth:`~kvmeter.serving.tenancy.TierPolicy.meets_slo`)?"""
     if res.status != 200 or res.error or res.ttft_s is None:
         return False
     n = res.completion_tokens or 0
     tpot = (res.e2e_s - res.ttft_s) / (n - 1) if n > 1 and res.e2e_s is not None else 0.0
-    return (ttft_slo is None or res.ttft_s <= ttft_slo) and (itl_slo is None or tpot <= itl_slo)
+    return policy.meets_slo(res.ttft_s, tpot)
 
 
 def _print_scheduler_story(client_results: list) -> None:
@@ -168,7 +169,7 @@ def _print_scheduler_story(client_results: list) -> None:
         if not mine:
             continue
         pol = directory.tier_policy(TIERS[name])
-        met = sum(_slo_met(r, pol.ttft_slo_s, pol.itl_slo_s) for r in mine)
+        met = sum(_slo_met(r, pol) for r in mine)
         reasons: dict[str, int] = {}
         for r in mine:
             if r.status != 200:

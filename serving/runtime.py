@@ -39,15 +39,10 @@ from kvmeter.serving.config import ServeConfig
 from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
-from kvmeter.serving.gateway.metering import TierSLO
 from kvmeter.serving.gateway.tools import tool_call_routes
-from kvmeter.serving.quota import (FailoverQuotaStore, HierarchicalQuota, MemoryIdempotencyManager,
-                                   MemoryQuotaStore, RedisIdempotencyManager, RedisQuotaStore,
-                                   redis_client)
-from kvmeter.serving.quota.base import QuotaGate
-from kvmeter.serving.scheduler import (DEFAULT_TIER_POLICIES, FairScheduler, SchedulerConfig,
-                                       TierPolicy)
-from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
+from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
+from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineStepStats
 
 __all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
@@ -122,17 +117,13 @@ def price_function(prices: PriceList):
 
 def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfig | None = None,
                                 **options) -> SchedulerConfig:
-    """Scheduler tiers from the tenancy tiers (weight, priority and SLOs are the tenancy's; the
-    shedding behaviour of a known tier name comes from the scheduler's defaults)."""
+    """The scheduler's config with the tenants config's tiers: the directory's
+    :class:`~kvmeter.serving.tenancy.TierPolicy` objects themselves (weights, priorities, SLOs,
+    deadline rule and overload behaviour: one definition for the scheduler and the gateway), its
+    default tier as the scheduler's fallback, and ``options`` (``SchedulerConfig`` fields)."""
     base = base or SchedulerConfig()
-    tiers: dict[str, TierPolicy] = {}
-    for name in directory.snapshot.tiers:
-        policy = directory.tier_policy(name)
-        default = DEFAULT_TIER_POLICIES.get(name, TierPolicy(name))
-        tiers[name] = dataclasses.replace(default, weight=float(policy.weight), priority=policy.priority,
-                                          ttft_slo_s=policy.ttft_slo_s, itl_slo_s=policy.itl_slo_s)
-    default_tier = directory.snapshot.default_tier if directory.snapshot.default_tier in tiers else next(iter(tiers))
-    return dataclasses.replace(base, tiers=tiers, default_tier=default_tier, **options)
+    snapshot = directory.snapshot
+    return dataclasses.replace(base, tiers=dict(snapshot.tiers), default_tier=snapshot.default_tier, **options)
 
 
 class _LedgerRecorder:
@@ -181,12 +172,16 @@ class ServeRuntime:
         self.registry = registry
         self.directory = TenantDirectory.from_file(config.tenants_path(), bus=self.bus, clock=clock)
         self.prices = load_price_list(config.prices)
+        # the quota store and the idempotency manager, chosen by the URL's scheme (an unknown one
+        # is refused here, before the engine is built)
+        self.quota_backend = open_quota_backend(config.quota_store, replicas=config.quota_replicas,
+                                                clock=clock, bus=self.bus)
+        self.quota = HierarchicalQuota(self.directory, self.quota_backend.store,
+                                       price=price_function(self.prices), clock=clock, bus=self.bus,
+                                       publish_decisions=False)
+        self.idempotency = self.quota_backend.idempotency
         self.engine = engine or build_engine(config, self.bus, clock)
         self._owns_engine = engine is None
-        self.quota = self._build_quota()
-        self.idempotency = (RedisIdempotencyManager(redis_client(config.quota_store), clock=clock, bus=self.bus)
-                            if config.quota_store.startswith("redis") else
-                            MemoryIdempotencyManager(clock=clock, bus=self.bus))
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
         self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats)]
@@ -196,7 +191,7 @@ class ServeRuntime:
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
                                      body_read_timeout_s=config.server.body_read_timeout_s),
-            slo_for=self._slo, idempotency=self.idempotency)
+            tier_policy=self._tier_policy, idempotency=self.idempotency)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)
@@ -218,21 +213,9 @@ class ServeRuntime:
         self._dashboard_routes = None
 
     # -- parts ------------------------------------------------------------------------------------
-    def _build_quota(self) -> QuotaGate:
-        store_url = self.config.quota_store
-        if store_url.startswith("redis"):
-            store = FailoverQuotaStore(RedisQuotaStore(redis_client(store_url)),
-                                       replicas=self.config.quota_replicas, clock=self.clock, bus=self.bus)
-        elif store_url.startswith("memory"):
-            store = MemoryQuotaStore()
-        else:
-            raise ValueError(f"quota_store must be memory:// or redis://..., got {store_url!r}")
-        return HierarchicalQuota(self.directory, store, price=price_function(self.prices),
-                                 clock=self.clock, bus=self.bus, publish_decisions=False)
-
-    def _slo(self, tier: str) -> TierSLO | None:
-        policy = self.directory.tier_policy(tier)
-        return TierSLO(ttft_s=policy.ttft_slo_s, itl_s=policy.itl_slo_s)
+    def _tier_policy(self, tier: str) -> TierPolicy | None:
+        """The gateway's tier policy: the live tenants config's (follows reloads)."""
+        return self.directory.snapshot.tiers.get(tier)
 
     def ledger_config(self) -> LedgerConfig:
         base = LedgerConfig.from_env()
@@ -287,7 +270,7 @@ class ServeRuntime:
 
     async def stop(self) -> None:
         """Stop taking work, write a last signal sample, drain the ledger's spool, shut the engine
-        and the GPU poller down."""
+        and the GPU poller down, close the quota store's connections."""
         self.ready = False
         gc.unfreeze()  # back to the collector: frozen objects are never finalized at exit otherwise
         if self._watch is not None:
@@ -304,6 +287,7 @@ class ServeRuntime:
             await asyncio.to_thread(self.recorder.ledger.close)
         if self._owns_engine:
             await self.engine.shutdown()
+        await self.quota_backend.aclose()
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self.exporter.close()

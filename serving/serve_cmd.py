@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="engine running-batch cap")
     parser.add_argument("--remote-url", help="upstream OpenAI-compatible server (engine=remote)")
     parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")
-    parser.add_argument("--quota-store", help="memory:// or redis://host:port/db")
+    parser.add_argument("--quota-store", help="memory://, redis://host:port/db or rediss://... (TLS)")
     parser.add_argument("--scheduler", choices=["vtc", "fcfs"], help="scheduling policy")
     parser.add_argument("--ledger-dsn", help="chdb:///path or http(s)://user:pw@host:port/db")
     parser.add_argument("--spool-dir", help="the ledger's durable spool directory")

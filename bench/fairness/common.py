@@ -107,7 +107,7 @@ def window_goodput(res, tier: str, t0: float, t1: float) -> float:
             continue
         ttft = r.first_token_s - r.arrival_s
         tpot = (r.finish_s - r.first_token_s) / (r.generated - 1) if r.generated > 1 else 0.0
-        if (pol.ttft_slo_s is None or ttft <= pol.ttft_slo_s) and (pol.itl_slo_s is None or tpot <= pol.itl_slo_s):
+        if pol.meets_slo(ttft, tpot):
             good += r.generated
     return good / (t1 - t0)
 

@@ -35,8 +35,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvmeter.errors import Refusal
 from kvmeter.serving.gateway.body import CLIENT_CLOSED
-from kvmeter.serving.gateway.errors import ApiError, error_response
+from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import CompletionEndpoint, Gateway
 
 __all__ = ["create_app"]
@@ -104,7 +105,8 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
     async def models(request: Request) -> Response:
         try:
             gateway.authenticate(request)
-        except ApiError as err:
+        except Refusal as refusal:
+            err = api_error(refusal)
             gateway.refused(err, "models")
             return error_response(err)
         engine = gateway.engine

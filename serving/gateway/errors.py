@@ -1,16 +1,23 @@
-"""OpenAI-style error responses.
+"""OpenAI-style error responses, and the one place a refusal becomes one.
 
 Every error leaves the gateway as ``{"error": {"message", "type", "param", "code"}}`` with the
-matching HTTP status, as OpenAI's API does, so existing clients surface the message.
+matching HTTP status, as OpenAI's API does, so existing clients surface the message. The refusals
+other packages raise — :class:`~kvmeter.serving.tenancy.AuthError`,
+:class:`~kvmeter.serving.quota.QuotaRejected`, the :class:`~kvmeter.serving.quota.IdempotencyError`
+family, :class:`~kvmeter.serving.scheduler.SchedulerRejected` — share the base
+:class:`~kvmeter.errors.Refusal` with :class:`ApiError`, and :func:`api_error` alone translates
+them (status, code, message, ``Retry-After``, headers, a quota refusal's level and dimension).
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 from starlette.responses import JSONResponse
 
-__all__ = ["ApiError", "error_response", "retry_after_header", "merge_headers"]
+from kvmeter.errors import Refusal, merge_headers, retry_after_headers
+
+__all__ = ["ApiError", "api_error", "error_response", "merge_headers", "retry_after_headers"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,29 +36,35 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """An error to return to the client.
+class ApiError(Refusal):
+    """An error to return to the client: a :class:`~kvmeter.errors.Refusal` in the OpenAI shape.
 
     Args:
-        status: HTTP status (4xx for the client's fault, 5xx for ours).
+        status: HTTP status (4xx for the client's fault, 5xx for ours); also ``status_code``.
         message: human-readable; never contains secrets.
         code: machine-readable code (``context_length_exceeded``, ``invalid_api_key``, ...).
         param: the offending request field, if any.
         headers: extra headers (``Retry-After``, ``x-ratelimit-*``).
         type: OpenAI error type; derived from ``status`` when omitted.
+        extra: more fields of the error body (a quota refusal's ``level`` and ``dimension``).
     """
+
+    code = None
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None, type: str | None = None,
                  extra: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = dict(headers or {})
+        super().__init__(message, status_code=status, code=code, headers=headers, param=param)
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.extra = dict(extra or {})
+
+    @property
+    def status(self) -> int:
+        """The HTTP status (= ``status_code``)."""
+        return self.status_code
+
+    def body_fields(self) -> dict[str, Any]:
+        return dict(self.extra)
 
     def body(self) -> dict:
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
@@ -59,25 +72,25 @@ class ApiError(Exception):
         return {"error": err}
 
 
-def merge_headers(*parts: dict[str, str] | None) -> dict[str, str]:
-    """Merge header dicts by lower-cased name, later parts winning, so a name is never sent
-    twice (``Retry-After`` and ``retry-after`` are one header)."""
-    out: dict[str, str] = {}
-    for part in parts:
-        for name, value in (part or {}).items():
-            out[name.lower()] = value
-    return out
+def api_error(refusal: Refusal, *, param: str | None = None) -> ApiError:
+    """The client's answer to ``refusal``: the one translation of every refusal (tenancy, quota,
+    idempotency, scheduler, gateway) into an HTTP error.
+
+    Status, code, message and ``param`` are the refusal's; the headers are its
+    :meth:`~kvmeter.errors.Refusal.response_headers` (``retry-after`` from ``retry_after_s``, then
+    its own); the body carries its :meth:`~kvmeter.errors.Refusal.body_fields` beside OpenAI's
+    four fields. ``param`` names the request field when the caller knows it better than the
+    refusal does (a tool-call report's ``count``). An :class:`ApiError` is returned as it is.
+    """
+    if isinstance(refusal, ApiError) and param is None:
+        return refusal
+    return ApiError(refusal.status_code, refusal.message, code=refusal.code,
+                    param=param if param is not None else refusal.param,
+                    headers=refusal.response_headers(), extra=refusal.body_fields())
 
 
-def error_response(err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The JSON response for ``err`` (plus ``headers``; each header name appears once)."""
+def error_response(err: Refusal, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON response for ``err`` (any refusal, through :func:`api_error`; plus ``headers``;
+    each header name appears once)."""
+    err = api_error(err)
     return JSONResponse(err.body(), status_code=err.status, headers=merge_headers(err.headers, headers))
-
-
-def retry_after_header(seconds: float | None) -> dict[str, str]:
-    """``retry-after`` in whole seconds, rounded up (RFC 9110 §10.2.3 delay-seconds), and
-    ``retry-after-ms`` unrounded in milliseconds (as OpenAI sends it); {} for None."""
-    if seconds is None:
-        return {}
-    s = max(0.0, seconds)
-    return {"retry-after": str(math.ceil(s)), "retry-after-ms": str(math.ceil(s * 1000))}

@@ -41,11 +41,12 @@ from starlette.types import Receive, Scope, Send
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import Refusal
 from kvmeter.events import UsageEvent
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
-from kvmeter.serving.gateway.errors import ApiError, error_response, merge_headers, retry_after_header
-from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
+from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
+from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                               parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
@@ -54,23 +55,15 @@ from kvmeter.serving.gateway.signals import RequestRefused
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
-from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyError, IdempotencyManager,
+from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
-from kvmeter.serving.tenancy import AuthError, Authenticator, Principal
+from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision
 
-__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "DEFAULT_SLOS"]
+__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
 
 log = logging.getLogger(__name__)
-
-#: Latency promises per tier until the tenancy config provides its own (seconds).
-DEFAULT_SLOS: dict[str, TierSLO] = {
-    "enterprise": TierSLO(ttft_s=2.0, itl_s=0.2),
-    "paid_interactive": TierSLO(ttft_s=3.0, itl_s=0.25),
-    "batch": TierSLO(ttft_s=60.0, itl_s=None),
-    "free": TierSLO(ttft_s=10.0, itl_s=0.5),
-}
 
 
 class UsageRecorder(Protocol):
@@ -91,7 +84,6 @@ class GatewaySettings:
             reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
         tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
             thread so the event loop keeps serving streams.
-        slos: latency promise per tier (goodput and deadlines).
     Raises:
         ValueError: for ``max_body_bytes`` < 1 or ``body_read_timeout_s`` ≤ 0.
     """
@@ -99,7 +91,6 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
-    slos: dict[str, TierSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -110,7 +101,13 @@ class GatewaySettings:
 
 @dataclass(slots=True)
 class Gateway:
-    """Everything a request needs, wired once by the serve command (or a test)."""
+    """Everything a request needs, wired once by the serve command (or a test).
+
+    ``tier_policy`` gives the :class:`~kvmeter.serving.tenancy.TierPolicy` of a tier name (or
+    ``None`` for an unknown one): its deadline rule sets the deadline of the scheduler ``Job``
+    and its SLOs the usage event's ``slo_met``. ``kvmeter serve`` passes the tenant directory's
+    (the tenants config's tiers, live across reloads); the default is the built-in tiers.
+    """
 
     engine: Engine
     authenticator: Authenticator
@@ -120,21 +117,18 @@ class Gateway:
     bus: StatsBus = field(default_factory=StatsBus)
     clock: Clock = SYSTEM_CLOCK
     settings: GatewaySettings = field(default_factory=GatewaySettings)
-    slo_for: Callable[[str], TierSLO | None] | None = None
+    tier_policy: Callable[[str], TierPolicy | None] = DEFAULT_TIERS.get
     idempotency: IdempotencyManager | None = None
-
-    def slo(self, tier: str) -> TierSLO | None:
-        if self.slo_for is not None:
-            return self.slo_for(tier)
-        return self.settings.slos.get(tier)
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
 
         Raises:
-            ApiError: 401 for a missing or unknown key (the key never appears in the message);
-                400 when ``Authorization`` or ``x-api-key`` is sent more than once with different
-                values (picking one could bill the request to the wrong tenant).
+            Refusal: :class:`~kvmeter.serving.tenancy.AuthError` (401) for a missing or unknown key
+                (the key never appears in the message); :class:`ApiError` 401 for a malformed
+                ``Authorization`` header, 400 when ``Authorization`` or ``x-api-key`` is sent more
+                than once with different values (picking one could bill the request to the wrong
+                tenant).
         """
         header = single_header(request, "authorization", "Authorization", code="invalid_api_key")
         key: str | None = None
@@ -146,17 +140,14 @@ class Gateway:
             key = value.strip()
         else:
             key = single_header(request, "x-api-key", "x-api-key", code="invalid_api_key") or None
-        try:
-            return self.authenticator.authenticate(key)
-        except AuthError as exc:
-            raise ApiError(401, exc.message, code=exc.code) from None
+        return self.authenticator.authenticate(key)
 
-    def refused(self, err: ApiError, endpoint: str, principal: Principal | None = None) -> None:
+    def refused(self, err: Refusal, endpoint: str, principal: Principal | None = None) -> None:
         """Publish the refusal ``err`` of a request that got no admission decision (see
         :class:`~kvmeter.serving.gateway.signals.RequestRefused`; ``endpoint`` is one of its
         ``REFUSAL_ENDPOINTS``)."""
         self.bus.publish(RequestRefused(
-            status_code=err.status, code=err.code or "", endpoint=endpoint,
+            status_code=err.status_code, code=err.code or "", endpoint=endpoint,
             tenant_id=principal.tenant_id if principal is not None else "",
             tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
 
@@ -264,7 +255,8 @@ class CompletionEndpoint:
         seen = _Seen()
         try:
             admitted = await self._admit(request, request_id, arrival, seen)
-        except ApiError as err:
+        except Refusal as refusal:
+            err = api_error(refusal)
             if err.status == CLIENT_CLOSED:  # left mid-body: nobody to answer, nothing ran
                 log.info("request %s: %s", request_id, err.message)
                 await self._attempt(seen, request_id, err, status="error")
@@ -277,17 +269,16 @@ class CompletionEndpoint:
             await self._attempt(seen, request_id, None, status="replayed", attempt=replay.ticket.attempt)
             try:
                 return replay_response(replay.ticket)
-            except ApiError as err:
-                self.gw.refused(err, self.endpoint, seen.principal)
-                return error_response(err, rid_header)
+            except ApiError as unreplayable:
+                self.gw.refused(unreplayable, self.endpoint, seen.principal)
+                return error_response(unreplayable, rid_header)
         headers = {**rid_header, **admitted.reservation.headers}
         try:
             try:
                 admitted.grant = await self._dispatch(request, admitted)
             except SchedulerRejected as exc:
                 await self._release_unrun(admitted)
-                err = ApiError(exc.status_code, exc.message, code=exc.reason,
-                               headers=retry_after_header(exc.retry_after_s))
+                err = api_error(exc)
                 await self._attempt(seen, request_id, err, adm=admitted)
                 return error_response(err, headers)
             except _ClientGone:  # left while queued: nothing ran, nothing is billed
@@ -385,12 +376,9 @@ class CompletionEndpoint:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             if not isinstance(exc, QuotaRejected):
                 raise
-            rej = exc
-            self._decision(principal, False, rej.reason, rej.level, rej.dimension, rej.status_code)
+            self._decided(principal, exc)
             seen.decided = True
-            headers = merge_headers(retry_after_header(rej.retry_after_s), rej.headers)
-            raise ApiError(rej.status_code, rej.message, code=rej.reason, headers=headers,
-                           extra={"level": rej.level, "dimension": rej.dimension}) from None
+            raise
         engine_request = EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
@@ -404,12 +392,8 @@ class CompletionEndpoint:
         manager = self.gw.idempotency
         if not key or manager is None:
             return None
-        try:
-            ticket = await manager.begin(principal.tenant_id, key,
-                                         fingerprint=fingerprint(data, self.endpoint))
-        except IdempotencyError as exc:
-            raise ApiError(exc.status_code, str(exc), code=getattr(exc, "code", "idempotency_error"),
-                           param="Idempotency-Key") from None
+        ticket = await manager.begin(principal.tenant_id, key,
+                                     fingerprint=fingerprint(data, self.endpoint))  # IdempotencyError
         if ticket.replayed:
             raise _Replay(ticket)
         return ticket
@@ -492,12 +476,18 @@ class CompletionEndpoint:
             tenant_id=principal.tenant_id, tier=principal.tier, admitted=admitted, reason=reason,
             level=level, dimension=dimension, status_code=status, wall_ts=self.gw.clock.wall()))
 
+    def _decided(self, principal: Principal, refusal: QuotaRejected | SchedulerRejected) -> None:
+        """Publish the admission decision of a quota or scheduler refusal."""
+        self._decision(principal, False, refusal.code or "", refusal.level, refusal.dimension,
+                       refusal.status_code)
+
     # -- step 6 ---------------------------------------------------------------------------------
     async def _dispatch(self, request: Request, adm: _Admitted) -> Grant:
         gw = self.gw
         meter = adm.meter
-        slo = gw.slo(adm.principal.tier)
-        deadline = meter.arrival_mono + slo.ttft_s if slo and slo.ttft_s is not None else None
+        policy = gw.tier_policy(adm.principal.tier)
+        # the tier's deadline rule, the one the simulator applies to the same request
+        deadline = policy.deadline_s(meter.arrival_mono) if policy is not None else None
         job = Job(request_id=adm.engine_request.request_id, tenant_id=adm.principal.tenant_id,
                   tier=adm.principal.tier, prompt_tokens=len(adm.engine_request.prompt_token_ids),
                   max_tokens=adm.engine_request.max_tokens, arrival_s=meter.arrival_mono,
@@ -506,7 +496,7 @@ class CompletionEndpoint:
             gw.scheduler.check_admission(job)
             grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)
         except SchedulerRejected as exc:
-            self._decision(adm.principal, False, exc.reason, "global", "scheduler", exc.status_code)
+            self._decided(adm.principal, exc)
             raise
         adm.engine_request.priority = grant.priority
         self._decision(adm.principal, True, "admitted")
@@ -637,7 +627,7 @@ class CompletionEndpoint:
                             finish_reason: str | None) -> UsageEvent:
         gw = self.gw
         event, completion = adm.meter.finish(outcome, status_code=status_code,
-                                             slo=gw.slo(adm.principal.tier),
+                                             policy=gw.tier_policy(adm.principal.tier),
                                              finish_reason=finish_reason)
         adm.finalized = event
         try:

@@ -20,17 +20,10 @@ from dataclasses import dataclass
 from kvmeter.clock import Clock
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
+from kvmeter.serving.tenancy.tiers import TierPolicy
 from kvmeter.stats import RequestCompletion
 
-__all__ = ["RequestMeter", "RequestIdentity", "TierSLO"]
-
-
-@dataclass(frozen=True, slots=True)
-class TierSLO:
-    """Latency promise of a tier: TTFT and mean ITL ceilings in seconds (None = no promise)."""
-
-    ttft_s: float | None = None
-    itl_s: float | None = None
+__all__ = ["RequestMeter", "RequestIdentity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +118,16 @@ class RequestMeter:
         return new
 
     # -- the end -------------------------------------------------------------------------------
-    def finish(self, outcome: str, *, status_code: int, slo: TierSLO | None = None,
+    def finish(self, outcome: str, *, status_code: int, policy: TierPolicy | None = None,
                finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
         """Close the meter and build the usage event and completion stats.
 
         Args:
             outcome: ``ok``, ``aborted`` or ``error``.
             status_code: HTTP status the client got.
-            slo: the tier's latency promise, for ``slo_met`` (goodput).
+            policy: the request's tier, whose SLOs decide ``slo_met`` (goodput,
+                :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.meets_slo`; ``None`` when the tier
+                promises nothing, or a request that did not complete with a first token: False).
             finish_reason: overrides the engine's (``abort`` / ``error``).
         """
         now_mono = self._clock.monotonic()
@@ -175,12 +170,8 @@ class RequestMeter:
             token_source=source, attempt=ident.attempt,
             preemptions=stats.preemptions if stats else 0)
         slo_met: bool | None = None
-        if slo is not None and (slo.ttft_s is not None or slo.itl_s is not None):
-            slo_met = outcome == "ok" and ttft is not None
-            if slo_met and slo.ttft_s is not None:
-                slo_met = ttft <= slo.ttft_s
-            if slo_met and slo.itl_s is not None and itl_mean is not None:
-                slo_met = itl_mean <= slo.itl_s
+        if policy is not None and policy.has_slo:
+            slo_met = outcome == "ok" and ttft is not None and policy.meets_slo(ttft, itl_mean)
         completion_stats = RequestCompletion(
             tenant_id=ident.tenant_id, tier=ident.tier, model=ident.model, outcome=outcome,
             prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,

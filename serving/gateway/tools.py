@@ -26,8 +26,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmeter.errors import Refusal
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
-from kvmeter.serving.gateway.errors import ApiError, error_response
+from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import Gateway
 from kvmeter.serving.gateway.protocol import _json_type
 from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected
@@ -63,20 +64,17 @@ def tool_call_routes(gateway: Gateway, quota: HierarchicalQuota) -> list[Route]:
                 raise ApiError(400, f"count must be an integer, got {_json_type(count)}", param="count",
                                code="invalid_value")
             result = await quota.report_tool_call(principal, run_id, count)
-        except ApiError as err:
+        except Refusal as refusal:
+            param = None
+            if isinstance(refusal, QuotaRejected) and refusal.status_code == 400:
+                # the quota checks the range of count and the run id's form; name the field it means
+                if refusal.dimension == "tool_calls":
+                    param = "count"
+                elif refusal.level == "agent_run":
+                    param = "run_id"
+            err = api_error(refusal, param=param)
             if err.status == CLIENT_CLOSED:  # left mid-body: the app logs it; nothing to answer
                 raise ClientDisconnect() from None
-            gateway.refused(err, _ENDPOINT, principal)
-            return error_response(err)
-        except QuotaRejected as rej:
-            # the quota checks the range of count and the run id's form; name the field it means
-            param = None
-            if rej.status_code == 400 and rej.dimension == "tool_calls":
-                param = "count"
-            elif rej.status_code == 400 and rej.level == "agent_run":
-                param = "run_id"
-            err = ApiError(rej.status_code, rej.message, code=rej.reason, param=param, headers=rej.headers,
-                           extra={"level": rej.level, "dimension": rej.dimension})
             gateway.refused(err, _ENDPOINT, principal)
             return error_response(err)
         return JSONResponse({"agent_run_id": result.agent_run_id, "tool_calls": result.tool_calls,

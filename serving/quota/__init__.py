@@ -10,6 +10,9 @@ Public surface (the modules are internals):
 * Stores: :class:`MemoryQuotaStore` (default), :class:`RedisQuotaStore` (shared, one Lua script
   per reserve and per reconcile), :class:`FailoverQuotaStore` (Redis with the documented outage
   policy) (:mod:`.store`, :mod:`.memory`, :mod:`.redis_store`, :mod:`.failover`).
+* Backends by URL scheme: :func:`open_quota_backend` turns ``memory://`` / ``redis://`` /
+  ``rediss://`` into the store and the idempotency manager, the one place that choice is made
+  (:class:`QuotaBackend`, :func:`register_scheme`, :class:`QuotaStoreURLError`; :mod:`.backends`).
 * Idempotency: :class:`MemoryIdempotencyManager`, :class:`RedisIdempotencyManager`,
   :class:`StoredResponse`, :class:`AttemptOutcome`, :class:`IdempotencyTicket` and the
   :class:`IdempotencyError` family (:mod:`.idempotency`).
@@ -81,6 +84,8 @@ from kvmeter.serving.quota.base import (
     UnlimitedQuota,
     UsageEstimate,
 )
+from kvmeter.serving.quota.backends import (QuotaBackend, QuotaStoreURLError, open_quota_backend,
+                                            register_scheme)
 from kvmeter.serving.quota.failover import DEFAULT_OUTAGE_POLICY, FailoverQuotaStore
 from kvmeter.serving.quota.gate import HierarchicalQuota, PriceFn, RunUsage, ToolCallReport
 from kvmeter.serving.quota.idempotency import (
@@ -123,6 +128,10 @@ __all__ = [
     "redis_client",
     "FailoverQuotaStore",
     "DEFAULT_OUTAGE_POLICY",
+    "QuotaBackend",
+    "QuotaStoreURLError",
+    "open_quota_backend",
+    "register_scheme",
     "IdempotencyManager",
     "MemoryIdempotencyManager",
     "RedisIdempotencyManager",

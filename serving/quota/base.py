@@ -19,6 +19,8 @@ import abc
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from kvmeter.errors import Refusal
+
 __all__ = ["UsageEstimate", "ActualUsage", "Reservation", "QuotaRejected", "QuotaGate", "UnlimitedQuota"]
 
 
@@ -74,14 +76,15 @@ class Reservation:
     handle: object = None
 
 
-class QuotaRejected(Exception):
-    """Admission refused before the engine is touched.
+class QuotaRejected(Refusal):
+    """Admission refused before the engine is touched (a :class:`~kvmeter.errors.Refusal`).
 
     Attributes:
         status_code: 429 (rate/concurrency/KV/run budget), 402 (spend budget exhausted; see the
-            quota package docs), 400 (context length over the node's limit).
-        reason: machine-readable code, e.g. ``rate_limited``, ``spend_exhausted``,
-            ``context_length_exceeded``, ``run_budget_exceeded``.
+            quota package docs), 400 (context length over the node's limit), 503 (store down).
+        code: machine-readable reason, e.g. ``rate_limited``, ``spend_exhausted``,
+            ``context_length_exceeded``, ``run_budget_exceeded`` (also readable as ``reason``,
+            the word the admission decisions use).
         level: the principal level that bound (``org``, ``workspace``, ``project``, ``api_key``,
             ``agent_run``).
         dimension: the dimension that bound (``requests_per_minute``, ``input_tokens_per_minute``,
@@ -89,19 +92,25 @@ class QuotaRejected(Exception):
             ``active_kv_tokens``, ``spend_per_day``, ``spend_per_month``, ...).
         retry_after_s: seconds until the binding limit has refilled enough, or ``None``.
         headers: extra response headers (``Retry-After``, ``x-ratelimit-*``).
+    The error body names ``level`` and ``dimension`` (:meth:`body_fields`).
     """
+
+    status_code = 429
+    code = "rate_limited"
 
     def __init__(self, message: str, *, status_code: int = 429, reason: str = "rate_limited",
                  level: str = "", dimension: str = "", retry_after_s: float | None = None,
                  headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.reason = reason
-        self.level = level
-        self.dimension = dimension
-        self.retry_after_s = retry_after_s
-        self.headers = dict(headers or {})
+        super().__init__(message, status_code=status_code, code=reason, retry_after_s=retry_after_s,
+                         level=level, dimension=dimension, headers=headers)
+
+    @property
+    def reason(self) -> str:
+        """The same as :attr:`code`."""
+        return self.code or ""
+
+    def body_fields(self) -> dict[str, str]:
+        return {"level": self.level, "dimension": self.dimension}
 
 
 class QuotaGate(abc.ABC):

@@ -13,7 +13,8 @@ each header describes the level with the fewest remaining units — the one that
 Remaining values are as of after the request that receives them.
 
 ``Retry-After`` is whole seconds rounded up (RFC 9110 §10.2.3); ``retry-after-ms`` (as sent by
-OpenAI) carries the unrounded value in milliseconds.
+OpenAI) carries the unrounded value in milliseconds (:func:`kvmeter.errors.retry_after_headers`,
+re-exported here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from kvmeter.errors import retry_after_headers
 from kvmeter.serving.quota.gcra import gcra_remaining, gcra_reset_s
 from kvmeter.serving.quota.plan import RATE, PlanItem
 
@@ -46,14 +48,6 @@ def format_reset(seconds: float) -> str:
     if m:
         return f"{m}m{s_txt}s"
     return f"{s_txt}s"
-
-
-def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:
-    """``Retry-After`` (ceil seconds) and ``retry-after-ms``; ``{}`` when None."""
-    if retry_after_s is None:
-        return {}
-    r = max(0.0, retry_after_s)
-    return {"retry-after": str(math.ceil(r)), "retry-after-ms": str(math.ceil(r * 1000))}
 
 
 def _put(out: dict[str, str], suffix: str, limit: int, remaining: int, reset_s: float) -> None:

@@ -59,6 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import Refusal
 from kvmeter.serving.quota.signals import IdempotencyAttempt
 
 __all__ = [
@@ -140,15 +141,15 @@ class IdempotencyTicket:
         return self.outcome is not AttemptOutcome.FIRST
 
 
-class IdempotencyError(Exception):
-    """Base of idempotency refusals. ``status_code`` and ``code`` map to the HTTP answer."""
+class IdempotencyError(Refusal):
+    """Base of idempotency refusals (:class:`~kvmeter.errors.Refusal`s about the
+    ``Idempotency-Key`` header, its ``param``). ``status_code`` and ``code`` map to the HTTP answer."""
 
     status_code = 400
     code = "invalid_idempotency_key"
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(message, param="Idempotency-Key")
 
 
 class InvalidIdempotencyKey(IdempotencyError):
@@ -239,6 +240,10 @@ class IdempotencyManager(abc.ABC):
     @abc.abstractmethod
     async def abandon(self, ticket: IdempotencyTicket) -> None:
         """The ``FIRST`` attempt produced no result to keep; the next retry runs (attempt + 1)."""
+
+    async def aclose(self) -> None:
+        """Release connections (no-op by default)."""
+        return None
 
     def _fit(self, response: StoredResponse) -> StoredResponse:
         if len(response.body) > self.max_body_bytes:
@@ -427,6 +432,9 @@ class RedisIdempotencyManager(IdempotencyManager):
         self._complete = client.register_script(_COMPLETE_LUA)
         self._abandon = client.register_script(_ABANDON_LUA)
         self._local: dict[str, asyncio.Event] = {}
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
 
     def _redis_key(self, tenant_id: str, key: str) -> str:
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -6,7 +6,7 @@ bounded queues, deadlines and shedding by tier.
 """
 
 from .base import Grant, Job, PassThroughScheduler, Scheduler, SchedulerRejected
-from .config import DEFAULT_TIER_POLICIES, SchedulerConfig, TierPolicy
+from .config import SchedulerConfig
 from .core import CoreGrant, SchedulerCore
 from .fair import FairScheduler
 from .fairness import jain_index
@@ -15,7 +15,7 @@ from .stats import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
 
 __all__ = [
     "Job", "Grant", "Scheduler", "SchedulerRejected", "PassThroughScheduler",
-    "SchedulerConfig", "TierPolicy", "DEFAULT_TIER_POLICIES",
+    "SchedulerConfig",
     "SchedulerCore", "CoreGrant", "FairScheduler",
     "OrderingPolicy", "VTCPolicy", "FCFSPolicy", "RPMLimitPolicy", "make_policy", "POLICIES",
     "SchedulerStats", "TenantSchedulerStats", "TierSchedulerStats", "jain_index",

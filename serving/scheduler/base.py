@@ -20,6 +20,7 @@ import abc
 from dataclasses import dataclass, field
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import Refusal
 
 __all__ = ["Job", "Grant", "Scheduler", "SchedulerRejected", "PassThroughScheduler"]
 
@@ -60,23 +61,30 @@ class Grant:
     engine_idx: int = 0
 
 
-class SchedulerRejected(Exception):
-    """The scheduler refuses or drops the job.
+class SchedulerRejected(Refusal):
+    """The scheduler refuses or drops the job (a :class:`~kvmeter.errors.Refusal`).
 
     Attributes:
-        reason: ``queue_full``, ``projected_wait``, ``deadline``, ``shed`` (overload by tier), ...
+        code: ``queue_full``, ``projected_wait``, ``deadline``, ``shed`` (overload by tier), ...
+            (also readable as ``reason``, the word the scheduler's counters use).
         retry_after_s: seconds the client should wait before retrying (≥ 0), or ``None``.
         status_code: HTTP status (429 for overload; 504 never — a missed deadline is answered 429
             or 503 early rather than a late timeout).
+        level, dimension: ``global`` and ``scheduler`` (the admission decision's labels); the
+            error body does not carry them.
     """
+
+    status_code = 429
 
     def __init__(self, reason: str, message: str, *, retry_after_s: float | None = None,
                  status_code: int = 429) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.status_code = status_code
+        super().__init__(message, status_code=status_code, code=reason, retry_after_s=retry_after_s,
+                         level="global", dimension="scheduler")
+
+    @property
+    def reason(self) -> str:
+        """The same as :attr:`code`."""
+        return self.code or ""
 
 
 class Scheduler(abc.ABC):

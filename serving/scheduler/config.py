@@ -1,9 +1,12 @@
-"""Typed configuration of the fair scheduler: tier policies and scheduler limits.
+"""Typed configuration of the fair scheduler: its limits, and the tier policies it runs with.
 
-Everything here is plain, validated data passed in by the caller (the gateway builds it from the
-tenancy/quota configuration; ``kvmeter simulate`` and the benchmarks build it from flags). The
-defaults below are kvmeter's own and are documented where they are chosen; none of them is read
-from the environment.
+Everything here is plain, validated data passed in by the caller (``kvmeter serve`` builds it from
+the tenancy configuration; ``kvmeter simulate`` and the benchmarks build it from flags). The tier
+policy — weight, priority, SLOs, the deadline rule, overload behaviour — is not defined here: it is
+:class:`~kvmeter.serving.tenancy.tiers.TierPolicy`, the one definition tenancy, gateway, scheduler
+and simulator share (the scheduler imports it from tenancy; tenancy imports nothing from the
+scheduler). The defaults below are kvmeter's own and are documented where they are chosen; none of
+them is read from the environment.
 
 Units: seconds for times (monotonic-clock durations), tokens for token counts, dimensionless
 ratios in ``[0, 1]`` for watermarks.
@@ -15,100 +18,15 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from kvmeter.serving.tenancy.tiers import (DEFAULT_TIERS, PRESSURE_ELEVATED, PRESSURE_NORMAL,
+                                           PRESSURE_OVERLOAD, TierPolicy)
+
 __all__ = [
-    "TierPolicy",
     "SchedulerConfig",
-    "DEFAULT_TIER_POLICIES",
     "PRESSURE_NORMAL",
     "PRESSURE_ELEVATED",
     "PRESSURE_OVERLOAD",
 ]
-
-#: Pressure levels (see :class:`SchedulerConfig` for the thresholds that set them).
-PRESSURE_NORMAL = 0
-PRESSURE_ELEVATED = 1
-PRESSURE_OVERLOAD = 2
-
-
-@dataclass(frozen=True, slots=True)
-class TierPolicy:
-    """How one tier is weighted, prioritised, promised and shed.
-
-    Attributes:
-        name: tier name (``enterprise``, ``paid_interactive``, ``batch``, ``free`` or any other).
-        weight: the tier's fairness weight (> 0). Tiers share capacity in proportion to their
-            weights; tenants inside a tier share the tier's part in proportion to their own
-            weights (hierarchical VTC, see :mod:`kvmeter.serving.scheduler.core`).
-        priority: engine priority submitted with the tier's requests (vLLM ``priority``
-            scheduling: lower runs first and is preempted last); ≥ 0.
-        ttft_slo_s: time-to-first-token objective in seconds (goodput), or ``None``.
-        itl_slo_s: mean inter-token latency (TPOT) objective in seconds (goodput), or ``None``.
-        max_queue_wait_s: the deadline, measured from arrival, that a request of this tier gets
-            when it carries none of its own; a queued request past it is dropped (reason
-            ``deadline``). ``None``: ``SchedulerConfig.deadline_slo_factor × ttft_slo_s`` (the first
-            token is due within a small multiple of the TTFT objective), or no deadline when the
-            tier has no TTFT objective either.
-        pause_at: pressure level (1 or 2) from which the tier is paused: its queued work stays
-            queued (deadlines still apply) and is not dispatched until the level falls below it.
-            ``None``: never paused.
-        shed_new_at: pressure level from which new requests of the tier are refused at
-            admission (reason ``shed``). ``None``: never.
-        shed_queued_at: pressure level from which already-queued requests of the tier are
-            dropped (reason ``shed``). ``None``: never.
-    Raises:
-        ValueError: on a non-positive weight, a negative priority or SLO, or a pressure level
-            outside 1–2.
-    """
-
-    name: str
-    weight: float = 1.0
-    priority: int = 0
-    ttft_slo_s: float | None = None
-    itl_slo_s: float | None = None
-    max_queue_wait_s: float | None = None
-    pause_at: int | None = None
-    shed_new_at: int | None = None
-    shed_queued_at: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("TierPolicy needs a non-empty name")
-        if not (self.weight > 0 and math.isfinite(self.weight)):
-            raise ValueError(f"tier {self.name!r}: weight must be a positive number, got {self.weight!r}")
-        if self.priority < 0:
-            raise ValueError(f"tier {self.name!r}: priority must be ≥ 0, got {self.priority}")
-        for label in ("ttft_slo_s", "itl_slo_s", "max_queue_wait_s"):
-            v = getattr(self, label)
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"tier {self.name!r}: {label} must be > 0 or None, got {v!r}")
-        for label in ("pause_at", "shed_new_at", "shed_queued_at"):
-            v = getattr(self, label)
-            if v is not None and v not in (PRESSURE_ELEVATED, PRESSURE_OVERLOAD):
-                raise ValueError(f"tier {self.name!r}: {label} must be 1, 2 or None, got {v!r}")
-
-    @property
-    def protected(self) -> bool:
-        """True when the tier is never paused nor shed (its projected wait drives pressure)."""
-        return self.pause_at is None and self.shed_new_at is None and self.shed_queued_at is None
-
-
-#: kvmeter's default tiers, most protected first (names from :data:`kvmeter.serving.tenancy.TIERS`).
-#: Weights 8:4:1:1; priorities 0–3; interactive SLOs of 1–2 s TTFT and 100–150 ms ITL (the
-#: interactive range the serving literature uses, e.g. DistServe's chat SLOs); deadlines follow
-#: from the TTFT SLO (× ``deadline_slo_factor``), batch may wait an hour; free work is shed first
-#: (new work refused at elevated pressure, queued work dropped at overload), batch is paused at
-#: elevated pressure and refused at overload; enterprise and paid interactive are never shed.
-DEFAULT_TIER_POLICIES: Mapping[str, TierPolicy] = {
-    "enterprise": TierPolicy("enterprise", weight=8.0, priority=0, ttft_slo_s=1.0, itl_slo_s=0.10),
-    "paid_interactive": TierPolicy("paid_interactive", weight=4.0, priority=1, ttft_slo_s=2.0,
-                                   itl_slo_s=0.15),
-    "batch": TierPolicy("batch", weight=1.0, priority=2, ttft_slo_s=None, itl_slo_s=None,
-                        max_queue_wait_s=3600.0, pause_at=PRESSURE_ELEVATED,
-                        shed_new_at=PRESSURE_OVERLOAD),
-    "free": TierPolicy("free", weight=1.0, priority=3, ttft_slo_s=5.0, itl_slo_s=0.25,
-                       shed_new_at=PRESSURE_ELEVATED,
-                       shed_queued_at=PRESSURE_OVERLOAD),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +36,9 @@ class SchedulerConfig:
     Fairness (VTC cost function, Sheng et al., OSDI 2024, §3):
         input_weight: service charged per input (prompt) token, at dispatch (paper's w_p; 1).
         output_weight: service charged per output token, as it streams (paper's w_q; 2).
-        tiers: tier name → :class:`TierPolicy`; a job of an unknown tier uses ``default_tier``.
+        tiers: tier name → :class:`~kvmeter.serving.tenancy.tiers.TierPolicy` (default: the built-in
+            :data:`~kvmeter.serving.tenancy.tiers.DEFAULT_TIERS`); a job of an unknown tier uses
+            ``default_tier``.
         default_tier: tier policy used for unknown tier names (must be a key of ``tiers``).
         tenant_weights: tenant id → weight inside its tier (default 1.0).
 
@@ -165,10 +85,8 @@ class SchedulerConfig:
         max_queued_per_tenant: most queued requests per tenant (reason ``queue_full``).
         max_queued_total: most queued requests over all tenants (reason ``queue_full``).
         reject_on_projected_wait: refuse at admission a request whose projected wait exceeds its
-            deadline (reason ``projected_wait``).
-        deadline_slo_factor: a request with no deadline of its own, in a tier with a TTFT SLO and
-            no ``max_queue_wait_s``, must be dispatched within this multiple of the SLO (≥ 1;
-            default 3: a first token later than that is taken as abandoned).
+            deadline (reason ``projected_wait``). A job's deadline is its own ``deadline_s``,
+            else its tier's :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`.
         overload_control: enable pressure levels (pause/shed by tier) and deadline drops. The
             FCFS/RPM baselines run with it off to show what a plain engine queue does.
         elevated_queue_fill, overload_queue_fill: queue fill ratios (queued / max_queued_total)
@@ -200,7 +118,7 @@ class SchedulerConfig:
 
     input_weight: float = 1.0
     output_weight: float = 2.0
-    tiers: Mapping[str, TierPolicy] = field(default_factory=lambda: dict(DEFAULT_TIER_POLICIES))
+    tiers: Mapping[str, TierPolicy] = field(default_factory=lambda: dict(DEFAULT_TIERS))
     default_tier: str = "paid_interactive"
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     kv_watermark_high: float = 0.90
@@ -221,7 +139,6 @@ class SchedulerConfig:
     max_queued_per_tenant: int = 1_000
     max_queued_total: int = 100_000
     reject_on_projected_wait: bool = True
-    deadline_slo_factor: float = 3.0
     overload_control: bool = True
     elevated_queue_fill: float = 0.5
     overload_queue_fill: float = 0.8
@@ -258,8 +175,6 @@ class SchedulerConfig:
         for name in ("pressure_min_dwell_s",):
             if getattr(self, name) < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be ≥ 0")
-        if not self.deadline_slo_factor >= 1:
-            raise ValueError(f"deadline_slo_factor must be ≥ 1, got {self.deadline_slo_factor!r}")
         if self.max_engine_waiting < 1:
             raise ValueError(f"SchedulerConfig.max_engine_waiting must be ≥ 1, got {self.max_engine_waiting}")
         if not 0 < self.kv_watermark_high <= 1:

@@ -56,10 +56,11 @@ from typing import Iterable, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import EngineLoad
+from kvmeter.serving.tenancy.tiers import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, TierPolicy
 
 from ._heap import LazyMinHeap
 from .base import Grant, Job, SchedulerRejected
-from .config import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, SchedulerConfig, TierPolicy
+from .config import SchedulerConfig
 from .gating import EngineGate, latency_targets, pick_engine
 from .policy import OrderingPolicy, make_policy
 from .pressure import PressureController, oldest_protected_wait_ratio
@@ -313,15 +314,13 @@ class SchedulerCore:
 
     # ------------------------------------------------------------------ admission
     def _deadline_of(self, job: Job, tier: TierPolicy) -> float | None:
+        """The job's own deadline, else its tier's rule (:meth:`TierPolicy.deadline_s`); none
+        without overload control."""
         if not self.config.overload_control:
             return None
         if job.deadline_s is not None:
             return job.deadline_s
-        if tier.max_queue_wait_s is not None:
-            return job.arrival_s + tier.max_queue_wait_s
-        if tier.ttft_slo_s is not None:
-            return job.arrival_s + self.config.deadline_slo_factor * tier.ttft_slo_s
-        return None
+        return tier.deadline_s(job.arrival_s)
 
     def _admission_error(self, job: Job, now: float) -> SchedulerRejected | None:
         cfg = self.config
@@ -621,9 +620,7 @@ class SchedulerCore:
             return
         ttft = g.first_token_s - g.job.arrival_s
         tpot = (now - g.first_token_s) / (n - 1) if n > 1 else 0.0
-        ok = (pol.ttft_slo_s is None or ttft <= pol.ttft_slo_s) and \
-             (pol.itl_slo_s is None or tpot <= pol.itl_slo_s)
-        if ok:
+        if pol.meets_slo(ttft, tpot):
             tier.slo_met += 1
             tier.good_tokens += n
         if pol.protected and pol.itl_slo_s is not None and n > 1:

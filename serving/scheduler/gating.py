@@ -67,8 +67,9 @@ from collections import deque
 from typing import Iterable, Sequence
 
 from kvmeter.serving.engines.base import EngineLoad
+from kvmeter.serving.tenancy.tiers import TierPolicy
 
-from .config import SchedulerConfig, TierPolicy
+from .config import SchedulerConfig
 
 __all__ = ["EngineGate", "AdaptiveEngineLimit", "pick_engine", "latency_targets"]
 

@@ -15,7 +15,7 @@ The level rises when the protected tiers' promises are at risk and falls when th
 
 What a level *does* (pausing batch, refusing and dropping free work) is the core's
 (:meth:`~.core.SchedulerCore.set_pressure_level`), driven by each tier's
-:class:`~.config.TierPolicy`. This module only decides the level.
+:class:`~kvmeter.serving.tenancy.tiers.TierPolicy`. This module only decides the level.
 """
 
 from __future__ import annotations

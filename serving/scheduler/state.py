@@ -18,9 +18,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmeter.serving.tenancy.tiers import TierPolicy
+
 from ._heap import LazyMinHeap
 from .base import Grant, Job
-from .config import TierPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .policy import OrderingPolicy

@@ -7,7 +7,7 @@ org → workspace → project → API key, the tiers and the platform-wide (``gl
     default_tier: free
     global: {limits: {requests_per_minute: 100000}}
     tiers:                       # override built-in tiers field by field, or add new ones
-      free: {weight: 0.5, limits: {api_key: {requests_per_minute: 10}}}
+      free: {weight: 0.5, ttft_slo_s: 8.0, limits: {api_key: {requests_per_minute: 10}}}
     orgs:
       acme:                      # ids: letters, digits, '.', '_', '-' (1-128 chars)
         tier: enterprise
@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from kvmeter.serving.tenancy.limits import NODE_LEVELS
+from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TIER_FIELDS, tier_field_problem
 
 __all__ = [
     "ConfigError",
@@ -132,21 +134,52 @@ def _check_levels(value: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class TierModel(BaseModel):
-    """A tier's settings; for a built-in tier every field given overrides the built-in value."""
+    """A tier's settings: every field of :class:`~kvmeter.serving.tenancy.tiers.TierPolicy`.
+
+    For a built-in tier each field given overrides the built-in value (``limits`` and
+    ``run_budget`` field by field); a new tier starts from the :class:`TierPolicy` defaults. An
+    explicit ``null`` is allowed only where the policy allows ``None`` (an SLO, ``max_queue_wait_s``,
+    a pause/shed level: "none"). The value rules are :func:`~kvmeter.serving.tenancy.tiers.
+    tier_field_problem`'s, reported under the field's path (``tiers.free.weight: ...``).
+    """
 
     model_config = _STRICT
 
-    weight: float | None = Field(default=None, gt=0)
-    ttft_slo_s: float | None = Field(default=None, gt=0)
-    itl_slo_s: float | None = Field(default=None, gt=0)
+    weight: float | None = None
     priority: int | None = None
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
+    deadline_slo_factor: float | None = None
+    max_queue_wait_s: float | None = None
+    pause_at: int | None = None
+    shed_new_at: int | None = None
+    shed_queued_at: int | None = None
     limits: dict[str, LimitsModel] = Field(default_factory=dict)
     run_budget: RunBudgetModel | None = None
+
+    @field_validator(*TIER_FIELDS, mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's true/false are not 1/0 here
+            raise ValueError("must be a number, not a boolean")
+        return v
+
+    @field_validator(*TIER_FIELDS)
+    @classmethod
+    def _rule(cls, v: Any, info: ValidationInfo) -> Any:
+        problem = tier_field_problem(str(info.field_name), v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @field_validator("limits")
     @classmethod
     def _levels(cls, v: dict[str, LimitsModel]) -> dict[str, LimitsModel]:
         return dict(_check_levels(v))
+
+    def fields_set(self) -> dict[str, Any]:
+        """The policy fields this config sets explicitly (``limits``/``run_budget`` excluded)."""
+        return {name: getattr(self, name) for name in TIER_FIELDS if name in self.model_fields_set}
 
 
 class _Node(BaseModel):
@@ -280,8 +313,6 @@ def _path(loc: tuple[Any, ...]) -> str:
 
 def _semantic_problems(cfg: TenancyConfig) -> list[tuple[str, str]]:
     """Cross-field checks pydantic cannot express per field."""
-    from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
-
     problems: list[tuple[str, str]] = []
     tiers = set(DEFAULT_TIERS) | set(cfg.tiers)
     for name in cfg.tiers:

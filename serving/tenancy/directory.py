@@ -29,7 +29,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -164,22 +164,16 @@ def _tightest_explicit(default: Any, models: list[Any], cls: type) -> Any:
 
 
 def _compile_tiers(overrides: Mapping[str, TierModel]) -> dict[str, TierPolicy]:
+    """The built-in tiers with the file's overrides (each field it sets replaces the built-in
+    one; limits per level and the run budget field by field), plus the tiers it adds."""
     tiers = dict(DEFAULT_TIERS)
     for name, m in overrides.items():
         base = tiers.get(name, TierPolicy(name=name))
         levels = dict(base.limits)
         for level, lm in m.limits.items():
             levels[level] = _overlay(base.limits_for(level), lm, Limits)
-        set_ = m.model_fields_set
-        tiers[name] = TierPolicy(
-            name=name,
-            weight=m.weight if "weight" in set_ and m.weight is not None else base.weight,
-            ttft_slo_s=m.ttft_slo_s if "ttft_slo_s" in set_ else base.ttft_slo_s,
-            itl_slo_s=m.itl_slo_s if "itl_slo_s" in set_ else base.itl_slo_s,
-            priority=m.priority if "priority" in set_ and m.priority is not None else base.priority,
-            limits=MappingProxyType(levels),
-            run_budget=_overlay(base.run_budget, m.run_budget, RunBudget),
-        )
+        tiers[name] = replace(base, **m.fields_set(), limits=MappingProxyType(levels),
+                              run_budget=_overlay(base.run_budget, m.run_budget, RunBudget))
     return tiers
 
 

@@ -16,19 +16,23 @@ import hmac
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmeter.errors import Refusal
+from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
+
 __all__ = ["Principal", "Authenticator", "AuthError", "TIERS", "hash_api_key", "constant_time_lookup"]
 
-#: Tiers known out of the box, most protected first.
-TIERS = ("enterprise", "paid_interactive", "batch", "free")
+#: Tiers known out of the box, most protected first (the keys of :data:`~.tiers.DEFAULT_TIERS`).
+TIERS = tuple(DEFAULT_TIERS)
 
 
-class AuthError(Exception):
-    """Missing or unknown API key (HTTP 401). The message never contains the key."""
+class AuthError(Refusal):
+    """Missing or unknown API key (HTTP 401; ``code`` ``missing_api_key`` or ``invalid_api_key``).
+    The message never contains the key."""
+
+    status_code = 401
 
     def __init__(self, message: str, *, code: str = "invalid_api_key") -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
+        super().__init__(message, code=code)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ import pytest
 from kvmeter.clock import ManualClock
 from kvmeter.events import event_id_for
 from kvmeter.serving.engines.base import EngineOutput
-from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter, TierSLO
+from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
+from kvmeter.serving.tenancy import TierPolicy
 from kvmeter.stats import EngineRequestStats
 
 IDENT = RequestIdentity(request_id="kvm-1", tenant_id="acme", tier="enterprise", model="m",
@@ -35,7 +36,7 @@ def test_ttft_itl_and_kv_token_seconds_by_hand():
                                cached_prompt_tokens=40, queued_s=0.05, prefill_s=0.9, decode_s=0.5)
     meter.on_output(_out(4, 1, finished=True, stats=stats))  # held 103 × 0.3, then KV freed
     clock.advance(5.0)                       # time after the engine finished does not hold KV
-    event, done = meter.finish("ok", status_code=200, slo=TierSLO(ttft_s=2.0, itl_s=0.2))
+    event, done = meter.finish("ok", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0, itl_slo_s=0.2))
     assert event.ttft_s == pytest.approx(1.5)
     assert done.itls_s == pytest.approx([0.1, 0.1, 0.3])
     assert event.itl_mean_s == pytest.approx(0.5 / 3)
@@ -56,7 +57,7 @@ def test_abort_bills_what_the_frontend_saw_and_misses_its_slo():
     clock.advance(0.1)
     meter.on_output(_out(7, 7, prompt=50, cached=16))
     clock.advance(0.1)
-    event, done = meter.finish("aborted", status_code=200, slo=TierSLO(ttft_s=2.0), finish_reason="abort")
+    event, done = meter.finish("aborted", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0), finish_reason="abort")
     assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (50, 16, 7)
     assert event.token_source == "frontend" and event.outcome == "aborted"
     assert event.reserved_completion_tokens == 500
@@ -82,6 +83,6 @@ def test_idempotency_key_decides_the_event_id_and_slow_ttft_misses_the_slo():
     meter.dispatched()
     clock.advance(3.0)
     meter.on_output(_out(1, 1, prompt=10, finished=True))
-    event, done = meter.finish("ok", status_code=200, slo=TierSLO(ttft_s=2.0))
+    event, done = meter.finish("ok", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0))
     assert event.event_id == event_id_for("acme", "order-17") and event.attempt == 2
     assert done.slo_met is False

@@ -192,7 +192,7 @@ orgs:
 """
     d = TenantDirectory(text)
     free = d.tier_policy("free")
-    assert (free.weight, free.ttft_slo_s, free.itl_slo_s, free.priority) == (0.75, 3.0, 0.25, 2)
+    assert (free.weight, free.ttft_slo_s, free.itl_slo_s, free.priority) == (0.75, 3.0, 0.25, 3)
     a, b = d.entry("a"), d.entry("b")
     assert [n.level for n in a.chain] == ["global", "org", "workspace", "project", "api_key"]
     assert a.chain[4].limits.requests_per_minute == 7

@@ -44,7 +44,7 @@ def test_queued_request_past_its_deadline_is_dropped_not_dispatched():
 
 
 def test_default_deadline_is_a_multiple_of_the_tier_ttft_slo_or_its_max_queue_wait():
-    core, clock = make_core(deadline_slo_factor=3.0)
+    core, clock = make_core()                            # the built-in tiers: deadline_slo_factor 3
     _gate_closed(core)
     core.submit(job("p", "b", tier="paid_interactive"))  # TTFT SLO 2 s → 6 s
     core.submit(job("f", "a", tier="free"))              # TTFT SLO 5 s → 15 s

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmeter.serving.scheduler import (SchedulerConfig, SchedulerCore, SchedulerRejected, TierPolicy,
-                                       jain_index)
+from kvmeter.serving.scheduler import SchedulerConfig, SchedulerCore, SchedulerRejected, jain_index
+from kvmeter.serving.tenancy import TierPolicy
 
 from .helpers import StepEngine, job, make_core
 

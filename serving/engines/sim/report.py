@@ -84,8 +84,7 @@ class _Aggregator:
             return False
         ttft = rec.first_token_s - rec.arrival_s
         tpot = (rec.finish_s - rec.first_token_s) / (rec.generated - 1) if rec.generated > 1 else 0.0
-        return (pol.ttft_slo_s is None or ttft <= pol.ttft_slo_s) and \
-               (pol.itl_slo_s is None or tpot <= pol.itl_slo_s)
+        return pol.meets_slo(ttft, tpot)
 
     def itl(self, recs: Sequence[RequestRecord]) -> list[float]:
         vals: list[np.ndarray] = []

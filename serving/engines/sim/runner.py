@@ -103,6 +103,10 @@ class RequestRecord:
         outcome: ``ok`` (completed), ``rejected`` (at admission) or ``dropped`` (while queued).
         reason: rejection / drop reason (``""`` when ok).
         queued_at_arrival: requests queued in the scheduler when it arrived (0: engines had room).
+        deadline_s: the virtual time its first token was due by (the trace's, else its tier's
+            :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`; enforced with the
+            scheduler's overload control), or ``None``.
+        priority: the engine priority it was dispatched with (``None``: never dispatched).
         dispatch_s, first_token_s, finish_s: virtual times (NaN when not reached).
         generated: output tokens generated.
         cached_tokens: prompt tokens served from the prefix cache.
@@ -119,6 +123,8 @@ class RequestRecord:
     outcome: str = "ok"
     reason: str = ""
     queued_at_arrival: int = 0
+    deadline_s: float | None = None
+    priority: int | None = None
     retry_after_s: float | None = None
     dispatch_s: float = math.nan
     first_token_s: float = math.nan
@@ -239,8 +245,10 @@ class Simulation:
         if tr.input_tokens + tr.output_tokens > limit:
             rec.outcome, rec.reason = "rejected", "context_length_exceeded"
             return
+        # the trace's own deadline, else the tier's rule: the one serve's gateway applies
+        rec.deadline_s = tr.deadline_s if tr.deadline_s is not None else self.scfg.tier(rec.tier).deadline_s(now)
         job = Job(request_id=rid, tenant_id=tenant, tier=rec.tier, prompt_tokens=tr.input_tokens,
-                  max_tokens=tr.output_tokens, arrival_s=now, deadline_s=tr.deadline_s)
+                  max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s)
         core = self.core
         if core.queued_total == 0 or (core.policy.counter_ordered and core.tenant_queue_depth(tenant) == 0):
             # the queue turns non-empty (the drain-rate meter starts counting: output produced so
@@ -314,6 +322,7 @@ class Simulation:
         rec, tr = self._by_id[grant.job.request_id]
         rec.dispatch_s = now
         rec.replica = grant.engine_idx
+        rec.priority = grant.priority
         req = SimRequest(grant.job.request_id, tr.input_tokens, tr.output_tokens, priority=grant.priority,
                          hash_ids=tr.hash_ids, tenant_id=rec.tenant_id, tier=rec.tier, payload=grant)
         self.replicas[grant.engine_idx].add(req, now)
