@@ -69,13 +69,9 @@ from typing import Callable, Mapping
 from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.collectors.gpu.samples import GpuSample
-from kvmeter.collectors.remote_vllm import RemoteEngineStats
 from kvmeter.ledger.records import SignalSample
-from kvmeter.ledger.stats import LedgerStats
-from kvmeter.serving.quota.signals import QuotaStoreState
-from kvmeter.serving.scheduler.stats import SchedulerStats
-from kvmeter.stats import EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, QuotaStoreState, RemoteEngineStats,
+                           RequestCompletion, SchedulerStats)
 
 __all__ = ["SignalSampler", "SignalRecorder", "SignalSamplerConfig"]
 

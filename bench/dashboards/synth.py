@@ -37,12 +37,11 @@ import numpy as np
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
-from kvmeter.collectors.gpu.samples import GpuSample
 from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.ledger import AttemptRecord, Ledger, LedgerConfig
-from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
-from kvmeter.stats import EngineRequestStats, EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineRequestStats, EngineStepStats, GpuSample, RequestCompletion, SchedulerStats,
+                           TenantSchedulerStats, TierSchedulerStats)
 from kvmeter.traces import load_trace
 
 __all__ = ["build", "DAY_START", "DEMO_TENANTS"]

@@ -43,7 +43,7 @@ def fmt(times: list[float]) -> str:
 
 def feed(bus, clock, rng, tenants: int) -> None:
     """What a busy server publishes during one interval."""
-    from kvmeter.serving.quota.signals import QuotaStoreState
+    from kvmeter.stats import QuotaStoreState
     from kvmeter.stats import EngineStepStats, RequestCompletion
 
     snap = scheduler_snapshot(rng, tenants, 1)

@@ -18,7 +18,7 @@ import time
 
 from .capture import parse_query_text
 from .nvml_collector import NvmlCollector
-from .samples import GpuSample
+from kvmeter.stats import GpuSample
 
 MIB = 1024 * 1024
 

@@ -12,7 +12,7 @@ import os
 import threading
 
 from .nvml_collector import NvmlCollector
-from .samples import GpuCollectorStatus
+from kvmeter.stats import GpuCollectorStatus
 
 __all__ = ["GpuPoller", "INTERVAL_ENV"]
 

@@ -2,11 +2,11 @@
 idempotent replays, the shared quota store's degraded state, agent tool-call budget reports and
 tenancy config reloads.
 
-Inputs (plain dataclasses on the bus): :class:`~kvmeter.serving.quota.signals.ReservationDrift`,
-:class:`~kvmeter.serving.quota.signals.IdempotencyAttempt`,
-:class:`~kvmeter.serving.quota.signals.QuotaStoreState`,
-:class:`~kvmeter.serving.quota.signals.ToolCallReported`,
-:class:`~kvmeter.serving.tenancy.ConfigReloaded`, and :class:`~kvmeter.stats.AdmissionDecision`
+Inputs (plain dataclasses on the bus): :class:`~kvmeter.stats.ReservationDrift`,
+:class:`~kvmeter.stats.IdempotencyAttempt`,
+:class:`~kvmeter.stats.QuotaStoreState`,
+:class:`~kvmeter.stats.ToolCallReported`,
+:class:`~kvmeter.stats.ConfigReloaded`, and :class:`~kvmeter.stats.AdmissionDecision`
 (for the tier of a retrying tenant, below).
 
 Definitions:
@@ -29,10 +29,8 @@ Definitions:
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
-                                           ToolCallReported)
-from kvmeter.serving.tenancy import ConfigReloaded
-from kvmeter.stats import AdmissionDecision
+from kvmeter.stats import (AdmissionDecision, ConfigReloaded, IdempotencyAttempt, QuotaStoreState,
+                           ReservationDrift, ToolCallReported)
 
 from .base import MetricSource, SourceContext
 

@@ -14,13 +14,12 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from kvmeter.stats import EngineRequestStats
+from kvmeter.stats import EngineLoad, EngineRequestStats
 
 __all__ = [
     "Engine",
     "EngineRequest",
     "EngineOutput",
-    "EngineLoad",
     "EngineError",
     "Tokenizer",
 ]
@@ -90,22 +89,6 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None
     stats: EngineRequestStats | None = None
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    """What the scheduler needs to gate dispatch.
-
-    Attributes:
-        kv_watermark_ratio: used / total KV blocks (0.0–1.0) at the last engine step.
-        kv_capacity_tokens: total KV capacity in tokens (blocks × block size); 0 if unknown.
-        num_running, num_waiting: engine-side request counts at the last step.
-    """
-
-    kv_watermark_ratio: float = 0.0
-    kv_capacity_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
 
 
 class Tokenizer(abc.ABC):

@@ -18,9 +18,9 @@ from typing import AsyncIterator
 
 import httpx
 
-from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput,
-                                          EngineRequest, Tokenizer)
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+from kvmeter.stats import EngineLoad
 
 __all__ = ["RemoteEngine"]
 

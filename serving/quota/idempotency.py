@@ -25,7 +25,7 @@ Outcomes of :meth:`IdempotencyManager.begin`:
 * ``JOINED`` — an attempt was running; this call waited for it and carries its result.
 * ``REPLAYED`` — an attempt had finished; this call carries its stored result.
 
-Each call publishes an :class:`~kvmeter.serving.quota.signals.IdempotencyAttempt` — the gateway
+Each call publishes an :class:`~kvmeter.stats.IdempotencyAttempt` — the gateway
 records the attempt from ``ticket`` as well.
 
 What a replay returns: exactly what the first attempt sent — its status, headers and body bytes.
@@ -59,7 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.quota.signals import IdempotencyAttempt
+from kvmeter.stats import IdempotencyAttempt
 
 __all__ = [
     "AttemptOutcome",

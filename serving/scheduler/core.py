@@ -55,7 +55,7 @@ import logging
 from typing import Iterable, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.engines.base import EngineLoad
+from kvmeter.stats import EngineLoad, SchedulerStats
 
 from ._heap import LazyMinHeap
 from .base import Grant, Job, SchedulerRejected
@@ -66,7 +66,6 @@ from .pressure import PressureController, oldest_protected_wait_ratio
 from .projection import DrainRateMeter, job_cost, projected_wait
 from .signals import FairnessSampler, tenant_stats, tier_stats
 from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
-from .stats import SchedulerStats
 
 __all__ = ["SchedulerCore", "CoreGrant"]
 

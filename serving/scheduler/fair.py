@@ -33,14 +33,12 @@ import logging
 from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.engines.base import EngineLoad
-from kvmeter.stats import EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepStats, SchedulerStats
 
 from .base import Grant, Job, Scheduler
 from .config import SchedulerConfig
 from .core import SchedulerCore
 from .policy import OrderingPolicy
-from .stats import SchedulerStats
 
 __all__ = ["FairScheduler"]
 

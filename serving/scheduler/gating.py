@@ -66,7 +66,7 @@ import math
 from collections import deque
 from typing import Iterable, Sequence
 
-from kvmeter.serving.engines.base import EngineLoad
+from kvmeter.stats import EngineLoad
 
 from .config import SchedulerConfig, TierPolicy
 

@@ -1,4 +1,4 @@
-"""The scheduler's signals: periodic fairness sampling and the :class:`~.stats.SchedulerStats`
+"""The scheduler's signals: periodic fairness sampling and the :class:`~kvmeter.stats.SchedulerStats`
 snapshot the exporters read.
 
 * :class:`FairnessSampler` — every second (``SAMPLE_INTERVAL_S``) it records each backlogged
@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .fairness import BackloggedServiceMeter
 from .state import TenantState, TierState
-from .stats import TenantSchedulerStats, TierSchedulerStats
+from kvmeter.stats import TenantSchedulerStats, TierSchedulerStats
 
 __all__ = ["SAMPLE_INTERVAL_S", "FairnessSampler", "tenant_stats", "tier_stats"]
 

@@ -16,7 +16,6 @@ Public surface (re-exported here; the modules are internals):
 
 from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, load_config, parse_config
 from kvmeter.serving.tenancy.directory import (
-    ConfigReloaded,
     DirectorySnapshot,
     KeyEntry,
     NodeLimits,
@@ -50,7 +49,6 @@ __all__ = [
     "DirectorySnapshot",
     "KeyEntry",
     "NodeLimits",
-    "ConfigReloaded",
     "TierPolicy",
     "DEFAULT_TIERS",
     "Limits",

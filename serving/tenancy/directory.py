@@ -40,9 +40,9 @@ from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, TierModel
 from kvmeter.serving.tenancy.limits import NO_LIMITS, Limits, RunBudget
 from kvmeter.serving.tenancy.principal import AuthError, Principal
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TierPolicy
+from kvmeter.stats.tenancy import ConfigReloaded
 
-__all__ = ["TenantDirectory", "DirectorySnapshot", "KeyEntry", "NodeLimits", "ConfigReloaded",
-           "MAX_PRESENTED_KEY_CHARS"]
+__all__ = ["TenantDirectory", "DirectorySnapshot", "KeyEntry", "NodeLimits", "MAX_PRESENTED_KEY_CHARS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +81,6 @@ class KeyEntry:
     chain: tuple[NodeLimits, ...]
     run_limits: Limits
     run_budget: RunBudget
-
-
-@dataclass(slots=True)
-class ConfigReloaded:
-    """Signal: a reload was attempted.
-
-    Attributes:
-        ok: True if the new config is live.
-        version: the live snapshot's version after the attempt.
-        error: the :class:`ConfigError` message when ``ok`` is false (never contains key material).
-        keys: API keys in the live snapshot.
-        wall_ts: wall-clock epoch seconds.
-    """
-
-    ok: bool
-    version: int
-    error: str = ""
-    keys: int = 0
-    wall_ts: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,8 @@ from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
 from kvmeter.collectors.signals import SignalRecorder, SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
-from kvmeter.serving.quota.signals import QuotaStoreState
-from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
-from kvmeter.stats import EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineStepStats, QuotaStoreState, RequestCompletion, SchedulerStats,
+                           TenantSchedulerStats)
 
 MIB = 1024 * 1024
 T0 = 1_790_000_000.0  # 2026-09-21 UTC

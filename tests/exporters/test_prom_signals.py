@@ -10,11 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeter.collectors.gpu import (
     CaptureNvml,
-    GpuCollectorStatus,
-    GpuProcessSample,
-    GpuSample,
     NvmlCollector,
-    XidEvent,
     gpu_samples_from_dcgm,
 )
 from kvmeter.collectors.remote_vllm import RemoteVllmScraper
@@ -28,7 +24,8 @@ from kvmeter.exporters.prometheus import (
 )
 from kvmeter.exporters.prometheus import buckets as B
 from kvmeter.exporters.prometheus.rules.generate_slo import SLO_CLASSES
-from kvmeter.stats import AdmissionDecision, EngineRequestStats, EngineStepStats, RequestCompletion
+from kvmeter.stats import (AdmissionDecision, EngineRequestStats, EngineStepStats, GpuCollectorStatus,
+                           GpuProcessSample, GpuSample, RequestCompletion, XidEvent)
 
 MIB = 1024 * 1024
 

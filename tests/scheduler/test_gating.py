@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.scheduler import SchedulerRejected
+from kvmeter.stats import EngineLoad
 
 from .helpers import job, make_core
 
