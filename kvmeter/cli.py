@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvmeter.serving.engines.sim.cli", "simulate a GPU vLLM replica under a trace and a policy"),
     "billing": ("kvmeter.ledger.cli", "billing reports and three-way reconciliation from the ledger"),
     "dashboard": ("kvmeter.dashboards.cli", "start the Streamlit dashboards"),
-    "gpu": ("kvmeter.collectors.gpu_cli", "read GPU signals through NVML (or a capture) once"),
+    "gpu": ("kvmeter.collectors.gpu_cli", "read the GPUs through NVML (or a capture) once"),
 }
 
 #: Commands whose output is a result read by people or scripts: WARNING unless -v/--log-level.

@@ -25,10 +25,10 @@ from starlette.routing import Route
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.collectors.gpu import GpuPoller, NvmlCollector
-from kvmeter.collectors.signals import SignalRecorder, SignalSampler
 from kvmeter.events import UsageEvent
 from kvmeter.exporters.prometheus import install_prometheus, metrics_asgi_app
 from kvmeter.exporters.prometheus.config import PrometheusConfig
+from kvmeter.exporters.signals import SignalRecorder, SignalSampler
 from kvmeter.ledger.config import LedgerConfig
 from kvmeter.ledger.ledger import Ledger
 from kvmeter.ledger.prices import PriceList, load_price_list
@@ -205,7 +205,7 @@ class ServeRuntime:
             from kvmeter.exporters.otel import install_otel
 
             self.otel = install_otel(self.bus)
-        # GPU signals with no flag: polled on a GPU machine; without one, a "no GPU" line at start
+        # GPU readings with no flag: polled on a GPU machine; without one, a "no GPU" line at start
         self.gpu = GpuPoller(NvmlCollector(nvml, bus=self.bus, clock=clock))
         # signal history (ClickHouse ``signals``): sampled from now, written once the ledger is open
         self.signals = SignalSampler(self.bus, clock=clock, model=self.engine.model_name)

@@ -1,4 +1,4 @@
-"""Benchmark: /metrics render time with 1,000 tenants and every signal populated.
+"""Benchmark: /metrics render time with 1,000 tenants and every metric populated.
 
     .venv/bin/python bench/exporters/bench_render.py [--tenants 1000] [--k 20] [--runs 30]
 

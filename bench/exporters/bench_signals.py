@@ -72,7 +72,7 @@ def main() -> None:
     from kvmeter.bus import StatsBus
     from kvmeter.clock import ManualClock
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-    from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
+    from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
     from kvmeter.ledger import Ledger, LedgerConfig
 
     rng = random.Random(1)

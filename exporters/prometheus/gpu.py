@@ -1,4 +1,4 @@
-"""GPU signals from the NVML collector's :class:`~kvmeter.stats.GpuSample`,
+"""GPU metrics from the NVML collector's :class:`~kvmeter.stats.GpuSample`,
 :class:`~kvmeter.collectors.gpu.XidEvent` and :class:`~kvmeter.collectors.gpu.GpuCollectorStatus`.
 
 Unknown readings (``None``) are never exported as 0: the series is dropped instead. Device-side

@@ -1,4 +1,4 @@
-"""Ledger signals from :class:`~kvmeter.stats.LedgerStats` (published by the ledger after every
+"""Ledger metrics from :class:`~kvmeter.stats.LedgerStats` (published by the ledger after every
 writer round, on the writer's thread): spool depth and age of the oldest undrained record, usage
 events ingested by status, ClickHouse insert retries, records refused as data, spool write errors
 and whether ClickHouse answered last time.

@@ -1,4 +1,4 @@
-"""Quota, idempotency and tenancy signals: reservation vs actual drift, client retries and
+"""Quota, idempotency and tenancy metrics: reservation vs actual drift, client retries and
 idempotent replays, the shared quota store's degraded state, agent tool-call budget reports and
 tenancy config reloads.
 
@@ -43,7 +43,7 @@ _TOKEN_DIMENSIONS = {"input_tokens": "input", "output_tokens": "output"}
 
 
 class QuotaMetrics(MetricSource):
-    """Maps quota, idempotency and tenancy signals to ``kvmeter_quota_*``, ``kvmeter_gateway_*``,
+    """Maps quota, idempotency and tenancy stats to ``kvmeter_quota_*``, ``kvmeter_gateway_*``,
     ``kvmeter_agent_*`` and ``kvmeter_tenancy_*`` metrics."""
 
     def __init__(self, ctx: SourceContext) -> None:

@@ -1,4 +1,4 @@
-"""Refusal signals from the gateway's :class:`~kvmeter.stats.RequestRefused`:
+"""Refusal metrics from the gateway's :class:`~kvmeter.stats.RequestRefused`:
 requests answered with an error before any admission decision, by HTTP status and error code.
 
 Both labels come from fixed sets, never from request text: ``status`` is the answered status

@@ -1,4 +1,4 @@
-"""Signals of vLLM servers kvmeter scrapes but does not host, from
+"""Metrics of vLLM servers kvmeter scrapes but does not host, from
 :class:`~kvmeter.stats.RemoteEngineStats`.
 
 They land in the same ``kvmeter_engine_*`` families as the local engine (so the KV-watermark and

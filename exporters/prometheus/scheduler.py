@@ -1,4 +1,4 @@
-"""Fair-scheduler signals from :class:`~kvmeter.stats.SchedulerStats` (published by
+"""Fair-scheduler metrics from :class:`~kvmeter.stats.SchedulerStats` (published by
 ``FairScheduler`` about once a second): per-tenant queue depth (requests, prompt tokens) and
 oldest wait, per-tenant active KV tokens, per-tenant service, Jain's index, the service gap,
 dropped requests by reason and the overload level.

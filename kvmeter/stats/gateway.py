@@ -35,7 +35,7 @@ REFUSAL_ENDPOINTS = ("chat.completions", "completions", "models", "agent_runs.to
 
 @dataclass(slots=True)
 class RequestCompletion:
-    """Gateway-side view of one request when it ends, for latency/token/goodput signals.
+    """Gateway-side view of one request when it ends, for latency, token and goodput metrics.
 
     Published for every admitted request (ok, aborted or error) right after its usage event.
 

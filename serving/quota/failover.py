@@ -75,7 +75,7 @@ class FailoverQuotaStore(QuotaStore):
         policy: outage policy overrides, dimension → ``closed`` / ``local`` / ``open``.
         probe_interval_s: seconds between attempts to reach the primary while degraded (> 0).
         max_pending: reconciliations kept for replay after recovery (oldest dropped beyond it).
-        clock: injected clock (monotonic, for probes; wall, for signal timestamps).
+        clock: injected clock (monotonic, for probes; wall, for the stats' timestamps).
         bus: where :class:`QuotaStoreState` goes.
     Raises:
         ValueError: bad replicas / interval / policy value.

@@ -245,7 +245,7 @@ class IdempotencyManager(abc.ABC):
             return StoredResponse(response.status_code, tuple(response.headers), b"", response.streamed, True)
         return response
 
-    def _signal(self, tenant_id: str, outcome: str, attempt: int) -> None:
+    def _publish(self, tenant_id: str, outcome: str, attempt: int) -> None:
         if self._bus is not None:
             self._bus.publish(IdempotencyAttempt(tenant_id=tenant_id, outcome=outcome, attempt=attempt,
                                                  replayed=outcome in ("joined", "replayed"),
@@ -253,11 +253,11 @@ class IdempotencyManager(abc.ABC):
 
     def _answer(self, tenant_id: str, key: str, outcome: AttemptOutcome, attempt: int,
                 response: StoredResponse | None = None, token: str = "") -> IdempotencyTicket:
-        self._signal(tenant_id, outcome.value, attempt)
+        self._publish(tenant_id, outcome.value, attempt)
         return IdempotencyTicket(tenant_id, key, outcome, attempt, response, token)
 
     def _refuse(self, tenant_id: str, err: IdempotencyError, outcome: str, attempt: int) -> IdempotencyError:
-        self._signal(tenant_id, outcome, attempt)
+        self._publish(tenant_id, outcome, attempt)
         return err
 
 

@@ -112,7 +112,7 @@ class FairScheduler(Scheduler):
         self.core.release(grant)
         self._pump()
 
-    # ---------------------------------------------------------------- engine signals
+    # ---------------------------------------------------------------- engine load reports
     def on_engine_load(self, load: EngineLoad, engine_idx: int = 0) -> None:
         """Take an engine's load snapshot (e.g. from ``Engine.load()``) and re-evaluate dispatch."""
         try:

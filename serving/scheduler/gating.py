@@ -106,7 +106,7 @@ class AdaptiveEngineLimit:
     Attributes:
         limit: the current limit (a float; the gate uses its floor), ``None`` until the engine's
             first latency report.
-        decreases, increases: how many times it moved (signals, tests).
+        decreases, increases: how many times it moved (stats, tests).
         last_ratio: the last interval's congestion signal ``r`` (0.0 before the first).
         ttft_estimate_s: the median engine-side TTFT over the last window with first tokens
             (0.0 before any): how long after dispatch a first token arrives, for deadlines.

@@ -224,8 +224,8 @@ class TenantDirectory:
         config: a validated config (or a mapping / YAML text, validated here), or ``None`` when
             ``path`` is given.
         path: YAML file to load now and on :meth:`reload` / :meth:`poll_file`.
-        bus: where :class:`ConfigReloaded` signals go (optional).
-        clock: for signal timestamps.
+        bus: where :class:`~kvmeter.stats.ConfigReloaded` stats go (optional).
+        clock: for the stats' timestamps.
     Raises:
         ConfigError: the initial config is invalid (construction fails loudly).
         ValueError: neither or both of ``config`` and ``path`` given.
@@ -355,7 +355,7 @@ class TenantDirectory:
 
         Returns:
             True if a new config went live; False if unchanged, or if the changed file was
-            invalid or unreadable (logged, signalled with :class:`ConfigReloaded` ``ok=False``;
+            invalid or unreadable (logged, published as :class:`~kvmeter.stats.ConfigReloaded` ``ok=False``;
             the old config stays live).
         """
         if self._path is None:

@@ -1,6 +1,6 @@
 """Tiers: default limits, fairness weight, latency SLOs and engine priority per class of tenant.
 
-A tier is what the scheduler and the goodput signals read (``weight``, ``ttft_slo_s``,
+A tier is what the scheduler and the goodput metrics read (``weight``, ``ttft_slo_s``,
 ``itl_slo_s``, ``priority``) and what gives every node of the principal tree its default limits
 (``limits`` per level; a node's own ``limits`` override them field by field).
 
