@@ -17,7 +17,7 @@ Lengths below 1 are raised to 1 (a replayed request needs a prompt token and an 
 The data directory is ``$KVMETER_DATA_DIR`` if set, else ``../shared/data`` next to the repository
 (where this project keeps its shared real data), else ``./shared/data``. (ServeGen's per-client
 rates are also named in :data:`TRACE_FILES`; the simulator's tenant mapping reads them,
-:mod:`kvmeter.serving.engines.sim.tenants`.)
+:mod:`kvmeter.serving.simulator.tenants`.)
 """
 
 from __future__ import annotations

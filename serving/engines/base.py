@@ -1,8 +1,9 @@
 """The engine boundary: one small abstract class, several implementations.
 
 Implementations: :mod:`kvmeter.serving.engines.vllm_engine` (vLLM ``AsyncLLM`` in-process, CPU or
-GPU build), ``remote`` (an external OpenAI-compatible server), ``sim`` (the discrete-event simulator)
-and ``instant`` (answers at once; for measuring the gateway's own ceiling).
+GPU build), ``remote`` (an external OpenAI-compatible server) and ``instant`` (answers at once; for
+measuring the gateway's own ceiling). The simulator's replica adapter,
+:class:`kvmeter.serving.simulator.engine.SimEngine`, lives with the simulator.
 
 The gateway hands an engine fully tokenized requests (it tokenizes once, for quota estimation), and
 reads back :class:`EngineOutput` deltas. The engine reports its token counts as the source of truth.
