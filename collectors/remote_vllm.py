@@ -1,4 +1,6 @@
-"""Scrape a vLLM server kvmeter does not host: parse its ``/metrics`` into plain engine stats.
+"""Scrape a vLLM server kvmeter does not host: parse its ``/metrics`` into plain engine stats
+(:class:`~kvmeter.stats.RemoteEngineStats`). The remote engine
+(:class:`~kvmeter.serving.engines.remote.RemoteEngine`) owns one scraper for its upstream.
 
 Parsing uses prometheus-client's text parser. What this module adds is vLLM knowledge:
 
@@ -49,7 +51,15 @@ QUANTILES = (0.5, 0.9, 0.99)
 
 
 class ScrapeError(Exception):
-    """A /metrics endpoint could not be fetched or its text is not a Prometheus exposition."""
+    """A /metrics endpoint could not be fetched or its text is not a Prometheus exposition.
+
+    Attributes:
+        status_code: the HTTP status when the server answered with one other than 200, else None.
+    """
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +313,7 @@ class RemoteVllmScraper:
         except httpx.HTTPError as exc:
             raise ScrapeError(f"cannot scrape {self.url}: {exc}") from exc
         if resp.status_code != 200:
-            raise ScrapeError(f"{self.url} answered HTTP {resp.status_code}")
+            raise ScrapeError(f"{self.url} answered HTTP {resp.status_code}", status_code=resp.status_code)
         return resp.text
 
     def scrape(self) -> list[RemoteEngineStats]:

@@ -107,6 +107,12 @@ class EngineSettings(_Section):
     enable_prefix_caching: bool = True
     remote_url: str | None = None
     remote_model: str | None = None
+    #: the remote upstream's Prometheus page, scraped for its KV load (the scheduler's KV gating):
+    #: "" = <remote_url>/metrics (vLLM's OpenAI server serves it on its API port), "off" = not
+    #: scraped (dispatch gated on request counts only)
+    remote_metrics_url: str = ""
+    #: seconds between two scrapes of remote_metrics_url
+    remote_scrape_interval_s: float = Field(1.0, gt=0)
 
 
 class SchedulerSettings(_Section):

@@ -47,7 +47,7 @@ from kvmeter.serving.quota.base import QuotaGate
 from kvmeter.serving.scheduler import (DEFAULT_TIER_POLICIES, FairScheduler, SchedulerConfig,
                                        TierPolicy)
 from kvmeter.serving.tenancy import TenantDirectory
-from kvmeter.stats import EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepStats
 
 __all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
 
@@ -59,7 +59,10 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
 
     The local engines (``vllm``, ``instant``) publish their stats on ``bus`` — each finished
     request's :class:`~kvmeter.stats.EngineRequestStats` is the engine view that the ledger stores
-    for reconciliation; ``clock`` stamps the instant engine's (vLLM's hooks use their own).
+    for reconciliation; ``clock`` stamps the instant engine's (vLLM's hooks use their own). The
+    remote engine publishes what it scrapes from its upstream's ``/metrics``
+    (``engine.remote_metrics_url``) there: :class:`~kvmeter.stats.RemoteEngineStats` and its
+    :class:`~kvmeter.stats.EngineLoad`, every ``engine.remote_scrape_interval_s`` on ``clock``.
 
     Raises:
         ModelError: the model cannot be found or prepared.
@@ -74,8 +77,10 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         if not eng.remote_url:
             raise EngineError("engine.kind=remote needs engine.remote_url")
         model_dir, name = resolve_model(eng.model)
-        return RemoteEngine(eng.remote_url, model_dir=model_dir,
-                            model_name=eng.remote_model or name, max_model_len=eng.max_model_len)
+        metrics_url = None if eng.remote_metrics_url.lower() == "off" else eng.remote_metrics_url
+        return RemoteEngine(eng.remote_url, model_dir=model_dir, model_name=eng.remote_model or name,
+                            max_model_len=eng.max_model_len, metrics_url=metrics_url,
+                            scrape_interval_s=eng.remote_scrape_interval_s, bus=bus, clock=clock)
     model_dir, name = resolve_model(eng.model)
     if eng.kind == "instant":
         from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -188,7 +193,9 @@ class ServeRuntime:
                             MemoryIdempotencyManager(clock=clock, bus=self.bus))
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
         self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
-        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats)]
+        # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
+        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
+                             self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
         self.recorder = _LedgerRecorder()
         self.gateway = Gateway(
             engine=self.engine, authenticator=self.directory, quota=self.quota,
@@ -257,12 +264,16 @@ class ServeRuntime:
             raise
         await self.scheduler.start()
         load = self.engine.load()
-        if load.kv_capacity_tokens > 0:
-            # Only an engine that measures its KV cache keeps reporting its load (vLLM's step
-            # stats). One empty report from an engine that never reports again (instant, remote
-            # without a scraper) would make the scheduler count every dispatch as still waiting
-            # in the engine, and stall all traffic after max_engine_waiting requests; without
-            # reports it counts dispatched requests that have no first token yet instead.
+        if load.kv_capacity_tokens > 0 or not load.per_step:
+            # Only an engine that measures its KV cache keeps reporting its load: vLLM after every
+            # step (its step stats), the remote engine after every scrape of its upstream's
+            # /metrics (an EngineLoad on the bus; this is its load at start, published before the
+            # scheduler listened when the engine was started by the caller). One empty per-step
+            # report from an engine that never reports again (instant, a remote upstream that is
+            # not scraped) would make the scheduler count every dispatch as still waiting in the
+            # engine, and stall all traffic after max_engine_waiting requests; without reports it
+            # counts dispatched requests that have no first token yet instead, as it does between
+            # a remote engine's scrapes.
             self.scheduler.on_engine_load(load)
         await asyncio.to_thread(self.gpu.start)
         self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)

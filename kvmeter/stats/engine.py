@@ -93,15 +93,26 @@ class EngineRequestStats:
 
 @dataclass(slots=True)
 class EngineLoad:
-    """What the scheduler needs to gate dispatch.
+    """What the scheduler needs to gate dispatch (:mod:`kvmeter.serving.scheduler.gating`).
+
+    An engine kvmeter hosts reports it after every step (the scheduler derives it from
+    :class:`EngineStepStats`; the simulator's replicas hand it over directly); the remote engine
+    publishes one on the bus after every scrape of its upstream's ``/metrics``.
 
     Attributes:
-        kv_watermark_ratio: used / total KV blocks (0.0–1.0) at the last engine step.
-        kv_capacity_tokens: total KV capacity in tokens (blocks × block size); 0 if unknown.
-        num_running, num_waiting: engine-side request counts at the last step.
+        kv_watermark_ratio: used / total KV blocks (0.0–1.0) at the last step or scrape.
+        kv_capacity_tokens: total KV capacity in tokens (blocks × block size); 0 if unknown (a
+            reported watermark at or above the scheduler's ``kv_watermark_high`` still holds
+            dispatch back).
+        num_running, num_waiting: engine-side request counts at the last step or scrape.
+        per_step: True when the report is the engine's state at its last step, reported after
+            every step (so the requests dispatched since are still in the engine's waiting queue);
+            False for a periodic reading (a scrape), between which the scheduler counts the
+            engine's waiting queue from its own dispatched requests without a first token.
     """
 
     kv_watermark_ratio: float = 0.0
     kv_capacity_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    per_step: bool = True
