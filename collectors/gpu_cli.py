@@ -1,4 +1,4 @@
-"""``kvmeter gpu`` — read GPU signals once through NVML (or a capture) and print them.
+"""``kvmeter gpu`` — read the GPUs once through NVML (or a capture) and print them.
 
     kvmeter gpu                                  # live NVML; "no GPU" is a state, exit 0
     kvmeter gpu --capture FILE [--phase load]    # drive the same collector from a capture

@@ -22,8 +22,7 @@ from kvmeter.ledger.config import LedgerConfig
 from kvmeter.ledger.connection import ClientHolder, connect
 from kvmeter.ledger.errors import LedgerUnavailable
 from kvmeter.ledger.prices import load_price_list
-from kvmeter.serving.config import DEMO_TENANTS_FILE
-from kvmeter.serving.tenancy import AuthError, TenantDirectory
+from kvmeter.serving.tenancy import DEMO_TENANTS_FILE, AuthError, TenantDirectory
 
 from .config import DashboardConfig
 from .errors import SignInError

@@ -1,4 +1,4 @@
-"""OpenTelemetry export of kvmeter's request signals, in the GenAI semantic conventions.
+"""OpenTelemetry export of kvmeter's request metrics and traces, in the GenAI semantic conventions.
 
 From each :class:`~kvmeter.stats.RequestCompletion` on the bus:
 

@@ -1,7 +1,7 @@
 """A tiny synchronous publish/subscribe bus for plain stats objects.
 
 Producers (engine hooks, gateway, scheduler, ledger) call ``bus.publish(obj)``; consumers
-(exporters, the ClickHouse signal sink, tests) call ``bus.subscribe(Type, callback)``. Dispatch is
+(exporters, the signal history sampler, the scheduler's KV gating, tests) call ``bus.subscribe(Type, callback)``. Dispatch is
 by exact type, synchronous and in subscription order, so a callback must be cheap (update a metric,
 append to a buffer) — anything slow belongs on the consumer's own thread or task.
 

@@ -27,10 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvmeter.serving.replay.cli", "replay a real request trace against a running gateway"),
     "demo": ("kvmeter.serving.demo", "serve on the embedded defaults, replay a real trace, print results"),
     "model": ("kvmeter.model", "prepare the bundled SmolLM2-135M model (dequantize the GGUF once)"),
-    "simulate": ("kvmeter.serving.engines.sim.cli", "simulate a GPU vLLM replica under a trace and a policy"),
+    "simulate": ("kvmeter.serving.simulator.cli", "simulate a GPU vLLM replica under a trace and a policy"),
     "billing": ("kvmeter.ledger.cli", "billing reports and three-way reconciliation from the ledger"),
     "dashboard": ("kvmeter.dashboards.cli", "start the Streamlit dashboards"),
-    "gpu": ("kvmeter.collectors.gpu_cli", "read GPU signals through NVML (or a capture) once"),
+    "gpu": ("kvmeter.collectors.gpu_cli", "read the GPUs through NVML (or a capture) once"),
 }
 
 #: Commands whose output is a result read by people or scripts: WARNING unless -v/--log-level.

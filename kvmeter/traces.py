@@ -18,7 +18,7 @@ The data folder — traces, GPU captures, vLLM ``/metrics`` pages, GPU profiles 
 only here (:func:`data_dir`): ``$KVMETER_DATA_DIR`` when set, else ``data/`` at the repository
 root, beside this package. Everything else that reads real data asks :func:`data_dir` or
 :func:`data_file`. (ServeGen's per-client rates are also named in :data:`TRACE_FILES`; the
-simulator's tenant mapping reads them, :mod:`kvmeter.serving.engines.sim.tenants`.)
+simulator's tenant mapping reads them, :mod:`kvmeter.serving.simulator.tenants`.)
 """
 
 from __future__ import annotations

@@ -19,14 +19,12 @@ from .period import Period, parse_period
 from .prices import PriceList, load_price_list
 from .queries import LedgerQueries, UsageReader
 from .records import Adjustment, AttemptRecord, SignalSample, attempt_id_for
-from .stats import LedgerStats
 
 __all__ = [
     "Ledger",
     "LedgerConfig",
     "LedgerQueries",
     "UsageReader",
-    "LedgerStats",
     "AttemptRecord",
     "Adjustment",
     "SignalSample",

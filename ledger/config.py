@@ -156,7 +156,7 @@ class LedgerConfig:
             ClickHouse is unreachable (seconds; doubled per failure, capped).
         rollup_interval_s: how often the writer refreshes the hourly rollups (seconds).
         late_after_s: an event whose ``finish_ts`` is older than this when recorded counts as
-            ``late`` in :class:`~kvmeter.ledger.stats.LedgerStats` (seconds).
+            ``late`` in :class:`~kvmeter.stats.LedgerStats` (seconds).
         close_timeout_s: how long :meth:`Ledger.close` tries to drain before leaving the rest in
             the spool for the next start (seconds).
         connect_timeout_s, query_timeout_s: HTTP timeouts towards a ClickHouse server (seconds).

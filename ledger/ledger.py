@@ -27,7 +27,7 @@ from clickhouse_connect.driver.client import Client
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
-from kvmeter.stats import EngineRequestStats
+from kvmeter.stats import INGEST_STATUSES, EngineRequestStats, LedgerStats
 
 from .config import LedgerConfig
 from .connection import ClientFactory, ClientHolder, connect, describe_error
@@ -40,7 +40,6 @@ from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adju
 from .rollups import refresh_rollups
 from .schema import migrate
 from .spool import CommitTicket, Spool
-from .stats import INGEST_STATUSES, LedgerStats
 
 __all__ = ["Ledger", "sync_prices"]
 
@@ -114,7 +113,7 @@ class Ledger:
         Args:
             config: defaults to :meth:`LedgerConfig.from_env`.
             bus: subscribe to :class:`~kvmeter.stats.EngineRequestStats` on it (the engine view
-                for reconciliation) and publish :class:`~kvmeter.ledger.stats.LedgerStats` there
+                for reconciliation) and publish :class:`~kvmeter.stats.LedgerStats` there
                 after every writer round. ``None``: neither.
             clock: wall clock for record ages and lateness; monotonic for back-off.
             client_factory: opens a ClickHouse client (default :func:`connect` on the config's

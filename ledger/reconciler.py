@@ -4,7 +4,7 @@ Every ``interval_s`` (the first time ``first_run_delay_s`` after start) the :cla
 reads the engine, gateway and ledger views of a trailing window with the ledger's own read
 (:meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views`), classifies them with
 :func:`~kvmeter.ledger.reconcile.reconcile` — the same code as ``kvmeter billing reconcile`` —
-and publishes a :class:`~kvmeter.ledger.stats.ReconciliationStats` on the bus. The Prometheus
+and publishes a :class:`~kvmeter.stats.ReconciliationStats` on the bus. The Prometheus
 exporter turns it into ``kvmeter_reconciliation_*``, which the alert rules
 ``KvmeterReconciliationDrift`` and ``KvmeterReconciliationStale`` read.
 
@@ -40,7 +40,7 @@ from .errors import LedgerError
 from .period import Period
 from .queries import RECONCILE_SLACK_S
 from .reconcile import reconcile, view_drift
-from .stats import RUN_RESULTS, ReconciliationStats
+from kvmeter.stats import RUN_RESULTS, ReconciliationStats
 
 __all__ = ["Reconciler", "ViewsReader"]
 
@@ -62,7 +62,7 @@ class Reconciler:
 
     Args:
         reader: the ledger's reads (``ledger.queries`` in serve).
-        bus: where :class:`~kvmeter.ledger.stats.ReconciliationStats` is published (``None``:
+        bus: where :class:`~kvmeter.stats.ReconciliationStats` is published (``None``:
             only kept as :attr:`last`).
         clock: decides when a run is due (``monotonic()``) and stamps the window (``wall()``).
         interval_s: seconds between runs (> 0; default hourly).

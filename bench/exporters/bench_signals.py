@@ -43,7 +43,7 @@ def fmt(times: list[float]) -> str:
 
 def feed(bus, clock, rng, tenants: int) -> None:
     """What a busy server publishes during one interval."""
-    from kvmeter.serving.quota.signals import QuotaStoreState
+    from kvmeter.stats import QuotaStoreState
     from kvmeter.stats import EngineStepStats, RequestCompletion
 
     snap = scheduler_snapshot(rng, tenants, 1)
@@ -72,7 +72,7 @@ def main() -> None:
     from kvmeter.bus import StatsBus
     from kvmeter.clock import ManualClock
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-    from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
+    from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
     from kvmeter.ledger import Ledger, LedgerConfig
 
     rng = random.Random(1)

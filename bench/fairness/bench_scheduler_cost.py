@@ -19,8 +19,8 @@ import time
 
 from common import md_table, save
 from kvmeter.clock import ManualClock
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
+from kvmeter.stats import EngineLoad
 
 
 def run(policy: str, tenants: int, queued: int, decisions: int, seed: int = 0) -> dict:

@@ -25,7 +25,7 @@
            --model smollm2-135m --gpu cpu
 
    It prints the factors and writes ``<measured>.fit.json``; put them into the accelerator profile
-   (``serving/engines/sim/hardware.py``: ``default_compute_efficiency``,
+   (``serving/simulator/hardware.py``: ``default_compute_efficiency``,
    ``default_memory_efficiency``, ``default_step_overhead_s``) or pass them to ``kvmeter simulate
    --compute-efficiency/--memory-efficiency/--step-overhead-s``.
 
@@ -55,8 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmeter.serving.engines.sim import SimConfig
-from kvmeter.serving.engines.sim.calibration import fit_efficiency, simulated_medians
+from kvmeter.serving.simulator import SimConfig
+from kvmeter.serving.simulator.calibration import fit_efficiency, simulated_medians
 from kvmeter.traces import TraceRequest
 
 

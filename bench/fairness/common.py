@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report  # noqa: E402
+from kvmeter.serving.simulator import SimConfig, Simulation, build_report  # noqa: E402
 from kvmeter.traces import TraceRequest  # noqa: E402
 from kvmeter.serving.scheduler import SchedulerConfig  # noqa: E402
 

@@ -252,8 +252,7 @@ def run_policy(policy: str, args, plan, messages, model_name: str) -> dict:
 
 
 def _tier_slos() -> dict[str, tuple[float | None, float | None]]:
-    from kvmeter.serving.config import DEMO_TENANTS_FILE
-    from kvmeter.serving.tenancy import TenantDirectory
+    from kvmeter.serving.tenancy import DEMO_TENANTS_FILE, TenantDirectory
 
     d = TenantDirectory.from_file(DEMO_TENANTS_FILE)
     return {name: (d.tier_policy(name).ttft_slo_s, d.tier_policy(name).itl_slo_s) for name in d.snapshot.tiers}
@@ -289,9 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvmeter.model import resolve_model
-    from kvmeter.serving.demo import DEMO_TENANTS
     from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
-    from kvmeter.serving.replay.plan import ReplayTenant, ScalingRule, build_plan
+    from kvmeter.serving.replay.plan import DEMO_TENANTS, ReplayTenant, ScalingRule, build_plan
     from kvmeter.serving.replay.prompts import PromptSynthesizer
     from kvmeter.traces import load_trace
 

@@ -18,7 +18,7 @@ import random
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save, window_goodput
-from kvmeter.serving.engines.sim import SimConfig
+from kvmeter.serving.simulator import SimConfig
 from kvmeter.traces import TraceRequest, load_trace
 from kvmeter.serving.scheduler import SchedulerConfig
 

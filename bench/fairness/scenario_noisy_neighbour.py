@@ -23,7 +23,7 @@ import random
 import numpy as np
 
 from common import md_table, run_policies, save
-from kvmeter.serving.engines.sim import SimConfig
+from kvmeter.serving.simulator import SimConfig
 from kvmeter.traces import TraceRequest, load_trace
 from kvmeter.serving.scheduler import SchedulerConfig
 

@@ -19,8 +19,8 @@ import argparse
 import random
 
 from common import capacity_rps, md_table, run_policies, save
-from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
-from kvmeter.serving.engines.sim.tenants import busiest_hour_start, load_servegen_rates, servegen_arrivals
+from kvmeter.serving.simulator import SimConfig, Simulation, build_report
+from kvmeter.serving.simulator.tenants import busiest_hour_start, load_servegen_rates, servegen_arrivals
 from kvmeter.traces import load_trace
 from kvmeter.serving.scheduler import SchedulerConfig
 

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save
-from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
+from kvmeter.serving.simulator import SimConfig, Simulation, build_report
 from kvmeter.traces import TraceRequest
 from kvmeter.serving.scheduler import SchedulerConfig
 

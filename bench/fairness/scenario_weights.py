@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from common import capacity_rps, md_table, run_policies, save, service_in_window
-from kvmeter.serving.engines.sim import SimConfig
+from kvmeter.serving.simulator import SimConfig
 from kvmeter.traces import TraceRequest
 from kvmeter.serving.scheduler import SchedulerConfig
 

@@ -16,9 +16,10 @@ import subprocess
 import sys
 import time
 
+from kvmeter.stats import GpuSample
+
 from .capture import parse_query_text
 from .nvml_collector import NvmlCollector
-from .samples import GpuSample
 
 MIB = 1024 * 1024
 

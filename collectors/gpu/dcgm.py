@@ -1,4 +1,4 @@
-"""Read a DCGM exporter's ``/metrics`` exposition into :class:`~.samples.GpuSample` objects.
+"""Read a DCGM exporter's ``/metrics`` exposition into :class:`~kvmeter.stats.GpuSample` objects.
 
 For fleets that already run NVIDIA's dcgm-exporter, and as a second, independent source to check
 kvmeter's own unit conversions against. Parsing is prometheus-client's text parser.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .samples import GpuSample
+from kvmeter.stats import GpuSample
 
 __all__ = ["gpu_samples_from_dcgm", "is_dcgm_blank", "DcgmParseError"]
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 
-from .samples import GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample, XidEvent
+from kvmeter.stats import GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample, XidEvent
 
 __all__ = ["NvmlCollector"]
 

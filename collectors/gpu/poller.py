@@ -11,8 +11,9 @@ import logging
 import os
 import threading
 
+from kvmeter.stats import GpuCollectorStatus
+
 from .nvml_collector import NvmlCollector
-from .samples import GpuCollectorStatus
 
 __all__ = ["GpuPoller", "INTERVAL_ENV"]
 
@@ -61,7 +62,7 @@ class GpuPoller:
             return self.collector.status
         status = self.collector.status if self.collector.started else self.collector.start()
         if status.state != "ok":
-            log.info("no GPU: %s (%s); GPU signals are off, everything else runs",
+            log.info("no GPU: %s (%s); GPU readings are off, everything else runs",
                      status.state, status.reason or "no reason given")
             self.collector.collect()  # publishes the status only
             return status

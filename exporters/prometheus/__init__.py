@@ -1,4 +1,4 @@
-"""Prometheus exporter: kvmeter's signals as prometheus-client metrics, a ``/metrics`` ASGI app,
+"""Prometheus exporter: kvmeter's stats as prometheus-client metrics, a ``/metrics`` ASGI app,
 multiprocess support for several gateway workers, and alert rules (``rules/*.yml``).
 
 Wiring in the serve process::
@@ -7,7 +7,7 @@ Wiring in the serve process::
     exporter = install_prometheus(bus)                  # global REGISTRY; tests pass their own
     app.mount("/metrics", metrics_asgi_app())           # or Mount("/metrics", app=...)
 
-Metric names and labels: :mod:`.names` (``SIGNALS``). Tenant labels are bounded to the top-K
+Metric names and labels: :mod:`.names` (``METRICS``). Tenant labels are bounded to the top-K
 tenants by active work plus ``other`` (:mod:`.tenants`, K from ``KVMETER_PROM_TOP_K_TENANTS``).
 """
 
@@ -15,7 +15,7 @@ from .app import mark_worker_dead, metrics_asgi_app, multiprocess_registry, prep
 from .base import MetricSource, SourceContext, make_metric
 from .config import PrometheusConfig
 from .install import PrometheusExporter, default_sources, install_prometheus
-from .names import SIGNALS, Signal, emitted_names, reserved_names, signal
+from .names import METRICS, Metric, emitted_names, metric, reserved_names
 from .rules import rule_files
 from .tenants import OTHER, TenantLabels
 
@@ -33,9 +33,9 @@ __all__ = [
     "default_sources",
     "TenantLabels",
     "OTHER",
-    "SIGNALS",
-    "Signal",
-    "signal",
+    "METRICS",
+    "Metric",
+    "metric",
     "emitted_names",
     "reserved_names",
     "rule_files",

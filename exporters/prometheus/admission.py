@@ -1,4 +1,4 @@
-"""Admission signals from :class:`~kvmeter.stats.AdmissionDecision`: admitted, and rejected or shed
+"""Admission metrics from :class:`~kvmeter.stats.AdmissionDecision`: admitted, and rejected or shed
 by reason, the principal level that bound and the limit dimension, by tier and bounded tenant."""
 
 from __future__ import annotations

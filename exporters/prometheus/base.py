@@ -30,26 +30,25 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import Clock
 
 from .config import PrometheusConfig
-from .names import Signal, signal
+from .names import Metric, metric
 from .tenants import TenantLabels
 
 __all__ = ["SourceContext", "MetricSource", "make_metric"]
 
 
-def make_metric(sig: Signal, registry: CollectorRegistry | None) -> Any:
-    """Create the prometheus-client metric for ``sig`` in ``registry``.
+def make_metric(m: Metric, registry: CollectorRegistry | None) -> Any:
+    """Create the prometheus-client metric for ``m`` in ``registry``.
 
     Raises:
         ValueError: from prometheus-client on an invalid or already registered name.
     """
-    if sig.kind == "counter":
-        return Counter(sig.name.removesuffix("_total"), sig.help, sig.labels, registry=registry)
-    if sig.kind == "gauge":
-        return Gauge(sig.name, sig.help, sig.labels, registry=registry,
-                     multiprocess_mode=sig.multiprocess_mode)
-    if sig.kind == "histogram":
-        return Histogram(sig.name, sig.help, sig.labels, registry=registry, buckets=sig.buckets)
-    raise ValueError(f"unknown metric kind {sig.kind!r} for {sig.name}")
+    if m.kind == "counter":
+        return Counter(m.name.removesuffix("_total"), m.help, m.labels, registry=registry)
+    if m.kind == "gauge":
+        return Gauge(m.name, m.help, m.labels, registry=registry, multiprocess_mode=m.multiprocess_mode)
+    if m.kind == "histogram":
+        return Histogram(m.name, m.help, m.labels, registry=registry, buckets=m.buckets)
+    raise ValueError(f"unknown metric kind {m.kind!r} for {m.name}")
 
 
 @dataclass(slots=True)
@@ -70,7 +69,7 @@ class MetricSource:
 
     def metric(self, name: str) -> Any:
         """Create the declared metric ``name`` (see :mod:`.names`) in the context's registry."""
-        return make_metric(signal(name), self.ctx.registry)
+        return make_metric(metric(name), self.ctx.registry)
 
     def tenant_child(self, metric: Any, tenant_index: int, values: tuple[str, ...]) -> Any:
         """The metric's child with the tenant label bounded to top-K + ``other``."""

@@ -1,4 +1,4 @@
-"""Engine signals: KV watermark and blocks, batch, queue, preemptions, prefix cache, engine-side
+"""Engine metrics: KV watermark and blocks, batch, queue, preemptions, prefix cache, engine-side
 TTFT/ITL (from :class:`~kvmeter.stats.EngineStepStats`) and per-request phases and engine-true
 tokens, aborted requests included (from :class:`~kvmeter.stats.EngineRequestStats`)."""
 

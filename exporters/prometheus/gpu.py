@@ -1,4 +1,4 @@
-"""GPU signals from the NVML collector's :class:`~kvmeter.collectors.gpu.GpuSample`,
+"""GPU metrics from the NVML collector's :class:`~kvmeter.stats.GpuSample`,
 :class:`~kvmeter.collectors.gpu.XidEvent` and :class:`~kvmeter.collectors.gpu.GpuCollectorStatus`.
 
 Unknown readings (``None``) are never exported as 0: the series is dropped instead. Device-side
@@ -9,12 +9,7 @@ through :class:`._series.CumulativeMirror`.
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.collectors.gpu.samples import (
-    CLOCK_EVENT_REASONS,
-    GpuCollectorStatus,
-    GpuSample,
-    XidEvent,
-)
+from kvmeter.stats import CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuSample, XidEvent
 
 from ._series import CumulativeMirror, set_or_clear
 from .base import MetricSource, SourceContext

@@ -1,4 +1,4 @@
-"""Ledger signals from :class:`~kvmeter.ledger.stats.LedgerStats` (published by the ledger after every
+"""Ledger metrics from :class:`~kvmeter.stats.LedgerStats` (published by the ledger after every
 writer round, on the writer's thread): spool depth and age of the oldest undrained record, usage
 events ingested by status, ClickHouse insert retries, records refused as data, spool write errors
 and whether ClickHouse answered last time.
@@ -10,7 +10,7 @@ below the last one means the ledger was reopened and is counted again from 0).
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.ledger.stats import LedgerStats
+from kvmeter.stats import LedgerStats
 
 from ._series import CumulativeMirror
 from .base import MetricSource, SourceContext

@@ -1,12 +1,12 @@
-"""Quota, idempotency and tenancy signals: reservation vs actual drift, client retries and
+"""Quota, idempotency and tenancy metrics: reservation vs actual drift, client retries and
 idempotent replays, the shared quota store's degraded state, agent tool-call budget reports and
 tenancy config reloads.
 
-Inputs (plain dataclasses on the bus): :class:`~kvmeter.serving.quota.signals.ReservationDrift`,
-:class:`~kvmeter.serving.quota.signals.IdempotencyAttempt`,
-:class:`~kvmeter.serving.quota.signals.QuotaStoreState`,
-:class:`~kvmeter.serving.quota.signals.ToolCallReported`,
-:class:`~kvmeter.serving.tenancy.ConfigReloaded`, and :class:`~kvmeter.stats.AdmissionDecision`
+Inputs (plain dataclasses on the bus): :class:`~kvmeter.stats.ReservationDrift`,
+:class:`~kvmeter.stats.IdempotencyAttempt`,
+:class:`~kvmeter.stats.QuotaStoreState`,
+:class:`~kvmeter.stats.ToolCallReported`,
+:class:`~kvmeter.stats.ConfigReloaded`, and :class:`~kvmeter.stats.AdmissionDecision`
 (for the tier of a retrying tenant, below).
 
 Definitions:
@@ -29,10 +29,8 @@ Definitions:
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
-                                           ToolCallReported)
-from kvmeter.serving.tenancy import ConfigReloaded
-from kvmeter.stats import AdmissionDecision
+from kvmeter.stats import (AdmissionDecision, ConfigReloaded, IdempotencyAttempt, QuotaStoreState,
+                           ReservationDrift, ToolCallReported)
 
 from .base import MetricSource, SourceContext
 
@@ -45,7 +43,7 @@ _TOKEN_DIMENSIONS = {"input_tokens": "input", "output_tokens": "output"}
 
 
 class QuotaMetrics(MetricSource):
-    """Maps quota, idempotency and tenancy signals to ``kvmeter_quota_*``, ``kvmeter_gateway_*``,
+    """Maps quota, idempotency and tenancy stats to ``kvmeter_quota_*``, ``kvmeter_gateway_*``,
     ``kvmeter_agent_*`` and ``kvmeter_tenancy_*`` metrics."""
 
     def __init__(self, ctx: SourceContext) -> None:

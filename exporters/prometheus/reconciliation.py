@@ -1,4 +1,4 @@
-"""Reconciliation signals from :class:`~kvmeter.ledger.stats.ReconciliationStats`, published after
+"""Reconciliation signals from :class:`~kvmeter.stats.ReconciliationStats`, published after
 every periodic three-way reconciliation that ``kvmeter serve`` runs
 (:class:`~kvmeter.ledger.reconciler.Reconciler`): the unexplained drift of each view against the
 ledger, when the last successful run finished, and how many runs succeeded or failed.
@@ -13,7 +13,7 @@ first run comes ``reconciliation.first_run_delay_s`` after start, one minute by 
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.ledger.stats import RUN_RESULTS, ReconciliationStats
+from kvmeter.stats import RUN_RESULTS, ReconciliationStats
 
 from ._series import CumulativeMirror
 from .base import MetricSource, SourceContext

@@ -1,16 +1,16 @@
-"""Refusal signals from the gateway's :class:`~kvmeter.serving.gateway.signals.RequestRefused`:
+"""Refusal metrics from the gateway's :class:`~kvmeter.stats.RequestRefused`:
 requests answered with an error before any admission decision, by HTTP status and error code.
 
 Both labels come from fixed sets, never from request text: ``status`` is the answered status
 (``400``–``599``, anything else ``other``), ``code`` one of the gateway's
-:data:`~kvmeter.serving.gateway.signals.REFUSAL_CODES` (a code outside it ``other``, no code
+:data:`~kvmeter.stats.REFUSAL_CODES` (a code outside it ``other``, no code
 ``none``). Refusals by the quota or the scheduler are counted by :mod:`.admission` instead.
 """
 
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.gateway.signals import REFUSAL_CODES, RequestRefused
+from kvmeter.stats import REFUSAL_CODES, RequestRefused
 
 from .base import MetricSource, SourceContext
 

@@ -1,5 +1,5 @@
-"""Signals of vLLM servers kvmeter scrapes but does not host, from
-:class:`~kvmeter.collectors.remote_vllm.RemoteEngineStats`.
+"""Metrics of vLLM servers kvmeter scrapes but does not host, from
+:class:`~kvmeter.stats.RemoteEngineStats`.
 
 They land in the same ``kvmeter_engine_*`` families as the local engine (so the KV-watermark and
 preemption alerts cover both), with ``engine`` = ``<url>#<engine index>`` and ``model`` = the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from kvmeter.bus import StatsBus
-from kvmeter.collectors.remote_vllm import RemoteEngineStats
+from kvmeter.stats import RemoteEngineStats
 
 from ._series import set_or_clear
 from .base import MetricSource, SourceContext

@@ -1,4 +1,4 @@
-"""Request signals from the gateway's :class:`~kvmeter.stats.RequestCompletion`: TTFT / ITL / E2E /
+"""Request metrics from the gateway's :class:`~kvmeter.stats.RequestCompletion`: TTFT / ITL / E2E /
 queue histograms by tier, requests and tokens by tier, tenant (bounded), type and outcome,
 throughput and goodput tokens by tier.
 

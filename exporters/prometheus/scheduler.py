@@ -1,4 +1,4 @@
-"""Fair-scheduler signals from :class:`~kvmeter.serving.scheduler.stats.SchedulerStats` (published by
+"""Fair-scheduler metrics from :class:`~kvmeter.stats.SchedulerStats` (published by
 ``FairScheduler`` about once a second): per-tenant queue depth (requests, prompt tokens) and
 oldest wait, per-tenant active KV tokens, per-tenant service, Jain's index, the service gap,
 dropped requests by reason and the overload level.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.scheduler.stats import SchedulerStats
+from kvmeter.stats import SchedulerStats
 
 from ._series import CumulativeMirror
 from .base import MetricSource, SourceContext

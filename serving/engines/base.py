@@ -1,8 +1,9 @@
 """The engine boundary: one small abstract class, several implementations.
 
 Implementations: :mod:`kvmeter.serving.engines.vllm_engine` (vLLM ``AsyncLLM`` in-process, CPU or
-GPU build), ``remote`` (an external OpenAI-compatible server), ``sim`` (the discrete-event simulator)
-and ``instant`` (answers at once; for measuring the gateway's own ceiling).
+GPU build), ``remote`` (an external OpenAI-compatible server) and ``instant`` (answers at once; for
+measuring the gateway's own ceiling). The simulator's replica adapter,
+:class:`kvmeter.serving.simulator.engine.SimEngine`, lives with the simulator.
 
 The gateway hands an engine fully tokenized requests (it tokenizes once, for quota estimation), and
 reads back :class:`EngineOutput` deltas. The engine reports its token counts as the source of truth.
@@ -14,13 +15,12 @@ import abc
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from kvmeter.stats import EngineRequestStats
+from kvmeter.stats import EngineLoad, EngineRequestStats
 
 __all__ = [
     "Engine",
     "EngineRequest",
     "EngineOutput",
-    "EngineLoad",
     "EngineError",
     "Tokenizer",
 ]
@@ -90,22 +90,6 @@ class EngineOutput:
     finished: bool = False
     finish_reason: str | None = None
     stats: EngineRequestStats | None = None
-
-
-@dataclass(slots=True)
-class EngineLoad:
-    """What the scheduler needs to gate dispatch.
-
-    Attributes:
-        kv_watermark_ratio: used / total KV blocks (0.0–1.0) at the last engine step.
-        kv_capacity_tokens: total KV capacity in tokens (blocks × block size); 0 if unknown.
-        num_running, num_waiting: engine-side request counts at the last step.
-    """
-
-    kv_watermark_ratio: float = 0.0
-    kv_capacity_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
 
 
 class Tokenizer(abc.ABC):

@@ -18,9 +18,8 @@ from typing import AsyncIterator
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput,
-                                          EngineRequest, Tokenizer)
-from kvmeter.stats import EngineRequestStats
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
+from kvmeter.stats import EngineLoad, EngineRequestStats
 
 __all__ = ["InstantEngine"]
 

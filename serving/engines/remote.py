@@ -6,23 +6,89 @@ token ids to ``POST /v1/completions`` (vLLM's server accepts a token-id list), s
 ``min_tokens``/``ignore_eos`` are passed through (vLLM extensions). Closing the stream closes the
 HTTP response, which a vLLM server turns into an engine abort.
 
-The remote engine's load (KV watermark, running, waiting) comes from scraping its ``/metrics``
-with :class:`kvmeter.collectors.remote_vllm.RemoteVllmScraper`, wired by the serve runtime.
+**Load.** The engine owns a :class:`~kvmeter.collectors.remote_vllm.RemoteVllmScraper` of its
+upstream's Prometheus page (``metrics_url``; by default ``<base_url>/metrics``, where vLLM's OpenAI
+server serves it on the API port). It scrapes once in :meth:`RemoteEngine.start`, then every
+``scrape_interval_s`` (decided on the injected clock), the HTTP request and parsing on a worker
+thread. After each scrape it publishes on the bus every :class:`~kvmeter.stats.RemoteEngineStats`
+of the page (the exporters and the signal history read them) and the upstream's
+:class:`~kvmeter.stats.EngineLoad` (:func:`upstream_load`: KV capacity from
+``vllm:cache_config_info``, watermark from ``vllm:kv_cache_usage_perc``, running and waiting,
+summed over the upstream's engines of the served model), which the serve runtime hands to the
+scheduler's KV gating as it hands it the in-process engine's step stats. The load is a periodic
+reading (``per_step=False``): between two scrapes the scheduler adds the prompts it dispatched
+since to the watermark, and counts the engine's waiting queue from its own requests without a
+first token.
+
+Scraping is **on by default**: this engine already relies on vLLM's extensions
+(``return_token_ids``, ``min_tokens``, ``ignore_eos``), so its upstream is a vLLM server. An
+upstream that is not — its page answers 404 or holds no vLLM engine series before any scrape
+succeeded — is logged once and no longer scraped: dispatch is then gated on request counts only.
+``metrics_url=None`` (``engine.remote_metrics_url: off``) turns scraping off. While scrapes fail
+(logged once per outage) the last load stands for ``STALE_INTERVALS`` intervals; after that the
+engine reports its KV capacity unknown (count-only gating) rather than gate on a stale
+watermark, until a scrape succeeds again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import httpx
 
-from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput,
-                                          EngineRequest, Tokenizer)
+from kvmeter.aio import cancel_and_wait
+from kvmeter.bus import StatsBus
+from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.collectors.remote_vllm import RemoteVllmScraper, ScrapeError
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+from kvmeter.stats import EngineLoad, RemoteEngineStats
 
-__all__ = ["RemoteEngine"]
+__all__ = ["RemoteEngine", "default_metrics_url", "upstream_load", "STALE_INTERVALS"]
+
+log = logging.getLogger(__name__)
+
+#: Scrape intervals the last load stands while scrapes fail; then the capacity is reported unknown.
+STALE_INTERVALS = 3
+
+
+def default_metrics_url(base_url: str) -> str:
+    """The upstream's Prometheus page: ``<base_url>/metrics`` (vLLM's OpenAI server serves it on
+    its API port)."""
+    return base_url.rstrip("/") + "/metrics"
+
+
+def upstream_load(stats: Sequence[RemoteEngineStats], model_name: str) -> EngineLoad | None:
+    """The load of one upstream server from one scrape, for the scheduler's gating.
+
+    The page's engines (``engine`` label: vLLM's data-parallel ranks) labelled with ``model_name``
+    — all of them when none is — count as one engine: capacity = Σ KV blocks × block size (tokens),
+    watermark = Σ (watermark × capacity) / capacity, running and waiting summed. When an engine's
+    page has no ``vllm:cache_config_info`` the capacity is unknown (0) and the watermark is the
+    fullest engine's (which still closes the gate at ``kv_watermark_high``); when an engine's KV
+    usage is missing or invalid there is no KV reading at all (watermark 0, capacity 0).
+
+    Returns:
+        An :class:`EngineLoad` with ``per_step=False``; None if the page held no engine.
+    """
+    mine = [s for s in stats if s.model_name == model_name] or list(stats)
+    if not mine:
+        return None
+    running = sum(int(s.num_running or 0) for s in mine)
+    waiting = sum(int(s.num_waiting or 0) for s in mine)
+    ratios = [s.kv_cache_usage_ratio for s in mine]
+    if any(r is None for r in ratios):
+        return EngineLoad(0.0, 0, running, waiting, per_step=False)
+    capacities = [(s.kv_blocks_total or 0) * (s.kv_block_size_tokens or 0) for s in mine]
+    if all(capacities):
+        capacity = sum(capacities)
+        ratio = ratios[0] if len(ratios) == 1 else sum(r * c for r, c in zip(ratios, capacities)) / capacity
+        return EngineLoad(min(1.0, ratio), capacity, running, waiting, per_step=False)
+    return EngineLoad(max(ratios), 0, running, waiting, per_step=False)
 
 
 class RemoteEngine(Engine):
@@ -31,13 +97,24 @@ class RemoteEngine(Engine):
         model_dir: local directory with the served model's tokenizer (and config.json).
         model_name: the model name the server serves (and kvmeter's clients use).
         max_model_len: context window; default: the server's ``/v1/models`` ``max_model_len``.
-        api_key: bearer key for the upstream, if it needs one.
+        api_key: bearer key for the upstream, if it needs one (sent to its ``/metrics`` too).
         timeout_s: per-read timeout.
+        metrics_url: the upstream's Prometheus page; ``""`` (default): :func:`default_metrics_url`
+            of ``base_url``; None: not scraped (dispatch gated on request counts only).
+        scrape_interval_s: seconds between scrapes (> 0), on ``clock``.
+        bus: where each scrape's :class:`RemoteEngineStats` and :class:`EngineLoad` go (None: the
+            load is only kept for :meth:`load`).
+        clock: decides when a scrape is due; the scraper's rates and timestamps.
+    Raises:
+        ValueError: if ``scrape_interval_s`` is not positive.
     """
 
     def __init__(self, base_url: str, *, model_dir: str | Path, model_name: str,
                  max_model_len: int | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, metrics_url: str | None = "", scrape_interval_s: float = 1.0,
+                 bus: StatsBus | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        if not scrape_interval_s > 0:
+            raise ValueError(f"scrape_interval_s must be > 0, got {scrape_interval_s!r}")
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
         self.max_model_len = max_model_len or 0
@@ -49,12 +126,32 @@ class RemoteEngine(Engine):
                                          limits=httpx.Limits(max_connections=1024,
                                                              max_keepalive_connections=256))
         self._load = EngineLoad()
+        self.metrics_url = default_metrics_url(self.base_url) if metrics_url == "" else metrics_url
+        self.scrape_interval_s = scrape_interval_s
+        self._bus = bus
+        self._clock = clock
+        self._scrape_client: httpx.Client | None = None
+        self._scraper: RemoteVllmScraper | None = None
+        if self.metrics_url is not None:
+            self._scrape_client = httpx.Client(timeout=5.0, headers=headers)
+            self._scraper = RemoteVllmScraper(self.metrics_url, client=self._scrape_client, clock=clock)
+        self._scrape_task: asyncio.Task[None] | None = None
+        self._scrape_lock = asyncio.Lock()
+        self._next_scrape = 0.0
+        self._last_ok: float | None = None
+        self._failing = False
+        self._stale_reported = False
 
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             raise EngineError("engine not started")
         return self._tokenizer
+
+    @property
+    def scraping(self) -> bool:
+        """Is the upstream's ``/metrics`` scraped (off when not configured or not vLLM)?"""
+        return self._scraper is not None
 
     async def start(self) -> None:
         self._tokenizer = HFTokenizer(self._model_dir)
@@ -71,19 +168,96 @@ class RemoteEngine(Engine):
             self.max_model_len = int(models[self.model_name].get("max_model_len") or 0)
         if not self.max_model_len:
             raise EngineError("remote engine did not report max_model_len; set engine.max_model_len")
+        if self._scraper is not None:
+            await self.scrape()  # the load is known before the first request
+        if self._scraper is not None and (self._scrape_task is None or self._scrape_task.done()):
+            self._scrape_task = asyncio.create_task(self._scrape_loop(), name="kvmeter-remote-scrape")
 
     async def shutdown(self) -> None:
+        task, self._scrape_task = self._scrape_task, None
+        await cancel_and_wait(task)
+        async with self._scrape_lock:  # a scrape on its worker thread still uses the client
+            self._scraper = None
+            if self._scrape_client is not None:
+                self._scrape_client.close()
         await self._client.aclose()
 
     async def abort(self, request_id: str) -> None:
         return None  # closing the response stream aborts upstream
 
     def load(self) -> EngineLoad:
+        """The upstream's load at the last scrape (an empty load while none succeeded)."""
         return self._load
 
-    def update_load(self, load: EngineLoad) -> None:
-        """Set the load snapshot (from the remote /metrics scraper)."""
-        self._load = load
+    # ---------------------------------------------------------------- the upstream's /metrics
+    async def scrape(self) -> EngineLoad | None:
+        """Scrape the upstream's ``/metrics`` now and publish what it holds (see the module
+        docstring).
+
+        Returns:
+            The new load; None when scraping is off, the page held no engine, or the scrape failed
+            (logged, never raised: serving goes on with the last load).
+        """
+        async with self._scrape_lock:
+            scraper = self._scraper
+            if scraper is None:
+                return None
+            now = self._clock.monotonic()
+            self._next_scrape = now + self.scrape_interval_s
+            try:
+                stats = await asyncio.to_thread(scraper.scrape)
+            except ScrapeError as exc:
+                if exc.status_code == 404 and self._last_ok is None:
+                    self._not_vllm(f"{self.metrics_url} answered 404")
+                else:
+                    self._failed(exc, now)
+                return None
+            load = upstream_load(stats, self.model_name)
+            if load is None and self._last_ok is None:
+                self._not_vllm(f"{self.metrics_url} holds no vLLM engine series")
+                return None
+            if self._failing:
+                log.info("remote engine: %s answers again", self.metrics_url)
+            self._failing = self._stale_reported = False
+            self._last_ok = now
+            bus = self._bus
+            if bus is not None:
+                for s in stats:
+                    bus.publish(s)
+            if load is None:
+                return None
+            self._load = load
+            if bus is not None:
+                bus.publish(load)
+            return load
+
+    def _not_vllm(self, why: str) -> None:
+        log.warning("remote engine: %s, so it is not scraped (not a vLLM server?): dispatch to it is gated "
+                    "on request counts only, not its KV load. Set engine.remote_metrics_url to its vLLM "
+                    "/metrics page, or to off.", why)
+        self._scraper = None
+        if self._scrape_client is not None:
+            self._scrape_client.close()
+
+    def _failed(self, exc: ScrapeError, now: float) -> None:
+        if not self._failing:
+            log.warning("remote engine: cannot read the upstream's load (%s); retrying every %.1f s",
+                        exc, self.scrape_interval_s)
+            self._failing = True
+        stale = self._last_ok is None or now - self._last_ok >= STALE_INTERVALS * self.scrape_interval_s
+        if stale and not self._stale_reported and (self._load.kv_capacity_tokens or self._load.kv_watermark_ratio):
+            # a watermark this old would gate on a state long gone: report no KV reading instead
+            self._load = EngineLoad(0.0, 0, self._load.num_running, self._load.num_waiting, per_step=False)
+            self._stale_reported = True
+            if self._bus is not None:
+                self._bus.publish(self._load)
+
+    async def _scrape_loop(self) -> None:
+        """Scrape whenever one is due on the injected clock (waking at least once a second)."""
+        while self._scraper is not None:
+            await asyncio.sleep(min(self.scrape_interval_s, 1.0))
+            if self._clock.monotonic() >= self._next_scrape:
+                await self.scrape()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         body = {"model": self.model_name, "prompt": list(request.prompt_token_ids),

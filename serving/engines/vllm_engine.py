@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput,
-                                          EngineRequest, Tokenizer)
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
-from kvmeter.stats import EngineRequestStats, EngineStepStats
+from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
 
 __all__ = ["VllmEngine", "VllmEngineConfig"]
 

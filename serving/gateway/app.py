@@ -11,7 +11,7 @@ Every error, including unknown routes, wrong methods and unexpected exceptions, 
 JSON error; an unexpected exception is logged and answered 500 without taking the process down. A
 client that closes the connection while a route reads its body is logged at info, not as an error
 (status 499, never sent). Refusals (401 on ``/v1/models``, unknown routes, wrong methods) are
-published on the gateway's bus as :class:`~kvmeter.serving.gateway.signals.RequestRefused`.
+published on the gateway's bus as :class:`~kvmeter.stats.RequestRefused`.
 
 A request still unanswered when the server stops (uvicorn cancels it once its graceful-shutdown
 period is over, e.g. a body still being waited for) is answered 503 ``server_shutting_down`` with

@@ -19,7 +19,7 @@ The steps, in order, and what each can answer:
 
 Nothing is billed for a request rejected in steps 1–6, and every failure there is answered before
 the engine is touched. A refusal in steps 1–4 is published as a
-:class:`~kvmeter.serving.gateway.signals.RequestRefused`; one in steps 5–6 as an
+:class:`~kvmeter.stats.RequestRefused`; one in steps 5–6 as an
 :class:`~kvmeter.stats.AdmissionDecision`.
 """
 
@@ -51,7 +51,6 @@ from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionR
                                               parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
-from kvmeter.serving.gateway.signals import RequestRefused
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
@@ -59,7 +58,7 @@ from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
-from kvmeter.stats import AdmissionDecision
+from kvmeter.stats import AdmissionDecision, RequestRefused
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
 
@@ -144,7 +143,7 @@ class Gateway:
 
     def refused(self, err: Refusal, endpoint: str, principal: Principal | None = None) -> None:
         """Publish the refusal ``err`` of a request that got no admission decision (see
-        :class:`~kvmeter.serving.gateway.signals.RequestRefused`; ``endpoint`` is one of its
+        :class:`~kvmeter.stats.RequestRefused`; ``endpoint`` is one of its
         ``REFUSAL_ENDPOINTS``)."""
         self.bus.publish(RequestRefused(
             status_code=err.status_code, code=err.code or "", endpoint=endpoint,

@@ -4,7 +4,7 @@ A :class:`RequestMeter` follows one admitted request from gateway arrival to its
 injected clock. It measures what the client experiences (TTFT, inter-token latency, end-to-end),
 integrates the KV cache the request holds over time, and at the end produces the
 :class:`~kvmeter.events.UsageEvent` (billing) and the :class:`~kvmeter.stats.RequestCompletion`
-(signals).
+(stats on the bus).
 
 Token counts follow the metering rules (docs/ARCHITECTURE.md, "Metering rules"): the engine's own
 per-request stats when it reported them (a normal finish on vLLM), else the engine-true counts

@@ -16,9 +16,9 @@ Public surface (the modules are internals):
 * Idempotency: :class:`MemoryIdempotencyManager`, :class:`RedisIdempotencyManager`,
   :class:`StoredResponse`, :class:`AttemptOutcome`, :class:`IdempotencyTicket` and the
   :class:`IdempotencyError` family (:mod:`.idempotency`).
-* Signals (plain dataclasses for the bus): :class:`ReservationDrift`, :class:`QuotaStoreState`,
-  :class:`IdempotencyAttempt`, :class:`ToolCallReported`; admission decisions are
-  :class:`kvmeter.stats.AdmissionDecision` (:mod:`.signals`).
+* Stats published on the bus live in :mod:`kvmeter.stats.quota`: ``ReservationDrift``,
+  ``QuotaStoreState``, ``IdempotencyAttempt``, ``ToolCallReported``; admission decisions are
+  :class:`kvmeter.stats.AdmissionDecision`.
 
 A default config example ships in ``examples/principals.yaml`` (:data:`EXAMPLE_CONFIG`).
 
@@ -62,7 +62,7 @@ runtime)                                               ``KVMETER_QUOTA_REPLICAS`
                                                        load balancer spreads traffic evenly
 =====================================================  =========================================
 
-The signal: :class:`QuotaStoreState` on the bus (``degraded=True`` at the first failure,
+The stats: :class:`~kvmeter.stats.QuotaStoreState` on the bus (``degraded=True`` at the first failure,
 ``degraded=False`` on recovery, with the number of reconciliations waiting), exported by the
 Prometheus exporter, and an ERROR log line naming the store. Recovery needs no restart: every
 probe interval one request tries Redis again; on success the reconciliations queued during the
@@ -103,7 +103,6 @@ from kvmeter.serving.quota.idempotency import (
 )
 from kvmeter.serving.quota.memory import MemoryQuotaStore
 from kvmeter.serving.quota.redis_store import RedisQuotaStore, redis_client
-from kvmeter.serving.quota.signals import IdempotencyAttempt, QuotaStoreState, ReservationDrift, ToolCallReported
 from kvmeter.serving.quota.store import QuotaStore, ReserveResult, StoreUnavailable
 
 #: The example principals config shipped with the package.
@@ -143,9 +142,5 @@ __all__ = [
     "IdempotencyInProgress",
     "InvalidIdempotencyKey",
     "IdempotencyUnavailable",
-    "ReservationDrift",
-    "QuotaStoreState",
-    "IdempotencyAttempt",
-    "ToolCallReported",
     "EXAMPLE_CONFIG",
 ]

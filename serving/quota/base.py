@@ -127,7 +127,7 @@ class QuotaGate(abc.ABC):
     @abc.abstractmethod
     async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
         """Replace the reservation with the actual usage and release the rest. Never raises into
-        the serving path (failures are logged and signalled)."""
+        the serving path (failures are logged and published on the bus)."""
 
     def context_limit(self, principal: object, agent_run_id: str = "") -> int | None:
         """Tightest ``max_context_tokens`` (prompt + ``max_tokens``) the caller may ask for, or

@@ -2,7 +2,7 @@
 
 :class:`FailoverQuotaStore` wraps the shared store. While the shared store answers, it is used for
 everything. When a call fails with :class:`StoreUnavailable`, the wrapper is *degraded*: it
-publishes :class:`~kvmeter.serving.quota.signals.QuotaStoreState` (``degraded=True``) and decides
+publishes :class:`~kvmeter.stats.QuotaStoreState` (``degraded=True``) and decides
 each item of a reservation by its dimension's **outage policy**:
 
 ``closed``  the request is refused (the gate answers 503 with ``Retry-After`` = the probe
@@ -36,8 +36,8 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.quota.memory import MemoryQuotaStore
 from kvmeter.serving.quota.plan import DEADLINE, RATE, PlanItem
-from kvmeter.serving.quota.signals import QuotaStoreState
 from kvmeter.serving.quota.store import QuotaStore, ReserveResult, StoreUnavailable
+from kvmeter.stats import QuotaStoreState
 
 __all__ = ["FailoverQuotaStore", "DEFAULT_OUTAGE_POLICY", "FAIL_CLOSED", "LOCAL", "FAIL_OPEN"]
 
@@ -75,7 +75,7 @@ class FailoverQuotaStore(QuotaStore):
         policy: outage policy overrides, dimension → ``closed`` / ``local`` / ``open``.
         probe_interval_s: seconds between attempts to reach the primary while degraded (> 0).
         max_pending: reconciliations kept for replay after recovery (oldest dropped beyond it).
-        clock: injected clock (monotonic, for probes; wall, for signal timestamps).
+        clock: injected clock (monotonic, for probes; wall, for the stats' timestamps).
         bus: where :class:`QuotaStoreState` goes.
     Raises:
         ValueError: bad replicas / interval / policy value.

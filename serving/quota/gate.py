@@ -89,12 +89,11 @@ from kvmeter.serving.quota.plan import (
     build_plan,
     period_end_s,
 )
-from kvmeter.serving.quota.signals import ReservationDrift, ToolCallReported
 from kvmeter.serving.quota.store import QuotaStore, ReserveResult, StoreUnavailable
 from kvmeter.serving.tenancy.directory import TenantDirectory
 from kvmeter.serving.tenancy.limits import RUN_DIMENSIONS
 from kvmeter.serving.tenancy.principal import Principal
-from kvmeter.stats import AdmissionDecision
+from kvmeter.stats import AdmissionDecision, ReservationDrift, ToolCallReported
 
 __all__ = ["HierarchicalQuota", "PriceFn", "ToolCallReport", "RunUsage", "MAX_RUN_ID_CHARS"]
 

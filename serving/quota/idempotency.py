@@ -25,7 +25,7 @@ Outcomes of :meth:`IdempotencyManager.begin`:
 * ``JOINED`` — an attempt was running; this call waited for it and carries its result.
 * ``REPLAYED`` — an attempt had finished; this call carries its stored result.
 
-Each call publishes an :class:`~kvmeter.serving.quota.signals.IdempotencyAttempt` — the gateway
+Each call publishes an :class:`~kvmeter.stats.IdempotencyAttempt` — the gateway
 records the attempt from ``ticket`` as well.
 
 What a replay returns: exactly what the first attempt sent — its status, headers and body bytes.
@@ -60,7 +60,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
-from kvmeter.serving.quota.signals import IdempotencyAttempt
+from kvmeter.stats import IdempotencyAttempt
 
 __all__ = [
     "AttemptOutcome",
@@ -250,7 +250,7 @@ class IdempotencyManager(abc.ABC):
             return StoredResponse(response.status_code, tuple(response.headers), b"", response.streamed, True)
         return response
 
-    def _signal(self, tenant_id: str, outcome: str, attempt: int) -> None:
+    def _publish(self, tenant_id: str, outcome: str, attempt: int) -> None:
         if self._bus is not None:
             self._bus.publish(IdempotencyAttempt(tenant_id=tenant_id, outcome=outcome, attempt=attempt,
                                                  replayed=outcome in ("joined", "replayed"),
@@ -258,11 +258,11 @@ class IdempotencyManager(abc.ABC):
 
     def _answer(self, tenant_id: str, key: str, outcome: AttemptOutcome, attempt: int,
                 response: StoredResponse | None = None, token: str = "") -> IdempotencyTicket:
-        self._signal(tenant_id, outcome.value, attempt)
+        self._publish(tenant_id, outcome.value, attempt)
         return IdempotencyTicket(tenant_id, key, outcome, attempt, response, token)
 
     def _refuse(self, tenant_id: str, err: IdempotencyError, outcome: str, attempt: int) -> IdempotencyError:
-        self._signal(tenant_id, outcome, attempt)
+        self._publish(tenant_id, outcome, attempt)
         return err
 
 

@@ -66,7 +66,7 @@ class ReserveResult:
 class QuotaStore(abc.ABC):
     """Where quota counters live."""
 
-    #: Short name for signals and logs (``memory``, ``redis``).
+    #: Short name for stats and logs (``memory``, ``redis``).
     name: str = "store"
     #: Prefix of every key this store is used with (plans are compiled with it).
     key_prefix: str = "kvq:"

@@ -90,10 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvmeter.model import ModelError, resolve_model
-    from kvmeter.serving.demo import DEMO_TENANTS
     from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
     from kvmeter.serving.replay.client import replay
-    from kvmeter.serving.replay.plan import ReplayTenant, ScalingRule, build_plan
+    from kvmeter.serving.replay.plan import DEMO_TENANTS, ReplayTenant, ScalingRule, build_plan
     from kvmeter.serving.replay.prompts import PromptSynthesizer
     from kvmeter.traces import TraceError, load_trace
 

@@ -26,7 +26,16 @@ from dataclasses import dataclass
 
 from kvmeter.traces import TraceRequest
 
-__all__ = ["ReplayTenant", "ReplayRequest", "ScalingRule", "build_plan"]
+__all__ = ["ReplayTenant", "ReplayRequest", "ScalingRule", "build_plan", "DEMO_TENANTS"]
+
+#: (name, API key, share of the trace's requests, noisy) — the keys match serving/defaults/demo-tenants.yaml.
+DEMO_TENANTS = [
+    ("acme", "sk-demo-acme-0001", 3.0, False),          # enterprise
+    ("globex", "sk-demo-globex-0001", 2.0, False),      # paid interactive
+    ("initech", "sk-demo-initech-0001", 2.0, False),    # batch
+    ("hobbyist", "sk-demo-hobbyist-0001", 1.0, False),  # free: 20 requests/min, 2 at a time
+    ("umbrella", "sk-demo-umbrella-0001", 0.7, True),   # paid interactive, long prompts
+]
 
 
 @dataclass(frozen=True, slots=True)

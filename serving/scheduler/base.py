@@ -120,7 +120,7 @@ class PassThroughScheduler(Scheduler):
     """No kvmeter queue: every admitted job dispatches at once; the engine's FCFS decides.
 
     This is FCFS as far as kvmeter is concerned and is the baseline the fair scheduler is measured
-    against. It still counts running jobs and charged tokens so signals stay meaningful.
+    against. It still counts running jobs and charged tokens so its stats stay meaningful.
     """
 
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:

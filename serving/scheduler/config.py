@@ -110,8 +110,8 @@ class SchedulerConfig:
         rpm_limit: requests per minute per tenant for the ``rpm`` policy (sliding 60 s window).
         tenant_rpm_limits: per-tenant overrides of ``rpm_limit``.
 
-    Signals:
-        stats_window_s: window of the Jain's index signal.
+    Stats:
+        stats_window_s: window of the Jain's index in :class:`~kvmeter.stats.SchedulerStats`.
     Raises:
         ValueError: on out-of-range values (checked at construction).
     """

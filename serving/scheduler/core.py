@@ -36,7 +36,7 @@ tenants that stay eligible.
 Engine gating — KV watermark, the engine's waiting queue, a running cap and an adaptive limit on
 the running batch driven by the engine's step latencies (AIMD) — is :mod:`.gating`'s; the overload
 pressure level is :mod:`.pressure`'s; projected waits are :mod:`.projection`'s; Jain's index, the
-service gap and snapshots are :mod:`.signals`'. This module owns the queues, the VTC order,
+service gap and snapshot rows are :mod:`.snapshot`'s. This module owns the queues, the VTC order,
 admission, dispatch and the charging of running requests.
 
 Costs: a dispatch decision is two lazy-heap look-ups (tier, then tenant) — O(log n) — plus a few
@@ -55,8 +55,8 @@ import logging
 from typing import Iterable, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.tenancy.tiers import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, TierPolicy
+from kvmeter.stats import EngineLoad, SchedulerStats
 
 from ._heap import LazyMinHeap
 from .base import Grant, Job, SchedulerRejected
@@ -65,9 +65,8 @@ from .gating import EngineGate, latency_targets, pick_engine
 from .policy import OrderingPolicy, make_policy
 from .pressure import PressureController, oldest_protected_wait_ratio
 from .projection import DrainRateMeter, job_cost, projected_wait
-from .signals import FairnessSampler, tenant_stats, tier_stats
+from .snapshot import FairnessSampler, tenant_stats, tier_stats
 from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
-from .stats import SchedulerStats
 
 __all__ = ["SchedulerCore", "CoreGrant"]
 
@@ -122,7 +121,7 @@ class SchedulerCore:
         self.dropped_total: dict[str, int] = {}
         self._pressure = PressureController(self.config)
         self._next_pressure_eval = -_INF
-        self._signals = FairnessSampler(self.config.stats_window_s)
+        self._fairness = FairnessSampler(self.config.stats_window_s)
         self._n_backlogged = 0
         self.service_total = 0.0
 
@@ -153,7 +152,7 @@ class SchedulerCore:
     @property
     def next_sample_s(self) -> float:
         """Clock time of the next fairness sample (callers sync charges before it)."""
-        return self._signals.next_sample_s
+        return self._fairness.next_sample_s
 
     @property
     def pressure_level(self) -> int:
@@ -173,12 +172,12 @@ class SchedulerCore:
     @property
     def service_gap(self) -> float:
         """Largest VTC counter spread between backlogged tenants of a tier at the last sample."""
-        return self._signals.service_gap
+        return self._fairness.service_gap
 
     @property
     def max_service_gap(self) -> float:
         """The largest :attr:`service_gap` seen since start."""
-        return self._signals.max_service_gap
+        return self._fairness.max_service_gap
 
     def engine_limits(self) -> list[int | None]:
         """Per engine, the adaptive running limit now (None: inactive, the static caps apply)."""
@@ -191,7 +190,7 @@ class SchedulerCore:
     def backlogged_service_rates(self, min_time_s: float = 0.0) -> dict[str, float]:
         """Per tenant, weight-normalised service per second while backlogged, since start
         (the ``xᵢ`` of the run's Jain's index; see :mod:`.fairness`)."""
-        return self._signals.meter.rates(min_time_s, whole_run=True)
+        return self._fairness.meter.rates(min_time_s, whole_run=True)
 
     def tenant_tier(self, tenant_id: str) -> str | None:
         t = self._tenants.get(tenant_id)
@@ -708,8 +707,8 @@ class SchedulerCore:
                                             protected_active=protected_active)
             if level != self._pressure.level:
                 self.set_pressure_level(level)
-        if self._signals.due(now):
-            self._signals.sample(now, self._tiers.values(), self._backlogged_tier_weight)
+        if self._fairness.due(now):
+            self._fairness.sample(now, self._tiers.values(), self._backlogged_tier_weight)
 
     def set_pressure_level(self, level: int) -> None:
         """Apply pressure ``level`` (0–2): pause / unpause tiers and drop shed-able queued work.
@@ -738,7 +737,7 @@ class SchedulerCore:
     def _shed_retry_after(self, now: float) -> float:
         return max(1.0, 2.0 * self.config.pressure_eval_interval_s)
 
-    # ------------------------------------------------------------------ projections and signals
+    # ------------------------------------------------------------------ projections and stats
     def _projected_wait(self, t: TenantState | None, now: float) -> float:
         if not self._queued_total:
             return 0.0
@@ -767,7 +766,7 @@ class SchedulerCore:
         return SchedulerStats(
             wall_ts=self._clock.wall(), policy=self.policy.name, pressure_level=self.pressure_level,
             queued_total=self._queued_total, running_total=len(self._running),
-            service_rate_per_s=self._rate.rate(now), jain_index=self._signals.jain_index(),
+            service_rate_per_s=self._rate.rate(now), jain_index=self._fairness.jain_index(),
             max_service_gap=self.max_service_gap, service_gap=self.service_gap,
             rejected_total=dict(self.rejected_total), dropped_total=dict(self.dropped_total),
             engines_kv_watermark=[e.load.kv_watermark_ratio for e in self._engines],

@@ -33,14 +33,12 @@ import logging
 from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.serving.engines.base import EngineLoad
-from kvmeter.stats import EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepStats, SchedulerStats
 
 from .base import Grant, Job, Scheduler
 from .config import SchedulerConfig
 from .core import SchedulerCore
 from .policy import OrderingPolicy
-from .stats import SchedulerStats
 
 __all__ = ["FairScheduler"]
 
@@ -114,7 +112,7 @@ class FairScheduler(Scheduler):
         self.core.release(grant)
         self._pump()
 
-    # ---------------------------------------------------------------- engine signals
+    # ---------------------------------------------------------------- engine load reports
     def on_engine_load(self, load: EngineLoad, engine_idx: int = 0) -> None:
         """Take an engine's load snapshot (e.g. from ``Engine.load()``) and re-evaluate dispatch."""
         try:

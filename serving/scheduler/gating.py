@@ -6,9 +6,13 @@ holds at once, per replica (:class:`EngineGate`):
 
 * **KV watermark** — the engine's last reported KV use plus the prompts dispatched since, below
   ``kv_watermark_high`` of its capacity (vLLM preempts by recompute past full; a head-of-line
-  request that does not fit waits rather than being skipped, see :mod:`.core`);
+  request that does not fit waits rather than being skipped, see :mod:`.core`). The report is
+  the engine's :class:`~kvmeter.stats.EngineLoad`: after every step for an engine kvmeter hosts,
+  after every ``/metrics`` scrape for a remote vLLM server (a watermark without a known capacity
+  closes the gate at ``kv_watermark_high`` alone);
 * **engine waiting queue** — at most ``max_engine_waiting`` requests in the engine's own FCFS
-  queue, so kvmeter, not the engine, decides the order;
+  queue, so kvmeter, not the engine, decides the order (counted from per-step reports, or from
+  kvmeter's own dispatched requests without a first token when the engine reports periodically);
 * **running cap** — at most ``max_engine_running`` requests dispatched and not released;
 * **adaptive limit** (:class:`AdaptiveEngineLimit`) — below that cap, a limit on the requests
   dispatched and not released, adjusted from the engine's observed step latencies so the running
@@ -66,8 +70,8 @@ import math
 from collections import deque
 from typing import Iterable, Sequence
 
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.tenancy.tiers import TierPolicy
+from kvmeter.stats import EngineLoad
 
 from .config import SchedulerConfig
 
@@ -107,7 +111,7 @@ class AdaptiveEngineLimit:
     Attributes:
         limit: the current limit (a float; the gate uses its floor), ``None`` until the engine's
             first latency report.
-        decreases, increases: how many times it moved (signals, tests).
+        decreases, increases: how many times it moved (stats, tests).
         last_ratio: the last interval's congestion signal ``r`` (0.0 before the first).
         ttft_estimate_s: the median engine-side TTFT over the last window with first tokens
             (0.0 before any): how long after dispatch a first token arrives, for deadlines.
@@ -322,9 +326,10 @@ class EngineGate:
         self.adaptive = AdaptiveEngineLimit(config, idx) if config.adaptive_engine_limit else None
 
     def waiting_estimate(self) -> int:
-        """Requests in the engine's own waiting queue: its last report plus what was dispatched
-        since; without reports, every dispatched request that has not started."""
-        if self.reported:
+        """Requests in the engine's own waiting queue: its last per-step report plus what was
+        dispatched since; without per-step reports (none yet, or only periodic scrapes, which can
+        be a second old), every dispatched request that has not started."""
+        if self.reported and self.load.per_step:
             return self.load.num_waiting + self.since_report
         return self.unstarted
 
@@ -370,6 +375,8 @@ def pick_engine(engines: Sequence[EngineGate], config: SchedulerConfig) -> Engin
                 continue
             free = e.capacity - used
         else:
+            if e.load.kv_watermark_ratio >= config.kv_watermark_high:
+                continue  # a watermark without a capacity (a scraped page without cache_config_info)
             free = -e.outstanding
         if free > best_free:
             best, best_free = e, free

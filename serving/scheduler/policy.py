@@ -6,7 +6,7 @@ A policy answers two questions for :class:`~kvmeter.serving.scheduler.core.Sched
   least key (lazy heaps, so a decision is O(log n));
 * **admission** — whether the policy itself refuses a request before queueing (only RPM does).
 
-Everything else (queues, KV budgets, engine gating, bounds, deadlines, shedding, signals) is the
+Everything else (queues, KV budgets, engine gating, bounds, deadlines, shedding, stats) is the
 core's and is shared by every policy, so a benchmark compares orderings, not plumbing.
 
 * :class:`VTCPolicy` — Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language

@@ -2,16 +2,16 @@
 
 The level rises when the protected tiers' promises are at risk and falls when they are safe again:
 
-* **signals** — the queue fill (queued / ``max_queued_total``); the protected tiers' SLO ratio,
+* **inputs** — the queue fill (queued / ``max_queued_total``); the protected tiers' SLO ratio,
   the larger of (a) the oldest queued protected request's age ÷ its tier's TTFT SLO and (b) the
   mean TPOT of recently completed protected requests ÷ their tier's ITL SLO, each smoothed by an
   exponential moving average with time constant ``pressure_smoothing_s`` (a momentary burst of
   queueing sheds nobody);
-* **thresholds** — a level is entered when a signal reaches its threshold
+* **thresholds** — a level is entered when an input reaches its threshold
   (``elevated_*``/``overload_*`` in :class:`~.config.SchedulerConfig`);
-* **hysteresis and dwell** — a level is left only when every signal is below
+* **hysteresis and dwell** — a level is left only when every input is below
   ``pressure_exit_factor`` × its entry threshold, and only after it held ``pressure_min_dwell_s``
-  (shedding improves the very signals that set the level; without both it oscillates).
+  (shedding improves the very inputs that set the level; without both it oscillates).
 
 What a level *does* (pausing batch, refusing and dropping free work) is the core's
 (:meth:`~.core.SchedulerCore.set_pressure_level`), driven by each tier's
@@ -78,7 +78,7 @@ class PressureController:
         self._since = now
 
     def evaluate(self, now: float, queue_fill: float, wait_ratio: float, *, protected_active: bool = True) -> int:
-        """The level the signals call for at ``now`` (hysteresis and dwell applied).
+        """The level the inputs call for at ``now`` (hysteresis and dwell applied).
 
         Args:
             now: monotonic seconds.

@@ -3,8 +3,8 @@
 Plain mutable records with ``__slots__`` (a decision touches a few of them; see the cost figures in
 ``bench/fairness/RESULTS.md``). They are internal to :mod:`kvmeter.serving.scheduler`: the core
 (:mod:`.core`) owns and mutates them; the ordering policies (:mod:`.policy`), the wait projection
-(:mod:`.projection`), the pressure controller (:mod:`.pressure`) and the signal builders
-(:mod:`.signals`) read them. Engine-side state is :class:`~.gating.EngineGate`'s.
+(:mod:`.projection`), the pressure controller (:mod:`.pressure`) and the snapshot builders
+(:mod:`.snapshot`) read them. Engine-side state is :class:`~.gating.EngineGate`'s.
 
 Units: token counts in tokens; ``service``/``counter`` in VTC service units (``input_weight ×
 prompt tokens + output_weight × output tokens``, the counter divided by the weight); times in

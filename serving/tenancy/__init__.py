@@ -11,12 +11,12 @@ Public surface (re-exported here; the modules are internals):
 * :class:`TierPolicy`, :data:`DEFAULT_TIERS` — weight, TTFT/ITL SLOs, engine priority and default
   limits per tier (:mod:`.tiers`).
 * :class:`Limits`, :class:`RunBudget` and the level/dimension names (:mod:`.limits`).
-* :func:`load_config`, :func:`parse_config`, :class:`ConfigError` (:mod:`.config`).
+* :func:`load_config`, :func:`parse_config`, :class:`ConfigError`, :data:`DEMO_TENANTS_FILE` (the demo
+  tenants a bare ``kvmeter serve`` uses) (:mod:`.config`).
 """
 
-from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, load_config, parse_config
+from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE, ConfigError, TenancyConfig, load_config, parse_config
 from kvmeter.serving.tenancy.directory import (
-    ConfigReloaded,
     DirectorySnapshot,
     KeyEntry,
     NodeLimits,
@@ -50,7 +50,6 @@ __all__ = [
     "DirectorySnapshot",
     "KeyEntry",
     "NodeLimits",
-    "ConfigReloaded",
     "TierPolicy",
     "DEFAULT_TIERS",
     "Limits",
@@ -62,4 +61,5 @@ __all__ = [
     "ConfigError",
     "load_config",
     "parse_config",
+    "DEMO_TENANTS_FILE",
 ]

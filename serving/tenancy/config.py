@@ -61,7 +61,11 @@ __all__ = [
     "load_config",
     "ID_PATTERN",
     "MAX_MONEY",
+    "DEMO_TENANTS_FILE",
 ]
+
+#: The tenants the demo and a bare ``kvmeter serve`` use (demo keys; replace them in production).
+DEMO_TENANTS_FILE = Path(__file__).resolve().parents[1] / "defaults" / "demo-tenants.yaml"
 
 #: Ids of orgs, workspaces, projects, keys and tiers (they become parts of store keys and labels).
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

@@ -40,9 +40,9 @@ from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, TierModel
 from kvmeter.serving.tenancy.limits import NO_LIMITS, Limits, RunBudget
 from kvmeter.serving.tenancy.principal import AuthError, Principal
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TierPolicy
+from kvmeter.stats.tenancy import ConfigReloaded
 
-__all__ = ["TenantDirectory", "DirectorySnapshot", "KeyEntry", "NodeLimits", "ConfigReloaded",
-           "MAX_PRESENTED_KEY_CHARS"]
+__all__ = ["TenantDirectory", "DirectorySnapshot", "KeyEntry", "NodeLimits", "MAX_PRESENTED_KEY_CHARS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +81,6 @@ class KeyEntry:
     chain: tuple[NodeLimits, ...]
     run_limits: Limits
     run_budget: RunBudget
-
-
-@dataclass(slots=True)
-class ConfigReloaded:
-    """Signal: a reload was attempted.
-
-    Attributes:
-        ok: True if the new config is live.
-        version: the live snapshot's version after the attempt.
-        error: the :class:`ConfigError` message when ``ok`` is false (never contains key material).
-        keys: API keys in the live snapshot.
-        wall_ts: wall-clock epoch seconds.
-    """
-
-    ok: bool
-    version: int
-    error: str = ""
-    keys: int = 0
-    wall_ts: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +218,8 @@ class TenantDirectory:
         config: a validated config (or a mapping / YAML text, validated here), or ``None`` when
             ``path`` is given.
         path: YAML file to load now and on :meth:`reload` / :meth:`poll_file`.
-        bus: where :class:`ConfigReloaded` signals go (optional).
-        clock: for signal timestamps.
+        bus: where :class:`~kvmeter.stats.ConfigReloaded` stats go (optional).
+        clock: for the stats' timestamps.
     Raises:
         ConfigError: the initial config is invalid (construction fails loudly).
         ValueError: neither or both of ``config`` and ``path`` given.
@@ -368,7 +349,7 @@ class TenantDirectory:
 
         Returns:
             True if a new config went live; False if unchanged, or if the changed file was
-            invalid or unreadable (logged, signalled with :class:`ConfigReloaded` ``ok=False``;
+            invalid or unreadable (logged, published as :class:`~kvmeter.stats.ConfigReloaded` ``ok=False``;
             the old config stays live).
         """
         if self._path is None:

@@ -17,12 +17,10 @@ from kvmeter.cli import main as kvmeter_main
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.gpu import (
     CaptureNvml,
-    GpuCollectorStatus,
     GpuPoller,
-    GpuSample,
     NvmlCollector,
-    XidEvent,
 )
+from kvmeter.stats import GpuCollectorStatus, GpuSample, XidEvent
 
 MIB = 1024 * 1024
 H100 = "linux-x86_64__nvidia-h100-80gb-hbm3__590.48.01.txt"

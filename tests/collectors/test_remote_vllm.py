@@ -14,12 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.remote_vllm import (
-    HistogramSnapshot,
-    RemoteEngineStats,
     RemoteVllmScraper,
     ScrapeError,
     parse_vllm_metrics,
 )
+from kvmeter.stats import HistogramSnapshot, RemoteEngineStats
 
 V0 = "vllm_metrics/vllm_v0_metrics_qwen2.5-coder-1.5b_aibrix_docs.prom"
 V1 = "vllm_metrics/vllm_v1_qwen2.5-coder-32b_prodstack318.prom"

@@ -15,11 +15,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvmeter.clock import ManualClock
-from kvmeter.collectors.gpu import CaptureNvml, GpuCollectorStatus
+from kvmeter.collectors.gpu import CaptureNvml
 from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
 from kvmeter.serving.engines.instant import InstantEngine
 from kvmeter.serving.runtime import ServeRuntime
+from kvmeter.stats import GpuCollectorStatus
 
 MIB = 1024 * 1024
 T0 = 1_790_000_000.0

@@ -176,10 +176,9 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     from kvmeter.bus import StatsBus
     from kvmeter.clock import ManualClock
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-    from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
+    from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
     from kvmeter.dashboards import signals
-    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
-    from kvmeter.stats import EngineStepStats, RequestCompletion
+    from kvmeter.stats import EngineStepStats, RequestCompletion, SchedulerStats, TenantSchedulerStats
 
     from dashkit import H200_CAPTURE
 

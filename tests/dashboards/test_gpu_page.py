@@ -13,8 +13,8 @@ from dashkit import H200_CAPTURE, KEYS, close_dashboard_backend, stop_readers
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-from kvmeter.collectors.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.dashboards.config import ENV
+from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import Ledger, LedgerConfig
 
 T0 = datetime(2026, 11, 27, 2, 0, tzinfo=timezone.utc)

@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeter.clock import ManualClock
-from kvmeter.exporters.prometheus import SIGNALS, rule_files
+from kvmeter.exporters.prometheus import METRICS, rule_files
 from kvmeter.exporters.prometheus.rules import generate_slo
-from kvmeter.ledger.stats import ReconciliationStats
+from kvmeter.stats import ReconciliationStats
 from kvmeter.stats import EngineRequestStats
 
 PROMTOOL = shutil.which("promtool")
@@ -91,7 +91,7 @@ _NAME_REGEX = re.compile(r'__name__\s*=~\s*"([^"]+)"')
 
 
 def test_rules_read_only_declared_metrics():
-    declared = {s.name: s for s in SIGNALS}
+    declared = {m.name: m for m in METRICS}
     for name, rule in _alerts():
         # {__name__=~"kvmeter_a_(x|y)_total"}: every alternative must be declared
         for pattern in _NAME_REGEX.findall(rule["expr"]):

@@ -27,10 +27,9 @@ import yaml
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from kvmeter.collectors.gpu import GpuSample, XidEvent
 from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus, metrics_asgi_app, rule_files
 from kvmeter.serving.tenancy import hash_api_key
-from kvmeter.stats import EngineStepStats
+from kvmeter.stats import EngineStepStats, GpuSample, XidEvent
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [

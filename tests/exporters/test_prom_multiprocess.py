@@ -23,10 +23,8 @@ WORKER = textwrap.dedent("""
     import sys
     from kvmeter.bus import StatsBus
     from kvmeter.exporters.prometheus import install_prometheus
-    from kvmeter.stats import EngineStepStats, RequestCompletion
-    from kvmeter.collectors.gpu import GpuCollectorStatus
-    from kvmeter.ledger.stats import LedgerStats
-    from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
+    from kvmeter.stats import (EngineStepStats, GpuCollectorStatus, LedgerStats, RequestCompletion,
+                               SchedulerStats, TenantSchedulerStats)
 
     n, kv, gpu_state = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     bus = StatsBus()

@@ -9,14 +9,10 @@ from decimal import Decimal
 import pytest
 
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, install_prometheus
-from kvmeter.ledger.stats import LedgerStats, ReconciliationStats
-from kvmeter.serving.engines.base import EngineLoad
-from kvmeter.serving.quota.signals import (IdempotencyAttempt, QuotaStoreState, ReservationDrift,
-                                           ToolCallReported)
 from kvmeter.serving.scheduler import Job, SchedulerCore
-from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
-from kvmeter.serving.tenancy import ConfigReloaded
-from kvmeter.stats import AdmissionDecision, RequestCompletion
+from kvmeter.stats import (AdmissionDecision, ConfigReloaded, EngineLoad, IdempotencyAttempt, LedgerStats, ReconciliationStats,
+                           QuotaStoreState, RequestCompletion, ReservationDrift, SchedulerStats,
+                           TenantSchedulerStats, ToolCallReported)
 
 
 def install(bus, registry, clock, k=2, **kw):

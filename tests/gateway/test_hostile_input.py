@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeter.serving.config import ServeConfigError, load_serve_config
 from kvmeter.serving.gateway.handler import GatewaySettings
-from kvmeter.serving.gateway.signals import REFUSAL_CODES
+from kvmeter.stats import REFUSAL_CODES
 from tests.conftest import free_port, start_uvicorn
 from tests.gateway.conftest import KEYS, MemoryRecorder, auth
 from tests.gateway.test_instant_http import _eventually, _no_server_errors
@@ -373,7 +373,7 @@ async def test_tool_call_report_without_a_key_is_a_401(instant_stack, iclient):
 def test_refusal_labels_come_from_fixed_sets_only():
     from kvmeter.bus import StatsBus
     from kvmeter.exporters.prometheus import install_prometheus
-    from kvmeter.serving.gateway.signals import RequestRefused
+    from kvmeter.stats import RequestRefused
 
     bus, registry = StatsBus(), CollectorRegistry()
     exporter = install_prometheus(bus, registry)

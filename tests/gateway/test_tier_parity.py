@@ -15,7 +15,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from kvmeter.serving.config import load_serve_config
-from kvmeter.serving.engines.sim import SimConfig, Simulation
+from kvmeter.serving.simulator import SimConfig, Simulation
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.runtime import ServeRuntime, scheduler_config_from_tiers
 from kvmeter.serving.tenancy import TenantDirectory

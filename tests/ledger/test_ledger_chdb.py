@@ -11,10 +11,10 @@ import pytest
 from ledgerkit import PERIOD, T0, make_attempt, make_event, scalar
 
 from kvmeter.bus import StatsBus
-from kvmeter.ledger import Adjustment, InvalidRecord, LedgerStats, MigrationError, SignalSample
+from kvmeter.ledger import Adjustment, InvalidRecord, MigrationError, SignalSample
 from kvmeter.ledger.records import USAGE_STREAM, encode_usage
 from kvmeter.ledger.schema import load_migrations, migrate, render
-from kvmeter.stats import EngineRequestStats
+from kvmeter.stats import EngineRequestStats, LedgerStats
 
 
 async def test_record_is_durable_then_drains_and_reads_back(open_ledger) -> None:

@@ -16,7 +16,7 @@ from kvmeter.ledger.connection import ClientHolder, connect
 from kvmeter.ledger.errors import LedgerUnavailable
 from kvmeter.ledger.queries import LedgerQueries
 from kvmeter.ledger.reconciler import Reconciler
-from kvmeter.ledger.stats import ReconciliationStats
+from kvmeter.stats import ReconciliationStats
 from kvmeter.stats import EngineRequestStats
 
 

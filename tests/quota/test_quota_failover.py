@@ -15,11 +15,11 @@ from kvmeter.serving.quota import (
     HierarchicalQuota,
     MemoryQuotaStore,
     QuotaRejected,
-    QuotaStoreState,
     RedisQuotaStore,
     UsageEstimate,
 )
 from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.stats import QuotaStoreState
 from quota_testlib import TcpProxy, price, tree
 
 ACME, OTHER = "sk-test-key-one", "sk-test-other-one"

@@ -8,9 +8,9 @@ import pytest
 
 from quota_testlib import P_IN, P_OUT, price, tree
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, ReservationDrift, UsageEstimate
+from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, UsageEstimate
 from kvmeter.serving.tenancy import TenantDirectory
-from kvmeter.stats import AdmissionDecision
+from kvmeter.stats import AdmissionDecision, ReservationDrift
 
 
 K1, K2, O1 = "sk-test-key-one", "sk-test-key-two", "sk-test-other-one"

@@ -14,7 +14,6 @@ from kvmeter.serving.quota import (
     ActualUsage,
     AttemptOutcome,
     HierarchicalQuota,
-    IdempotencyAttempt,
     IdempotencyConflict,
     IdempotencyManager,
     IdempotencyTicket,
@@ -27,6 +26,7 @@ from kvmeter.serving.quota import (
     redis_client,
 )
 from kvmeter.serving.quota.money import to_units
+from kvmeter.stats import IdempotencyAttempt
 from quota_testlib import free_port, price, tree
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":100}'

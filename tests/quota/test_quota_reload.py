@@ -8,7 +8,8 @@ import pytest
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, UsageEstimate
-from kvmeter.serving.tenancy import AuthError, ConfigError, ConfigReloaded, TenantDirectory
+from kvmeter.serving.tenancy import AuthError, ConfigError, TenantDirectory
+from kvmeter.stats import ConfigReloaded
 from quota_testlib import price, tree
 
 

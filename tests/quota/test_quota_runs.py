@@ -7,7 +7,8 @@ from decimal import Decimal
 import pytest
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota import ActualUsage, QuotaRejected, ToolCallReported, UsageEstimate
+from kvmeter.serving.quota import ActualUsage, QuotaRejected, UsageEstimate
+from kvmeter.stats import ToolCallReported
 from quota_testlib import tree
 
 K1 = "sk-test-key-one"

@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.engines.base import Engine
@@ -103,12 +104,14 @@ def clock() -> ManualClock:
 @pytest.fixture
 async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
                 ) -> AsyncIterator[Callable[..., Awaitable[QuotaStack]]]:
-    """``await serve(tenants_yaml, engine=None, quota_store="memory://", scheduler_options={})``
-    starts one stack for the test (stopped, ledger closed, at teardown)."""
+    """``await serve(tenants_yaml, engine=None, quota_store="memory://", scheduler_options={},
+    bus=None)`` starts one stack for the test (stopped, ledger closed, at teardown); a given
+    engine publishes its stats on the bus it was built with, so pass that bus too."""
     started: list[tuple[uvicorn.Server, asyncio.Task, httpx.AsyncClient, Engine]] = []
 
     async def start(tenants_yaml: str, *, engine: Engine | None = None, quota_store: str = "memory://",
-                    scheduler_options: dict | None = None, max_model_len: int = 4096) -> QuotaStack:
+                    scheduler_options: dict | None = None, max_model_len: int = 4096,
+                    bus: StatsBus | None = None) -> QuotaStack:
         assert not started, "one stack per test (chDB: one path per process)"
         (tmp_path / "tenants.yaml").write_text(tenants_yaml)
         (tmp_path / "prices.yaml").write_text(PRICES_YAML)
@@ -121,7 +124,7 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
         }, env={})
         engine = engine or InstantEngine(tokenizer, MODEL, max_model_len=max_model_len)
         await engine.start()  # a given engine is not started by the runtime
-        runtime = ServeRuntime(config, engine=engine, registry=CollectorRegistry(), clock=clock)
+        runtime = ServeRuntime(config, engine=engine, registry=CollectorRegistry(), clock=clock, bus=bus)
         server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
         task = await start_uvicorn(server)

@@ -9,8 +9,8 @@ full engine model; these tests isolate the scheduler.
 from __future__ import annotations
 
 from kvmeter.clock import ManualClock
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
+from kvmeter.stats import EngineLoad
 
 
 def make_core(policy: str = "vtc", *, capacity: int = 1_000_000, num_engines: int = 1,

@@ -12,11 +12,10 @@ import pytest
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
-from kvmeter.serving.engines.base import EngineLoad
-from kvmeter.serving.engines.sim import SimConfig, Simulation
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig, SchedulerCore
 from kvmeter.serving.scheduler.gating import latency_targets
-from kvmeter.stats import EngineStepStats
+from kvmeter.serving.simulator import SimConfig, Simulation
+from kvmeter.stats import EngineLoad, EngineStepStats
 from kvmeter.traces import TraceRequest, load_trace
 
 from .helpers import job

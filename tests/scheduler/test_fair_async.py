@@ -9,10 +9,10 @@ import pytest
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
-from kvmeter.serving.engines.base import EngineLoad, EngineRequest
-from kvmeter.serving.engines.sim import RooflineCostModel, SimEngine, get_accelerator, get_model
-from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig, SchedulerRejected, SchedulerStats
-from kvmeter.stats import EngineStepStats
+from kvmeter.serving.engines.base import EngineRequest
+from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig, SchedulerRejected
+from kvmeter.serving.simulator import RooflineCostModel, SimEngine, get_accelerator, get_model
+from kvmeter.stats import EngineLoad, EngineStepStats, SchedulerStats
 
 from .helpers import job
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.scheduler import SchedulerRejected
+from kvmeter.stats import EngineLoad
 
 from .helpers import job, make_core
 
@@ -104,6 +104,41 @@ def test_without_engine_reports_requests_that_have_not_started_count_as_waiting(
     assert len(grants) == 2
     core.charge_output(grants[0], 1)              # its first token: it left the engine's queue
     assert len(core.dispatch()) == 1
+
+
+def test_a_periodic_load_report_counts_the_engines_queue_from_unstarted_requests():
+    """A remote engine reports its load once per scrape (per_step=False): the requests dispatched
+    since that report are not all still queued in the engine (most started long ago), so the
+    waiting gate counts kvmeter's own dispatched requests without a first token instead."""
+    core, _ = make_core(max_engine_waiting=2, tenant_kv_budget_ratio=None)
+    core.on_engine_load(EngineLoad(0.1, 1_000_000, 0, 0, per_step=False))
+    for i in range(6):
+        core.submit(job(f"r{i}", f"t{i}"))
+    grants = core.dispatch()
+    assert len(grants) == 2
+    for g in grants:
+        core.charge_output(g, 1)                  # first tokens: they left the engine's queue
+    grants += core.dispatch()                     # no new report, yet the gate opens again
+    assert len(grants) == 4
+    # the same with per-step reports: the two dispatched since the report are counted as waiting
+    step, _ = make_core(max_engine_waiting=2, tenant_kv_budget_ratio=None)
+    step.on_engine_load(EngineLoad(0.1, 1_000_000, 0, 0))
+    for i in range(6):
+        step.submit(job(f"r{i}", f"t{i}"))
+    first = step.dispatch()
+    for g in first:
+        step.charge_output(g, 1)
+    assert len(first) == 2 and step.dispatch() == []
+
+
+def test_a_watermark_without_a_capacity_still_closes_the_gate():
+    """A scraped vLLM page without ``vllm:cache_config_info`` gives the watermark but no capacity."""
+    core, _ = make_core(capacity=0, kv_watermark_high=0.9, max_engine_waiting=100)
+    core.on_engine_load(EngineLoad(0.97, 0, 12, 3, per_step=False))
+    core.submit(job("r", "a", prompt=10))
+    assert core.dispatch() == []
+    core.on_engine_load(EngineLoad(0.4, 0, 12, 3, per_step=False))
+    assert [g.job.request_id for g in core.dispatch()] == ["r"]
 
 
 def test_grant_carries_the_tier_engine_priority():

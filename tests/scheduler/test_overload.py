@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmeter.serving.engines.base import EngineLoad
 from kvmeter.serving.scheduler import SchedulerRejected
 from kvmeter.serving.scheduler.config import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD
+from kvmeter.stats import EngineLoad
 
 from .helpers import job, make_core
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvmeter.serving.engines.sim import SimConfig
-from kvmeter.serving.engines.sim.calibration import fit_efficiency, simulated_medians
+from kvmeter.serving.simulator import SimConfig
+from kvmeter.serving.simulator.calibration import fit_efficiency, simulated_medians
 from kvmeter.traces import load_trace
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvmeter.cli import build_parser
-from kvmeter.serving.engines.sim import cli
+from kvmeter.serving.simulator import cli
 
 
 def _parse(*argv: str):

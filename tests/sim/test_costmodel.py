@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmeter.serving.engines.sim import RooflineCostModel, get_accelerator, get_model
-from kvmeter.serving.engines.sim.hardware import AcceleratorSpec
+from kvmeter.serving.simulator import RooflineCostModel, get_accelerator, get_model
+from kvmeter.serving.simulator.hardware import AcceleratorSpec
 
 
 def test_kv_bytes_per_token_of_the_three_shapes():

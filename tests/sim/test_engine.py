@@ -9,7 +9,7 @@ import pytest
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.serving.engines.base import EngineError, EngineRequest
-from kvmeter.serving.engines.sim import RooflineCostModel, SimEngine, get_accelerator, get_model
+from kvmeter.serving.simulator import RooflineCostModel, SimEngine, get_accelerator, get_model
 from kvmeter.stats import EngineStepStats
 
 

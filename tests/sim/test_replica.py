@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmeter.serving.engines.sim import PrefixCache, RooflineCostModel, SimReplica, SimRequest, get_model
-from kvmeter.serving.engines.sim.hardware import AcceleratorSpec
-from kvmeter.serving.engines.sim.replica import FINISHED
+from kvmeter.serving.simulator import PrefixCache, RooflineCostModel, SimReplica, SimRequest, get_model
+from kvmeter.serving.simulator.hardware import AcceleratorSpec
+from kvmeter.serving.simulator.replica import FINISHED
 
 
 def _tiny(kv_blocks: int, **kw) -> SimReplica:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvmeter.cli import main
-from kvmeter.serving.engines.sim import SimConfig, Simulation, build_report
-from kvmeter.serving.engines.sim.report import format_report, weighted_percentiles, write_report
-from kvmeter.serving.engines.sim.tenants import (ServeGenTenantMap, load_servegen_rates, servegen_arrivals,
-                                                 tier_for_tenant)
 from kvmeter.serving.scheduler import SchedulerConfig
+from kvmeter.serving.simulator import SimConfig, Simulation, build_report
+from kvmeter.serving.simulator.report import format_report, weighted_percentiles, write_report
+from kvmeter.serving.simulator.tenants import (ServeGenTenantMap, load_servegen_rates, servegen_arrivals,
+                                               tier_for_tenant)
 from kvmeter.traces import TraceRequest, load_trace
 
 SMALL = SimConfig(model="llama-3.1-70b", gpu="h200", tp=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmeter.serving.engines.sim import SimConfig, Simulation
+from kvmeter.serving.simulator import SimConfig, Simulation
 from kvmeter.traces import TraceError, TraceNotFoundError, TraceRequest, data_dir, load_trace
 
 

@@ -1,5 +1,5 @@
-"""The scheduler's signals: periodic fairness sampling and the :class:`~.stats.SchedulerStats`
-snapshot the exporters read.
+"""What the scheduler's :class:`~kvmeter.stats.SchedulerStats` snapshot is built from: periodic
+fairness sampling and the per-tenant and per-tier rows.
 
 * :class:`FairnessSampler` — every second (``SAMPLE_INTERVAL_S``) it records each backlogged
   tenant's service and entitled share into a :class:`~.fairness.BackloggedServiceMeter` (Jain's
@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from kvmeter.stats import TenantSchedulerStats, TierSchedulerStats
+
 from .fairness import BackloggedServiceMeter
 from .state import TenantState, TierState
-from .stats import TenantSchedulerStats, TierSchedulerStats
 
 __all__ = ["SAMPLE_INTERVAL_S", "FairnessSampler", "tenant_stats", "tier_stats"]
 

@@ -16,12 +16,12 @@ import pytest
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-from kvmeter.collectors.signals import SignalRecorder, SignalSampler, SignalSamplerConfig
+from kvmeter.exporters.prometheus.names import SIGNAL_SERIES, rate_series, signal_series
+from kvmeter.exporters.signals import SignalRecorder, SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
-from kvmeter.serving.quota.signals import QuotaStoreState
-from kvmeter.serving.scheduler.stats import SchedulerStats, TenantSchedulerStats
-from kvmeter.stats import EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState, RemoteEngineStats,
+                           RequestCompletion, SchedulerStats, TenantSchedulerStats)
 
 MIB = 1024 * 1024
 T0 = 1_790_000_000.0  # 2026-09-21 UTC
@@ -144,6 +144,42 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
     assert ("kvmeter_gpu_sm_active_ratio", (("gpu", "0"),)) not in rows
     assert one(rows, "kvmeter_ledger_spool_depth_events") == 0
     assert one(rows, "kvmeter_quota_store_degraded", store="redis") == 1
+
+
+def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus, clock):
+    """The sampler's names come from the one name table (names.py): every row it writes is a
+    declared SignalSeries with exactly that series' labels, and with every source publishing, every
+    declared series gets rows — the table is what the history holds, no more, no less."""
+    written: list[list[SignalSample]] = []
+    sampler = SignalSampler(bus, clock=clock, model="m", config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
+    bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=3,
+                                generation_tokens=40, num_preempted=1, prefix_cache_queries_tokens=100,
+                                prefix_cache_hits_tokens=25))
+    bus.publish(RemoteEngineStats(source="http://upstream:8000/metrics", model_name="m", engine="0", wall_ts=T0,
+                                  kv_cache_usage_ratio=0.3, kv_blocks_total=1000, num_running=2.0, num_waiting=0.0))
+    bus.publish(sched([tenant("acme", "enterprise", depth=1, kv=300, running=1, oldest=0.5)]))
+    bus.publish(completion("acme", "enterprise", 100, 20))
+    bus.publish(GpuSample(wall_ts=T0, index=0, memory_used_bytes=10 * MIB, memory_total_bytes=80 * MIB,
+                          utilization_gpu_ratio=0.9, sm_active_ratio=0.6, tensor_active_ratio=0.4,
+                          dram_bandwidth_ratio=0.7, power_watts=350.0, temperature_gpu_celsius=55.0,
+                          temperature_memory_celsius=60.0,
+                          mig=[MigSample(gpu_index=0, mig_index=0, gpu_instance_id=1, memory_used_bytes=MIB,
+                                         sm_active_ratio=0.5)]))
+    bus.publish(LedgerStats(wall_ts=T0, spool_depth_events=2, spool_oldest_age_seconds=1.5))
+    bus.publish(QuotaStoreState(store="redis", degraded=False))
+    clock.advance(10)
+    assert recorder.tick() > 0
+    (rows,) = written
+    for row in rows:
+        declared = signal_series(row.name)  # KeyError: a name the table does not declare
+        assert set(row.labels) == set(declared.labels), (row.name, row.labels)
+    assert {row.name for row in rows} == {s.name for s in SIGNAL_SERIES}
+    # a counter's history is its rate, named after it; a gauge keeps its metric's name
+    assert rate_series("kvmeter_requests_total") == "kvmeter_requests_per_second"
+    assert signal_series("kvmeter_engine_kv_watermark_ratio").metric == "kvmeter_engine_kv_watermark_ratio"
+    with pytest.raises(KeyError):
+        rate_series("kvmeter_engine_kv_watermark_ratio")  # a gauge has no rate series
 
 
 def test_idle_tenants_and_tiers_get_one_zero_row_then_none(bus, clock, ledger):

@@ -10,25 +10,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeter.collectors.gpu import (
     CaptureNvml,
-    GpuCollectorStatus,
-    GpuProcessSample,
-    GpuSample,
     NvmlCollector,
-    XidEvent,
     gpu_samples_from_dcgm,
 )
 from kvmeter.collectors.remote_vllm import RemoteVllmScraper
 from kvmeter.exporters.prometheus import (
-    SIGNALS,
+    METRICS,
     PrometheusConfig,
     emitted_names,
     install_prometheus,
+    metric,
     reserved_names,
-    signal,
 )
 from kvmeter.exporters.prometheus import buckets as B
 from kvmeter.exporters.prometheus.rules.generate_slo import SLO_CLASSES
-from kvmeter.stats import AdmissionDecision, EngineRequestStats, EngineStepStats, RequestCompletion
+from kvmeter.stats import (AdmissionDecision, EngineRequestStats, EngineStepStats, GpuCollectorStatus,
+                           GpuProcessSample, GpuSample, RequestCompletion, XidEvent)
 
 MIB = 1024 * 1024
 
@@ -221,7 +218,7 @@ def test_remote_engine(bus, registry, exporter, data_dir, clock):
     assert q is None or math.isnan(q)
 
 
-def test_every_emitted_signal_is_registered_and_reserved_ones_are_not(registry, exporter):
+def test_every_emitted_metric_is_registered_and_reserved_ones_are_not(registry, exporter):
     families = {m.name for m in registry.collect()}
     for name in emitted_names():
         assert name.removesuffix("_total") in families, name
@@ -236,13 +233,13 @@ UNIT_WORDS = {"seconds", "tokens", "bytes", "ratio", "requests", "blocks", "watt
 
 
 def test_names_follow_the_conventions():
-    for s in SIGNALS:
-        assert s.name.startswith("kvmeter_"), s.name
-        assert (s.kind == "counter") == s.name.endswith("_total"), s.name
-        assert UNIT_WORDS & set(s.name.split("_")), f"{s.name}: no unit word"
-        assert s.kind != "histogram" or s.buckets, s.name
+    for m in METRICS:
+        assert m.name.startswith("kvmeter_"), m.name
+        assert (m.kind == "counter") == m.name.endswith("_total"), m.name
+        assert UNIT_WORDS & set(m.name.split("_")), f"{m.name}: no unit word"
+        assert m.kind != "histogram" or m.buckets, m.name
     with pytest.raises(KeyError, match="not declared"):
-        signal("kvmeter_nope")
+        metric("kvmeter_nope")
 
 
 def test_slo_thresholds_are_bucket_boundaries():

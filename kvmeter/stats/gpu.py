@@ -1,4 +1,4 @@
-"""Plain GPU stats objects the NVML collector publishes on the :class:`kvmeter.bus.StatsBus`.
+"""Stats of the GPUs, as the NVML collector (or the DCGM reader) publishes them.
 
 Every reading NVML cannot give — ``[N/A]`` in nvidia-smi, ``NVML_ERROR_NOT_SUPPORTED``, the
 "value not available" sentinels (``0xFFFFFFFF`` / ``0xFFFFFFFFFFFFFFFF``), DCGM's blank values — is

@@ -1,8 +1,8 @@
-"""Plain stats objects the quota package publishes on a :class:`kvmeter.bus.StatsBus`.
+"""Stats of the quota: reservation drift at reconciliation, the shared store's health,
+Idempotency-Key attempts and agent-run tool-call reports.
 
-Admission decisions themselves are :class:`kvmeter.stats.AdmissionDecision` (admitted, or
+Admission decisions themselves are :class:`~kvmeter.stats.gateway.AdmissionDecision` (admitted, or
 rejected with level / dimension / reason / status). The types below add what is specific to quota.
-Nothing here imports an exporter.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Plain stats objects handed from the engine, gateway and scheduler to collectors and exporters.
-
-The serving code builds these and publishes them on a :class:`kvmeter.bus.StatsBus`; exporters
-(Prometheus, OpenTelemetry, ClickHouse) subscribe. Nothing here imports an exporter, mirroring
-vLLM's ``v1/metrics/stats.py`` → ``loggers.py`` split.
+"""Stats of an engine kvmeter hosts (vLLM in-process through its hooks, the instant engine, the
+simulator): one per engine step, one per finished request, and the load the scheduler gates on.
 
 Units are in the field names or stated; timestamps say which clock they come from.
 """
@@ -11,12 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = [
-    "EngineStepStats",
-    "EngineRequestStats",
-    "RequestCompletion",
-    "AdmissionDecision",
-]
+__all__ = ["EngineStepStats", "EngineRequestStats", "EngineLoad"]
 
 
 @dataclass(slots=True)
@@ -100,62 +92,27 @@ class EngineRequestStats:
 
 
 @dataclass(slots=True)
-class RequestCompletion:
-    """Gateway-side view of one request when it ends, for latency/token/goodput signals.
+class EngineLoad:
+    """What the scheduler needs to gate dispatch (:mod:`kvmeter.serving.scheduler.gating`).
 
-    Published for every admitted request (ok, aborted or error) right after its usage event.
-
-    Attributes:
-        tenant_id, tier, model: attribution.
-        outcome: ``ok``, ``aborted`` or ``error``.
-        prompt_tokens, cached_prompt_tokens, completion_tokens: engine-true counts.
-        ttft_s: gateway arrival → first token sent (``None`` if none was sent).
-        itls_s: the stream's inter-token latencies in seconds (gaps between successive output
-            chunks, divided evenly over the tokens in each chunk).
-        e2e_s: gateway arrival → end.
-        queue_s: gateway arrival → engine dispatch.
-        slo_met: whether the request met its tier's TTFT and ITL SLO (``None`` when no SLO is set);
-            goodput counts the tokens of requests with ``slo_met`` true.
-        wall_ts: wall-clock epoch seconds at the end.
-    """
-
-    tenant_id: str
-    tier: str
-    model: str
-    outcome: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
-    ttft_s: float | None = None
-    itls_s: list[float] = field(default_factory=list)
-    e2e_s: float = 0.0
-    queue_s: float = 0.0
-    slo_met: bool | None = None
-    wall_ts: float = 0.0
-
-
-@dataclass(slots=True)
-class AdmissionDecision:
-    """One admission decision at the gateway (quota and scheduler front door).
+    An engine kvmeter hosts reports it after every step (the scheduler derives it from
+    :class:`EngineStepStats`; the simulator's replicas hand it over directly); the remote engine
+    publishes one on the bus after every scrape of its upstream's ``/metrics``.
 
     Attributes:
-        tenant_id, tier: attribution.
-        admitted: True if admitted.
-        reason: ``admitted`` or the rejection reason (``rate_limited``, ``quota_exceeded``,
-            ``context_length_exceeded``, ``queue_full``, ``deadline``, ``shed``, ...).
-        level: principal level that bound (``org``, ``workspace``, ``project``, ``api_key``,
-            ``agent_run``, ``global``) or ``""``.
-        dimension: limit dimension that bound (``requests_per_minute``, ``input_tokens_per_minute``,
-            ... ) or ``""``.
-        status_code: HTTP status returned (200 when admitted).
-        wall_ts: wall-clock epoch seconds.
+        kv_watermark_ratio: used / total KV blocks (0.0–1.0) at the last step or scrape.
+        kv_capacity_tokens: total KV capacity in tokens (blocks × block size); 0 if unknown (a
+            reported watermark at or above the scheduler's ``kv_watermark_high`` still holds
+            dispatch back).
+        num_running, num_waiting: engine-side request counts at the last step or scrape.
+        per_step: True when the report is the engine's state at its last step, reported after
+            every step (so the requests dispatched since are still in the engine's waiting queue);
+            False for a periodic reading (a scrape), between which the scheduler counts the
+            engine's waiting queue from its own dispatched requests without a first token.
     """
 
-    tenant_id: str
-    tier: str
-    admitted: bool
-    reason: str = "admitted"
-    level: str = ""
-    dimension: str = ""
-    status_code: int = 200
-    wall_ts: float = 0.0
+    kv_watermark_ratio: float = 0.0
+    kv_capacity_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    per_step: bool = True

@@ -10,8 +10,10 @@ Two parts (this module computes; the write goes through the ledger facade)::
     ...
     await recorder.stop()     # writes a last sample, then sampler.close()
 
-What a sample holds (names follow the Prometheus names; rates end in ``_per_second`` and cover the
-interval since the previous sample, on the injected clock's monotonic reading):
+What a sample holds (every name is declared in the one name table,
+:data:`kvmeter.exporters.prometheus.names.SIGNAL_SERIES`: a gauge under its Prometheus metric's
+name, a counter's rate named after the counter with ``_per_second`` for ``_total``, covering the
+interval since the previous sample on the injected clock's monotonic reading):
 
 * engines, labels ``engine``, ``model`` — from the latest :class:`EngineStepStats` per local engine
   and :class:`RemoteEngineStats` per scraped one: ``kvmeter_engine_kv_watermark_ratio``,
@@ -69,26 +71,52 @@ from typing import Callable, Mapping
 from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.collectors.gpu.samples import GpuSample
-from kvmeter.collectors.remote_vllm import RemoteEngineStats
+from kvmeter.exporters.prometheus.names import rate_series, series
 from kvmeter.ledger.records import SignalSample
-from kvmeter.ledger.stats import LedgerStats
-from kvmeter.serving.quota.signals import QuotaStoreState
-from kvmeter.serving.scheduler.stats import SchedulerStats
-from kvmeter.stats import EngineStepStats, RequestCompletion
+from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, QuotaStoreState, RemoteEngineStats,
+                           RequestCompletion, SchedulerStats)
 
 __all__ = ["SignalSampler", "SignalRecorder", "SignalSamplerConfig"]
 
 log = logging.getLogger(__name__)
 
 _ENV = {"interval_s": "KVMETER_SIGNALS_INTERVAL_S", "stale_after_s": "KVMETER_SIGNALS_STALE_AFTER_S"}
-_GPU_FIELDS = (("kvmeter_gpu_memory_used_bytes", "memory_used_bytes"),
-               ("kvmeter_gpu_memory_total_bytes", "memory_total_bytes"),
-               ("kvmeter_gpu_utilization_ratio", "utilization_gpu_ratio"),
-               ("kvmeter_gpu_sm_active_ratio", "sm_active_ratio"),
-               ("kvmeter_gpu_tensor_active_ratio", "tensor_active_ratio"),
-               ("kvmeter_gpu_dram_bandwidth_ratio", "dram_bandwidth_ratio"),
-               ("kvmeter_gpu_power_watts", "power_watts"))
+# Series names come from the one name table (exporters/prometheus/names.py, SIGNAL_SERIES): a gauge
+# under its Prometheus metric's name, a counter as its rate; series() / rate_series() fail at import
+# on a name the table does not declare.
+_KV_WATERMARK = series("kvmeter_engine_kv_watermark_ratio")
+_KV_USED = series("kvmeter_engine_kv_used_blocks")
+_ENGINE_RUNNING = series("kvmeter_engine_running_requests")
+_ENGINE_WAITING = series("kvmeter_engine_waiting_requests")
+_GENERATION_RATE = rate_series("kvmeter_engine_generation_tokens_total")
+_PREEMPTION_RATE = rate_series("kvmeter_engine_preemptions_total")
+_PREFIX_HIT = series("kvmeter_engine_prefix_cache_hit_ratio")
+_QUEUED = series("kvmeter_scheduler_queued_requests")
+_RUNNING = series("kvmeter_scheduler_running_requests")
+_PRESSURE = series("kvmeter_scheduler_pressure_level")
+_JAIN = series("kvmeter_scheduler_jain_index_ratio")
+_SERVICE_GAP = series("kvmeter_scheduler_max_service_gap_tokens")
+_QUEUE_DEPTH = series("kvmeter_scheduler_queue_depth_requests")
+_OLDEST_WAIT = series("kvmeter_scheduler_queue_oldest_wait_seconds")
+_TENANT_KV = series("kvmeter_tenant_active_kv_tokens")
+_TENANT_RUNNING = series("kvmeter_tenant_running_requests")
+_REQUEST_RATE = rate_series("kvmeter_requests_total")
+_THROUGHPUT = rate_series("kvmeter_throughput_tokens_total")
+_GOODPUT = rate_series("kvmeter_goodput_tokens_total")
+_GOODPUT_RATIO = series("kvmeter_goodput_ratio")
+_GPU_FIELDS = ((series("kvmeter_gpu_memory_used_bytes"), "memory_used_bytes"),
+               (series("kvmeter_gpu_memory_total_bytes"), "memory_total_bytes"),
+               (series("kvmeter_gpu_utilization_ratio"), "utilization_gpu_ratio"),
+               (series("kvmeter_gpu_sm_active_ratio"), "sm_active_ratio"),
+               (series("kvmeter_gpu_tensor_active_ratio"), "tensor_active_ratio"),
+               (series("kvmeter_gpu_dram_bandwidth_ratio"), "dram_bandwidth_ratio"),
+               (series("kvmeter_gpu_power_watts"), "power_watts"))
+_GPU_TEMPERATURE = series("kvmeter_gpu_temperature_celsius")
+_MIG_MEMORY_USED = series("kvmeter_gpu_mig_memory_used_bytes")
+_MIG_SM_ACTIVE = series("kvmeter_gpu_mig_sm_active_ratio")
+_SPOOL_DEPTH = series("kvmeter_ledger_spool_depth_events")
+_SPOOL_AGE = series("kvmeter_ledger_spool_oldest_age_seconds")
+_STORE_DEGRADED = series("kvmeter_quota_store_degraded")
 _OUTCOMES = ("ok", "aborted", "error")
 
 
@@ -257,11 +285,11 @@ class SignalSampler:
             if now - seen > stale:
                 continue
             labels = {"engine": r.engine_id, "model": r.model_name}
-            add("kvmeter_engine_kv_watermark_ratio", r.kv_cache_usage_ratio, labels)
+            add(_KV_WATERMARK, r.kv_cache_usage_ratio, labels)
             if r.kv_cache_usage_ratio is not None and r.kv_blocks_total is not None:
-                add("kvmeter_engine_kv_used_blocks", round(r.kv_cache_usage_ratio * r.kv_blocks_total), labels)
-            add("kvmeter_engine_running_requests", r.num_running, labels)
-            add("kvmeter_engine_waiting_requests", r.num_waiting, labels)
+                add(_KV_USED, round(r.kv_cache_usage_ratio * r.kv_blocks_total), labels)
+            add(_ENGINE_RUNNING, r.num_running, labels)
+            add(_ENGINE_WAITING, r.num_waiting, labels)
         if sched is not None:
             self._scheduler_rows(add, sched)
         self._tier_rows(add, tiers, elapsed)
@@ -269,37 +297,37 @@ class SignalSampler:
             if now - seen <= stale:
                 self._gpu_rows(add, g)
         if ledger is not None:
-            add("kvmeter_ledger_spool_depth_events", ledger.spool_depth_events)
-            add("kvmeter_ledger_spool_oldest_age_seconds", ledger.spool_oldest_age_seconds)
+            add(_SPOOL_DEPTH, ledger.spool_depth_events)
+            add(_SPOOL_AGE, ledger.spool_oldest_age_seconds)
         for store, st in stores.items():
-            add("kvmeter_quota_store_degraded", 1 if st.degraded else 0, {"store": store})
+            add(_STORE_DEGRADED, 1 if st.degraded else 0, {"store": store})
         return rows
 
     def _engine_rows(self, add, engines, counts, elapsed: float) -> None:
         for key, (labels, s) in engines.items():
-            add("kvmeter_engine_kv_watermark_ratio", s.kv_watermark_ratio, labels)
+            add(_KV_WATERMARK, s.kv_watermark_ratio, labels)
             if s.kv_blocks_total > 0:  # 0 means unknown
-                add("kvmeter_engine_kv_used_blocks", s.kv_blocks_used, labels)
-            add("kvmeter_engine_running_requests", s.num_running, labels)
-            add("kvmeter_engine_waiting_requests", s.num_waiting, labels)
+                add(_KV_USED, s.kv_blocks_used, labels)
+            add(_ENGINE_RUNNING, s.num_running, labels)
+            add(_ENGINE_WAITING, s.num_waiting, labels)
         if elapsed <= 0:
             return
         busy = {k for k, c in counts.items() if c[0] or c[1] or c[2]}
         for key in busy | (self._busy_engines & engines.keys()):
             gen, pre, queried, hit = counts.get(key, (0, 0, 0, 0))
             labels = engines[key][0]
-            add("kvmeter_engine_generation_tokens_per_second", gen / elapsed, labels)
-            add("kvmeter_engine_preemptions_per_second", pre / elapsed, labels)
+            add(_GENERATION_RATE, gen / elapsed, labels)
+            add(_PREEMPTION_RATE, pre / elapsed, labels)
             if queried > 0:
-                add("kvmeter_engine_prefix_cache_hit_ratio", hit / queried, labels)
+                add(_PREFIX_HIT, hit / queried, labels)
         self._busy_engines = busy
 
     def _scheduler_rows(self, add, s: SchedulerStats) -> None:
-        add("kvmeter_scheduler_queued_requests", s.queued_total)
-        add("kvmeter_scheduler_running_requests", s.running_total)
-        add("kvmeter_scheduler_pressure_level", s.pressure_level)
-        add("kvmeter_scheduler_jain_index_ratio", s.jain_index)
-        add("kvmeter_scheduler_max_service_gap_tokens", s.service_gap)
+        add(_QUEUED, s.queued_total)
+        add(_RUNNING, s.running_total)
+        add(_PRESSURE, s.pressure_level)
+        add(_JAIN, s.jain_index)
+        add(_SERVICE_GAP, s.service_gap)
         busy: set[tuple[str, str]] = set()
         for t in s.tenants:
             key = (t.tier, t.tenant_id)
@@ -308,10 +336,10 @@ class SignalSampler:
             elif key not in self._busy_tenants:
                 continue  # idle now and at the last sample: no rows
             labels = {"tier": t.tier, "tenant": t.tenant_id}
-            add("kvmeter_scheduler_queue_depth_requests", t.queue_depth, labels)
-            add("kvmeter_scheduler_queue_oldest_wait_seconds", t.queue_wait_oldest_s, labels)
-            add("kvmeter_tenant_active_kv_tokens", t.active_kv_tokens, labels)
-            add("kvmeter_tenant_running_requests", t.running, labels)
+            add(_QUEUE_DEPTH, t.queue_depth, labels)
+            add(_OLDEST_WAIT, t.queue_wait_oldest_s, labels)
+            add(_TENANT_KV, t.active_kv_tokens, labels)
+            add(_TENANT_RUNNING, t.running, labels)
         self._busy_tenants = busy
 
     def _tier_rows(self, add, tiers: dict[str, _TierWindow], elapsed: float) -> None:
@@ -320,25 +348,25 @@ class SignalSampler:
         for tier in set(tiers) | self._busy_tiers:
             w = tiers.get(tier) or _TierWindow()
             for outcome, n in w.requests.items():
-                add("kvmeter_requests_per_second", n / elapsed, {"tier": tier, "outcome": outcome})
+                add(_REQUEST_RATE, n / elapsed, {"tier": tier, "outcome": outcome})
             for kind, total, good in (("input", w.input, w.good_input), ("output", w.output, w.good_output)):
                 labels = {"tier": tier, "type": kind}
-                add("kvmeter_throughput_tokens_per_second", total / elapsed, labels)
-                add("kvmeter_goodput_tokens_per_second", good / elapsed, labels)
+                add(_THROUGHPUT, total / elapsed, labels)
+                add(_GOODPUT, good / elapsed, labels)
             if w.output > 0:
-                add("kvmeter_goodput_ratio", w.good_output / w.output, {"tier": tier})
+                add(_GOODPUT_RATIO, w.good_output / w.output, {"tier": tier})
         self._busy_tiers = set(tiers)
 
     def _gpu_rows(self, add, g: GpuSample) -> None:
         gpu = {"gpu": str(g.index)}
         for name, attr in _GPU_FIELDS:
             add(name, getattr(g, attr), gpu)
-        add("kvmeter_gpu_temperature_celsius", g.temperature_gpu_celsius, {**gpu, "sensor": "gpu"})
-        add("kvmeter_gpu_temperature_celsius", g.temperature_memory_celsius, {**gpu, "sensor": "memory"})
+        add(_GPU_TEMPERATURE, g.temperature_gpu_celsius, {**gpu, "sensor": "gpu"})
+        add(_GPU_TEMPERATURE, g.temperature_memory_celsius, {**gpu, "sensor": "memory"})
         for m in g.mig:
             mig = {**gpu, "mig": "" if m.gpu_instance_id is None else str(m.gpu_instance_id)}
-            add("kvmeter_gpu_mig_memory_used_bytes", m.memory_used_bytes, mig)
-            add("kvmeter_gpu_mig_sm_active_ratio", m.sm_active_ratio, mig)
+            add(_MIG_MEMORY_USED, m.memory_used_bytes, mig)
+            add(_MIG_SM_ACTIVE, m.sm_active_ratio, mig)
 
     def close(self) -> None:
         """Unsubscribe from the bus (idempotent)."""

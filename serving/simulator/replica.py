@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvmeter.serving.engines.base import EngineLoad
+from kvmeter.stats import EngineLoad
 
 from .costmodel import RooflineCostModel
 from .kvcache import PrefixCache

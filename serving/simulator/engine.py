@@ -23,9 +23,8 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 from kvmeter.aio import cancel_and_wait
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock, ManualClock
-from kvmeter.serving.engines.base import (Engine, EngineError, EngineLoad, EngineOutput, EngineRequest,
-                                          Tokenizer)
-from kvmeter.stats import EngineRequestStats, EngineStepStats
+from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
+from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
 
 from .costmodel import RooflineCostModel
 from .replica import FINISHED, SimReplica, SimRequest

@@ -1,8 +1,7 @@
-"""Plain stats objects of the fair scheduler, published on a :class:`kvmeter.bus.StatsBus`.
+"""Stats of the fair scheduler: one snapshot of the whole, its tiers and its tenants.
 
 Built by :meth:`kvmeter.serving.scheduler.core.SchedulerCore.snapshot` and published by the asyncio
-adapter (:class:`kvmeter.serving.scheduler.fair.FairScheduler`); exporters subscribe to
-:class:`SchedulerStats`. Nothing here imports an exporter.
+adapter (:class:`kvmeter.serving.scheduler.fair.FairScheduler`) every ``stats_interval_s``.
 
 Units: *service* is weighted token work — ``input_weight × prompt tokens + output_weight × output
 tokens`` (VTC's cost function, Sheng et al., OSDI 2024, §3); *normalised service* divides it by the

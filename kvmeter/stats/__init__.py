@@ -1,0 +1,60 @@
+"""Every stats type kvmeter publishes on its :class:`~kvmeter.bus.StatsBus`, in one package.
+
+Producers (the engines and their hooks, the remote engine's ``/metrics`` scraper, the gateway, the
+quota, the tenant directory, the scheduler, the ledger, the GPU collector) build these plain
+dataclasses and publish them; consumers (the Prometheus and OpenTelemetry exporters, the signal
+history sampler, the scheduler's KV gating, tests) subscribe by type. Nothing here imports a
+producer or an exporter, as vLLM keeps ``v1/metrics/stats.py`` apart from ``loggers.py``.
+
+One module per producer:
+
+* :mod:`.engine` — :class:`EngineStepStats`, :class:`EngineRequestStats`, :class:`EngineLoad`
+  (an engine kvmeter hosts: vLLM in-process, instant, the simulator; and the load the scheduler
+  gates on, which the remote engine publishes after every scrape);
+* :mod:`.remote` — :class:`RemoteEngineStats` with :class:`HistogramSnapshot` and
+  :class:`CounterAnomaly` (a vLLM server kvmeter scrapes but does not host);
+* :mod:`.gateway` — :class:`RequestCompletion`, :class:`AdmissionDecision`,
+  :class:`RequestRefused` and the refusal label sets;
+* :mod:`.quota` — :class:`ReservationDrift`, :class:`QuotaStoreState`,
+  :class:`IdempotencyAttempt`, :class:`ToolCallReported`;
+* :mod:`.tenancy` — :class:`ConfigReloaded`;
+* :mod:`.scheduler` — :class:`SchedulerStats`, :class:`TierSchedulerStats`,
+  :class:`TenantSchedulerStats`;
+* :mod:`.ledger` — :class:`LedgerStats`;
+* :mod:`.gpu` — :class:`GpuSample`, :class:`MigSample`, :class:`GpuProcessSample`,
+  :class:`XidEvent`, :class:`GpuCollectorStatus`.
+
+Units are in the field names or stated; timestamps say which clock they come from.
+"""
+
+from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepStats
+from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, AdmissionDecision, RequestCompletion,
+                                   RequestRefused)
+from kvmeter.stats.gpu import (CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample,
+                               XidEvent, clock_event_reason_names)
+from kvmeter.stats.ledger import (INGEST_STATUSES, RECONCILIATION_VIEWS, RUN_RESULTS, LedgerStats,
+                                  ReconciliationStats)
+from kvmeter.stats.quota import IdempotencyAttempt, QuotaStoreState, ReservationDrift, ToolCallReported
+from kvmeter.stats.remote import CounterAnomaly, HistogramSnapshot, RemoteEngineStats
+from kvmeter.stats.scheduler import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
+from kvmeter.stats.tenancy import ConfigReloaded
+
+__all__ = [
+    # engine
+    "EngineStepStats", "EngineRequestStats", "EngineLoad",
+    # remote engine
+    "RemoteEngineStats", "HistogramSnapshot", "CounterAnomaly",
+    # gateway
+    "RequestCompletion", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS",
+    # quota
+    "ReservationDrift", "QuotaStoreState", "IdempotencyAttempt", "ToolCallReported",
+    # tenancy
+    "ConfigReloaded",
+    # scheduler
+    "SchedulerStats", "TierSchedulerStats", "TenantSchedulerStats",
+    # ledger
+    "LedgerStats", "INGEST_STATUSES", "ReconciliationStats", "RECONCILIATION_VIEWS", "RUN_RESULTS",
+    # GPU
+    "GpuSample", "MigSample", "GpuProcessSample", "XidEvent", "GpuCollectorStatus",
+    "CLOCK_EVENT_REASONS", "clock_event_reason_names",
+]

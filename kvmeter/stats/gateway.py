@@ -1,0 +1,120 @@
+"""Stats of the gateway: every admitted request when it ends, every admission decision (the
+quota's and the scheduler's, at the front door), and every refusal before admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RequestCompletion", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS"]
+
+#: Every error code the gateway answers a refusal with (its own, and the tenancy, idempotency and
+#: quota codes it passes on from the tool-call route). A fixed set, so an exporter can use it as a
+#: label's allowed values; a code not listed here should be labelled ``other``.
+REFUSAL_CODES = frozenset({
+    # authentication (serving/tenancy)
+    "missing_api_key", "invalid_api_key",
+    # the body (body.py)
+    "invalid_content_length", "request_too_large", "unsupported_media_type", "request_timeout",
+    "invalid_json", "invalid_encoding",
+    # the request's fields (protocol.py, handler.py, tools.py)
+    "invalid_value", "unsupported_parameter", "unknown_parameter", "model_not_found",
+    "context_length_exceeded", "invalid_request",
+    # Idempotency-Key (serving/quota/idempotency.py, replays.py)
+    "invalid_idempotency_key", "idempotency_key_reused", "idempotency_in_progress",
+    "idempotency_store_unavailable", "idempotent_response_unavailable",
+    # quota errors on the tool-call route (serving/quota/gate.py)
+    "quota_store_unavailable",
+    # routing (app.py)
+    "not_found", "method_not_allowed",
+})
+
+#: The ``endpoint`` values of :class:`RequestRefused`.
+REFUSAL_ENDPOINTS = ("chat.completions", "completions", "models", "agent_runs.tool_calls", "other")
+
+
+@dataclass(slots=True)
+class RequestCompletion:
+    """Gateway-side view of one request when it ends, for latency, token and goodput metrics.
+
+    Published for every admitted request (ok, aborted or error) right after its usage event.
+
+    Attributes:
+        tenant_id, tier, model: attribution.
+        outcome: ``ok``, ``aborted`` or ``error``.
+        prompt_tokens, cached_prompt_tokens, completion_tokens: engine-true counts.
+        ttft_s: gateway arrival → first token sent (``None`` if none was sent).
+        itls_s: the stream's inter-token latencies in seconds (gaps between successive output
+            chunks, divided evenly over the tokens in each chunk).
+        e2e_s: gateway arrival → end.
+        queue_s: gateway arrival → engine dispatch.
+        slo_met: whether the request met its tier's TTFT and ITL SLO (``None`` when no SLO is set);
+            goodput counts the tokens of requests with ``slo_met`` true.
+        wall_ts: wall-clock epoch seconds at the end.
+    """
+
+    tenant_id: str
+    tier: str
+    model: str
+    outcome: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+    ttft_s: float | None = None
+    itls_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    queue_s: float = 0.0
+    slo_met: bool | None = None
+    wall_ts: float = 0.0
+
+
+@dataclass(slots=True)
+class AdmissionDecision:
+    """One admission decision at the gateway (quota and scheduler front door).
+
+    Attributes:
+        tenant_id, tier: attribution.
+        admitted: True if admitted.
+        reason: ``admitted`` or the rejection reason (``rate_limited``, ``quota_exceeded``,
+            ``context_length_exceeded``, ``queue_full``, ``deadline``, ``shed``, ...).
+        level: principal level that bound (``org``, ``workspace``, ``project``, ``api_key``,
+            ``agent_run``, ``global``) or ``""``.
+        dimension: limit dimension that bound (``requests_per_minute``, ``input_tokens_per_minute``,
+            ... ) or ``""``.
+        status_code: HTTP status returned (200 when admitted).
+        wall_ts: wall-clock epoch seconds.
+    """
+
+    tenant_id: str
+    tier: str
+    admitted: bool
+    reason: str = "admitted"
+    level: str = ""
+    dimension: str = ""
+    status_code: int = 200
+    wall_ts: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestRefused:
+    """A request answered with an error before any admission decision: authentication, a bad
+    body or field, an unknown model or route, an Idempotency-Key refusal, a body that did not
+    arrive in time. Refusals by the quota or the scheduler are
+    :class:`AdmissionDecision` (``admitted=False``) instead, never both; a client
+    that left before its answer (499) is neither. Nothing refused is billed.
+
+    Attributes:
+        status_code: the HTTP status answered (4xx; 503 for an unreachable idempotency store).
+        code: the error code of the body (``invalid_value``, ``request_timeout``...; "" if none).
+            Set by the code, never from request text; see :data:`REFUSAL_CODES`.
+        endpoint: one of :data:`REFUSAL_ENDPOINTS` (``other``: an unknown route).
+        tenant_id, tier: the caller's, "" when it was not authenticated.
+        wall_ts: wall-clock epoch seconds.
+    """
+
+    status_code: int
+    code: str
+    endpoint: str
+    tenant_id: str = ""
+    tier: str = ""
+    wall_ts: float = 0.0
