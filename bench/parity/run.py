@@ -44,9 +44,11 @@ from bench.parity.allowlist import ALLOWLIST  # noqa: E402
 from bench.parity.cases import CASES, MAX_MODEL_LEN, MODEL, Case  # noqa: E402
 from bench.parity.compare import MISSING, Allowed, CaseResult, Difference, compare_case  # noqa: E402
 from bench.parity.exchange import Answer, send  # noqa: E402
-from bench.parity.servers import PARITY_KEY, EngineSettings, Server, start_kvmeter, start_vllm  # noqa: E402
+from bench.parity.servers import (PARITY_KEY, EngineSettings, Server, start_kvmeter, start_vllm,  # noqa: E402
+                                  wait_all_ready)
 
-__all__ = ["Outcome", "run_table", "matrix", "render_markdown", "results_json", "main", "MAX_KEPT"]
+__all__ = ["Outcome", "run_table", "matrix", "render_markdown", "results_json", "counts", "output_texts", "main",
+           "MAX_KEPT"]
 
 #: differences kept per case in the JSON results (the count is always there)
 MAX_KEPT = 12
@@ -110,6 +112,8 @@ def _split(differences: list[Difference]) -> tuple[list[Difference], list[str], 
 
 
 def _leaf(path: str) -> str:
+    if path == "body.*":
+        return "whole SSE events"
     parts = [p for p in path.split(".") if p != "*"]
     return parts[-1] if parts else path
 
@@ -149,10 +153,43 @@ def matrix(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def output_texts(answer: Answer) -> dict[int, str]:
+    """The generated text per choice index: ``message.content`` or ``text`` of a JSON answer, the
+    concatenated ``delta.content`` or ``text`` pieces of a stream ({} for anything else)."""
+    texts: dict[int, str] = {}
+    if answer.kind == "json" and isinstance(answer.body, dict):
+        chunks = [answer.body]
+    elif answer.kind == "sse":
+        chunks = [e for e in answer.body if isinstance(e, dict)]
+    else:
+        return texts
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            part = (choice.get("message") or choice.get("delta") or {}).get("content") if (
+                "message" in choice or "delta" in choice) else choice.get("text")
+            if isinstance(part, str):
+                idx = choice.get("index", 0)
+                texts[idx] = texts.get(idx, "") + part
+    return texts
+
+
 def counts(outcomes: list[Outcome]) -> dict[str, int]:
-    out = {"same": 0, "allowed": 0, "different": 0}
+    """Cases per verdict; of the ``different`` ones, how many have another HTTP status
+    (``other_status``), and of those with the same status how many generated another text
+    (``other_text``, :func:`output_texts`) — the rest differ in shape only (fields one side
+    lacks, types, error objects)."""
+    out = {"same": 0, "allowed": 0, "different": 0, "other_status": 0, "other_text": 0}
     for o in outcomes:
-        out[o.result.verdict] += 1
+        r = o.result
+        out[r.verdict] += 1
+        if r.verdict != "different":
+            continue
+        if r.reference_status != r.target_status:
+            out["other_status"] += 1
+        elif output_texts(o.reference) != output_texts(o.target):
+            out["other_text"] += 1
     return out
 
 
@@ -212,7 +249,9 @@ def render_markdown(outcomes: list[Outcome], meta: dict) -> str:
         f"- **Allow-list:** {'on (allowlist.py)' if meta['allowlist'] else 'off'}.",
         "",
         f"**{len(outcomes)} cases: {c['same']} same, {c['allowed']} same with allowed differences, "
-        f"{c['different']} different.**",
+        f"{c['different']} different** ({c['other_status']} with another HTTP status; of the "
+        f"{c['different'] - c['other_status']} with the same status, {c['other_text']} generated another text, "
+        f"the rest differ in the shape of the answer only).",
         "",
         matrix(outcomes),
         "",
@@ -308,13 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         vllm = None if args.vllm_url else start_vllm(settings, workdir / "vllm")
         kvm = None if args.target_url else start_kvmeter(settings, workdir / "kvmeter")
         servers = [s for s in (vllm, kvm) if s is not None]  # both load at once
-        startup = {}
-        for s in servers:
-            try:
-                startup[s.kind] = f"{s.wait_ready():.0f} s"
-            except RuntimeError as exc:
-                print(f"cannot start: {exc}", file=sys.stderr)
-                return 2
+        try:
+            startup = {kind: f"{secs:.0f} s" for kind, secs in wait_all_ready(servers).items()}
+        except RuntimeError as exc:
+            print(f"cannot start: {exc}", file=sys.stderr)
+            return 2
         reference_url = args.vllm_url or vllm.url
         target_url = reference_url if args.target_url == "same" else (args.target_url or kvm.url)
         print(f"reference (vLLM) {reference_url}   target {target_url}   {len(cases)} cases", flush=True)
@@ -329,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     meta = {
-        "command": "python bench/parity/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python bench/parity/run.py", *(argv if argv is not None else sys.argv[1:])]),
         "started_utc": started, "run_s": round(time.monotonic() - t0, 1), "table_s": round(table_s, 1),
         "startup": ", ".join(f"{k} {v}" for k, v in startup.items()) or "reused running servers",
         "load_before": load_before, "machine": machine(), "versions": _versions(),

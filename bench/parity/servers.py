@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 __all__ = ["EngineSettings", "Server", "free_port", "start_vllm", "start_kvmeter", "PARITY_KEY",
-           "tenants_yaml", "vllm_command"]
+           "tenants_yaml", "vllm_command", "wait_all_ready"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the API key of the harness's tenant on kvmeter (vLLM's server, started without --api-key,
@@ -94,33 +94,30 @@ class Server:
         self.started = time.monotonic()
         self.startup_s: float | None = None
 
-    def wait_ready(self, timeout_s: float = 900.0) -> float:
-        """Wait until ``GET /v1/models`` answers 200; returns the start-up time (seconds since the
-        process started).
+    def poll_ready(self) -> bool:
+        """One check: does ``GET /v1/models`` answer 200? Records the start-up time (seconds
+        since the process started) the first time it does.
 
         Raises:
-            RuntimeError: the process exited first (with the log's last 25 lines), or not ready
-                after ``timeout_s``.
+            RuntimeError: the process has exited (with the log's last 25 lines).
         """
-        t0 = time.monotonic()
-        last = t0
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                tail = "\n  ".join(self.log_path.read_text(errors="replace").splitlines()[-25:])
-                raise RuntimeError(f"{self.kind} server exited with {self.proc.returncode}:\n  {tail}")
-            try:
-                r = httpx.get(f"{self.url}/v1/models", headers={"authorization": f"Bearer {PARITY_KEY}"},
-                              timeout=2)
-                if r.status_code == 200:
-                    self.startup_s = time.monotonic() - self.started
-                    return self.startup_s
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - last > 15:
-                last = time.monotonic()
-                print(f"  {self.kind}: loading ... {last - t0:.0f}s", flush=True)
-            time.sleep(1)
-        raise RuntimeError(f"{self.kind} server not ready after {timeout_s:.0f}s (log: {self.log_path})")
+        if self.startup_s is not None:
+            return True
+        if self.proc.poll() is not None:
+            tail = "\n  ".join(self.log_path.read_text(errors="replace").splitlines()[-25:])
+            raise RuntimeError(f"{self.kind} server exited with {self.proc.returncode}:\n  {tail}")
+        try:
+            r = httpx.get(f"{self.url}/v1/models", headers={"authorization": f"Bearer {PARITY_KEY}"}, timeout=2)
+        except httpx.HTTPError:
+            return False
+        if r.status_code == 200:
+            self.startup_s = time.monotonic() - self.started
+        return self.startup_s is not None
+
+    def wait_ready(self, timeout_s: float = 900.0) -> float:
+        """Wait until this server is ready; returns its start-up time (seconds)."""
+        wait_all_ready([self], timeout_s)
+        return self.startup_s  # type: ignore[return-value]
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGINT to the process group, SIGKILL to it after ``grace_s`` (the group: vLLM's
@@ -148,6 +145,27 @@ class Server:
         self.stop()
 
 
+def wait_all_ready(servers: list[Server], timeout_s: float = 900.0) -> dict[str, float]:
+    """Poll every server once a second until all are ready (each one's start-up time is its own,
+    though they load at the same time); prints a line every 15 s. Returns kind → start-up seconds.
+
+    Raises:
+        RuntimeError: one exited (its log's tail), or not all were ready after ``timeout_s``.
+    """
+    t0 = last = time.monotonic()
+    while True:
+        pending = [s for s in servers if not s.poll_ready()]
+        if not pending:
+            return {s.kind: s.startup_s for s in servers}  # type: ignore[misc]
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError("not ready after {:.0f}s: {}".format(
+                timeout_s, ", ".join(f"{s.kind} (log: {s.log_path})" for s in pending)))
+        if time.monotonic() - last > 15:
+            last = time.monotonic()
+            print(f"  loading {', '.join(s.kind for s in pending)} ... {last - t0:.0f}s", flush=True)
+        time.sleep(1)
+
+
 def _env(settings: EngineSettings) -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
 
@@ -164,7 +182,7 @@ def vllm_command(settings: EngineSettings, port: int) -> list[str]:
 
 
 def start_vllm(settings: EngineSettings, workdir: Path, port: int | None = None) -> Server:
-    """Start vLLM's OpenAI server (not yet ready: call ``wait_ready``)."""
+    """Start vLLM's OpenAI server (not yet ready: call ``wait_ready`` or :func:`wait_all_ready`)."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"

@@ -256,7 +256,7 @@ def test_the_table_has_each_bad_input():
 def test_the_table_is_large_and_its_compared_texts_are_deterministic():
     assert len(CASES) >= 45
     for c, b in _bodies():
-        if c.name.startswith("bad_") or c.name.endswith("_greedy"):
+        if c.name.startswith("bad_"):
             continue
         assert b.get("temperature") == 0.0 or "seed" in b, f"{c.name}: neither greedy nor seeded"
         assert b.get("max_tokens", b.get("max_completion_tokens", 16)) <= 48, c.name
@@ -297,7 +297,7 @@ def test_the_matrix_says_what_differs_first_and_counts_the_verdicts():
     outcomes = [_outcome(PLAIN, _json(_completion()), _json(_completion())),
                 _outcome(case_named("chat_tools_auto"), _json(_completion()), refused),
                 _outcome(case_named("chat_multi_turn"), _json(lean), _json(_completion()))]
-    assert counts(outcomes) == {"same": 1, "allowed": 0, "different": 2}
+    assert counts(outcomes) == {"same": 1, "allowed": 0, "different": 2, "other_status": 1, "other_text": 1}
     rows = matrix(outcomes).splitlines()
     assert rows[2].startswith("| `chat_plain` | 200 | 200 | same |")
     assert "target answers 400: tool calling is not supported by this gateway" in rows[3]
@@ -306,7 +306,8 @@ def test_the_matrix_says_what_differs_first_and_counts_the_verdicts():
             "machine": {"cores": 2, "cpu": "cpu", "platform": "p"}, "versions": {"python": "3"},
             "reference": "r", "target": "t", "allowlist": True}
     text = render_markdown(outcomes, meta)
-    assert "**3 cases: 1 same, 0 same with allowed differences, 2 different.**" in text
+    assert ("**3 cases: 1 same, 0 same with allowed differences, 2 different** (1 with another HTTP status; "
+            "of the 1 with the same status, 1 generated another text") in text
     assert "missing on the target: `body.choices.*.message.refusal`" in text
     data = results_json(outcomes, meta)
     assert [c["verdict"] for c in data["cases"]] == ["same", "different", "different"]
@@ -322,3 +323,14 @@ def test_results_keep_a_bounded_number_of_clipped_differences():
     kept = data["cases"][0]["differences"]
     assert data["cases"][0]["n_differences"] == 40 and len(kept) == MAX_KEPT
     assert all(len(str(d["reference"])) <= 300 for d in kept)
+
+
+def test_output_texts_join_a_streams_pieces_per_choice():
+    from bench.parity.run import output_texts
+
+    assert output_texts(_json(_completion(content="Paris."))) == {0: "Paris."}
+    stream = _stream("a", ["Par", "is."]) + [_chunk("a", {"content": "x"}, index=1)]
+    assert output_texts(_sse(stream)) == {0: "Paris.", 1: "x"}
+    completions = {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}
+    assert output_texts(_json(completions)) == {0: "a", 1: "b"}
+    assert output_texts(_json({"error": {"message": "m"}}, status=400)) == {}

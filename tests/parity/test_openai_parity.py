@@ -24,7 +24,7 @@ import pytest
 from bench.parity.allowlist import ALLOWLIST
 from bench.parity.cases import CASES, MAX_MODEL_LEN
 from bench.parity.run import render_markdown, results_json, run_table
-from bench.parity.servers import PARITY_KEY, EngineSettings, start_kvmeter, start_vllm
+from bench.parity.servers import PARITY_KEY, EngineSettings, start_kvmeter, start_vllm, wait_all_ready
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -39,8 +39,7 @@ def servers(tmp_path_factory, model_dir):
     settings = EngineSettings(Path(model_dir), DEFAULT_MODEL_NAME, max_model_len=MAX_MODEL_LEN)
     started = [start_vllm(settings, root / "vllm"), start_kvmeter(settings, root / "kvmeter")]
     try:
-        for server in started:
-            server.wait_ready()
+        wait_all_ready(started)
         yield {s.kind: s for s in started}
     finally:
         for server in started:
