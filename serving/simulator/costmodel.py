@@ -207,8 +207,9 @@ class RooflineCostModel:
         attn_ctx = ctx_dec_sum + sum(length * start + length * (length + 1) / 2.0 for start, length in chunks)
         kv_tokens = ctx_dec_sum + sum(start + length for start, length in chunks)
         kvb = m.kv_bytes_per_token * (self.tp if m.kv_replicated_across_tp else 1)
-        return np.maximum(m.attn_flops_per_ctx_token * attn_ctx / self.tp / self._compute_rate,
-                          kvb * kv_tokens / self.tp / self._memory_rate)
+        compute = m.attn_flops_per_ctx_token * attn_ctx / self.tp / self._compute_rate
+        memory = kvb * kv_tokens / self.tp / self._memory_rate
+        return np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory)
 
     def decode_step_times(self, n_dec: int, ctx_dec_sum: float, k: int) -> np.ndarray:
         """Times of ``k`` consecutive decode-only steps of ``n_dec`` requests whose summed

@@ -280,7 +280,8 @@ class OperatorModel:
         self._gemms = layer_gemms(model, tp)
         self._stream = layer_stream_bytes_per_token(model, tp)
         self._lm_head = GemmShape("lm_head", model.hidden_size, _ceil_div(model.vocab_size, tp))
-        self._cache: dict[tuple[int, int], float] = {}
+        self._body_cache: dict[int, float] = {}   # tokens → layers + embedding, seconds
+        self._head_cache: dict[int, float] = {}   # sampled rows → LM head, seconds
 
     def operator_times(self, tokens: int) -> dict[str, float]:
         """Seconds of each operator for a batch of ``tokens`` (≥ 1) tokens on one GPU, by Vidur's
@@ -301,22 +302,24 @@ class OperatorModel:
         (the QKᵀ/AV kernels) and the per-step overhead are not included."""
         if tokens <= 0:
             return 0.0
-        key = (tokens, logits)
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit
-        ops = self.operator_times(tokens)
-        per_step = sum(ops.pop(op) for op in STEP_STREAM_OPS)
-        ar = ops.pop("all_reduce", 0.0)
-        t = self.model.num_layers * (sum(ops.values()) + 2.0 * ar) + per_step
-        if logits > 0:
+        body = self._body_cache.get(tokens)
+        if body is None:
+            ops = self.operator_times(tokens)
+            per_step = sum(ops.pop(op) for op in STEP_STREAM_OPS)
+            ar = ops.pop("all_reduce", 0.0)
+            body = self.model.num_layers * (sum(ops.values()) + 2.0 * ar) + per_step
+            if len(self._body_cache) < 65_536:
+                self._body_cache[tokens] = body
+        if logits <= 0:
+            return body
+        head = self._head_cache.get(logits)
+        if head is None:
             g = self._lm_head
-            t += float(self.calibration.gemm_fit(g.name).time_s(
+            head = float(self.calibration.gemm_fit(g.name).time_s(
                 logits, g.k, g.n, self.peak_flops, self.bandwidth, self.model.weight_bytes_per_param))
-        if len(self._cache) < 65_536:
-            self._cache[key] = t
-        return t
-
+            if len(self._head_cache) < 65_536:
+                self._head_cache[logits] = head
+        return body + head
 
 def load_calibrations(path: Path = CALIBRATION_PATH) -> dict[str, GpuCalibration]:
     """The calibrations in ``path`` by GPU name (the file :mod:`.calibrate_gpu` writes).
