@@ -346,6 +346,14 @@ def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
                             row.row(0, named=True)["rel_error"]
                         cells.append(f"{m * 1e3:.3f} / {p * 1e3:.3f} ({_pct(e)})")
                     lines.append(f"| {op} | " + " | ".join(cells) + " |")
+                layer = sub.filter(pl.col("op") != "emb").group_by("tokens").agg(
+                    pl.col("measured_s").sum(), pl.col("predicted_s").sum())
+                cells = []
+                for t in _REPORT_TOKENS:
+                    row = layer.filter(pl.col("tokens") == t)
+                    m, p = row["measured_s"][0], row["predicted_s"][0]
+                    cells.append(f"{m * 1e3:.3f} / {p * 1e3:.3f} ({_pct(p / m - 1)})")
+                lines.append("| **one layer (Σ)** | " + " | ".join(cells) + " |")
     lines += ["", "## All-reduce (H100, pairwise NVLink), by message size", "",
               "`profile`: the h100/h200 profiles' term (the 2-worker fit; at 4 workers derived through the "
               "ring factor, i.e. what an NVSwitch node would do). `own fit`: a fit to that worker count's "
