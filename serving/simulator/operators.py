@@ -344,7 +344,7 @@ def load_calibrations(path: Path = CALIBRATION_PATH) -> dict[str, GpuCalibration
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stored_calibrations() -> Mapping[str, GpuCalibration]:
     """The calibrations shipped in :data:`CALIBRATION_PATH`, loaded once (read-only mapping)."""
     return MappingProxyType(load_calibrations(CALIBRATION_PATH))
