@@ -40,7 +40,10 @@ same two commands with the GPU's model and settings — ``measure --model-path <
 --token-scale 1 --time-compression <load you want>`` and ``fit <file> --model <the simulator's
 name of that model, e.g. llama-3.1-70b> --gpu h100|h200 --tp <N>``. Use a slice that keeps the
 GPU busy but not saturated (TTFT near the prefill time), so the fit sees step costs rather than
-queueing; widen the ``--compute``/``--memory`` grids if a factor lands on an edge.
+queueing; widen the ``--compute``/``--memory`` grids if a factor lands on an edge. The fitted
+factors time the *whole* step (the plain roofline): on the h100/a100/h200 profiles they replace
+the per-operator calibration (``serving/simulator/operators.py``), which is fitted to measured
+kernel times instead (``python -m kvmeter.serving.simulator.calibrate_gpu``).
 """
 
 from __future__ import annotations

@@ -107,9 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most prefill tokens per request per step (default: no cap)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--compute-efficiency", type=float, default=None)
-    e.add_argument("--memory-efficiency", type=float, default=None)
-    e.add_argument("--step-overhead-s", type=float, default=None)
+    e.add_argument("--compute-efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s for the whole step; giving it (or --memory-efficiency) "
+                        "replaces the GPU operator calibration with the plain roofline")
+    e.add_argument("--memory-efficiency", type=float, default=None,
+                   help="fraction of peak memory bandwidth for the whole step (plain roofline, as above)")
+    e.add_argument("--step-overhead-s", type=float, default=None, help="fixed seconds per engine step")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default=None, help="output prefix (default kvmeter-sim-<trace>-<policy>)")
     o.add_argument("--top-tenants", type=_non_negative_int, default=10, help="tenants listed in the printed report")

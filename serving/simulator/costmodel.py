@@ -14,8 +14,22 @@ to its own context, plus prefill chunks ``(start, length)``. Per GPU of a tensor
 
 That is the roofline (Williams, Waterman, Patterson, "Roofline", CACM 2009) applied per step: a pure
 prefill step is bound by FLOPs over compute throughput, a pure decode step by bytes moved over
-memory bandwidth, and a mixed step by whichever dominates. Tensor-parallel communication is not
-modelled separately (it lives in the efficiency factors and the overhead).
+memory bandwidth, and a mixed step by whichever dominates. On this *plain* path tensor-parallel
+communication is not modelled separately (it lives in the efficiency factors and the overhead).
+
+**Calibrated path.** When the accelerator has an operator calibration (``h100``, ``a100``, and
+``h200`` derived from the H100; :mod:`.operators`) and the model has layer shapes, and no
+efficiency factor is given explicitly, a step of ``n = n_dec + Σ len`` tokens takes
+
+  ``t = overhead + L·(Σ_GEMMs t_g(n) + Σ_elementwise t_e(n) + 2·t_allreduce(n)) + t_emb(n)
+  + t_lm_head(n_dec + #chunks) + max(F_attn / (peak·e_c), B_kv / (bandwidth·e_m))``
+
+— every layer operator's fitted time (GEMMs: a saturating-efficiency roofline; elementwise
+kernels: bytes over fitted bandwidth; the two all-reduces per layer when ``tp > 1``), the LM head
+for the rows that sample a token (one per decoding request and per prefill chunk: an upper bound,
+as a chunk that does not finish its prompt samples nothing), and attention (``F_attn``, ``B_kv``
+per GPU as above) on the roofline with the accelerator's default factors: the profiles do not
+measure attention kernels, so that term and the per-step overhead remain uncalibrated defaults.
 
 KV capacity per replica (vLLM's profile): per GPU ``memory × utilization − weights/tp − reserve``
 bytes, divided by the per-GPU KV bytes of a token (``kv/tp``, or ``kv`` when replicated), rounded
@@ -25,13 +39,14 @@ down to whole blocks — or a fixed KV space for CPU engines.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from .hardware import AcceleratorSpec
 from .models import ModelSpec
+from .operators import OperatorModel
 
 __all__ = ["RooflineCostModel"]
 
@@ -44,12 +59,17 @@ class RooflineCostModel:
         model, accelerator: shapes and spec sheets.
         tp: tensor-parallel degree (≥ 1).
         compute_efficiency, memory_efficiency: fractions of peak reached (0–1]; ``None`` takes
-            the accelerator's defaults.
+            the accelerator's defaults. Giving either selects the plain roofline (the factors
+            then apply to the whole step, as a fit such as :mod:`.calibration` expects).
         step_overhead_s: fixed seconds per step (≥ 0); ``None`` takes the accelerator's default.
         memory_utilization: vLLM ``gpu_memory_utilization`` (0–1]; ``None``: the default.
         block_size: tokens per KV block (vLLM's default 16).
+        use_calibration: ``None`` (default): the calibrated operator path when the accelerator
+            has a calibration, the model has layer shapes and neither efficiency is given; True:
+            require it; False: the plain roofline.
     Raises:
-        ValueError: out-of-range factors, or weights that do not fit the memory.
+        ValueError: out-of-range factors, weights that do not fit the memory, or
+            ``use_calibration=True`` where no calibration applies.
     """
 
     model: ModelSpec
@@ -60,9 +80,12 @@ class RooflineCostModel:
     step_overhead_s: float | None = None
     memory_utilization: float | None = None
     block_size: int = 16
+    use_calibration: bool | None = None
+    _operators: OperatorModel | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         acc = self.accelerator
+        explicit = self.compute_efficiency is not None or self.memory_efficiency is not None
         if self.tp < 1:
             raise ValueError(f"tp must be ≥ 1, got {self.tp}")
         if self.block_size < 1:
@@ -83,6 +106,14 @@ class RooflineCostModel:
             raise ValueError(
                 f"{self.model.name} does not fit {self.tp}× {acc.name}: weights "
                 f"{self.model.weight_bytes / self.tp / 2**30:.1f} GiB per GPU leave no KV space")
+        cal = acc.calibration
+        applies = cal is not None and self.model.has_layer_shapes
+        if self.use_calibration and not applies:
+            raise ValueError(f"no GPU calibration applies to {self.model.name} on {acc.name} "
+                             "(the accelerator has none, or the model has no layer shapes)")
+        if self.use_calibration or (self.use_calibration is None and applies and not explicit):
+            object.__setattr__(self, "_operators", OperatorModel(
+                self.model, acc.flops(self.model.compute_dtype), acc.memory_bandwidth_bytes_per_s, self.tp, cal))
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -110,6 +141,16 @@ class RooflineCostModel:
         return self.num_kv_blocks * self.block_size
 
     # ------------------------------------------------------------------ step time
+    @property
+    def calibrated(self) -> bool:
+        """True when step times come from the calibrated operator terms."""
+        return self._operators is not None
+
+    @property
+    def operators(self) -> OperatorModel | None:
+        """The calibrated operator terms in use, or None on the plain roofline."""
+        return self._operators
+
     @property
     def _compute_rate(self) -> float:
         return self.accelerator.flops(self.model.compute_dtype) * self.compute_efficiency
@@ -150,9 +191,25 @@ class RooflineCostModel:
         prefill ``chunks`` of ``(start, length)``. 0.0 for an empty step."""
         if n_dec <= 0 and not chunks:
             return 0.0
+        if self._operators is not None:
+            n = n_dec + sum(length for _, length in chunks)
+            return (self.step_overhead_s + self._operators.step_time(n, n_dec + len(chunks))
+                    + self._attention_time(n_dec, ctx_dec_sum, chunks))
         flops, nbytes = self.step_flops_bytes(n_dec, ctx_dec_sum, chunks)
         return self.step_overhead_s + max(flops / self.tp / self._compute_rate,
                                           nbytes / self.tp / self._memory_rate)
+
+    def _attention_time(self, n_dec: int, ctx_dec_sum, chunks: Sequence[tuple[int, int]] = ()):
+        """Attention of a step on the roofline (calibrated path): QKᵀ/AV FLOPs and the KV bytes
+        read and written, per GPU, at the accelerator's default factors. ``ctx_dec_sum`` may be a
+        numpy array (one entry per step)."""
+        m = self.model
+        attn_ctx = ctx_dec_sum + sum(length * start + length * (length + 1) / 2.0 for start, length in chunks)
+        kv_tokens = ctx_dec_sum + sum(start + length for start, length in chunks)
+        kvb = m.kv_bytes_per_token * (self.tp if m.kv_replicated_across_tp else 1)
+        compute = m.attn_flops_per_ctx_token * attn_ctx / self.tp / self._compute_rate
+        memory = kvb * kv_tokens / self.tp / self._memory_rate
+        return np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory)
 
     def decode_step_times(self, n_dec: int, ctx_dec_sum: float, k: int) -> np.ndarray:
         """Times of ``k`` consecutive decode-only steps of ``n_dec`` requests whose summed
@@ -161,6 +218,8 @@ class RooflineCostModel:
             return np.zeros(max(k, 0))
         m = self.model
         ctx = ctx_dec_sum + n_dec * np.arange(k, dtype=np.float64)
+        if self._operators is not None:
+            return self.step_overhead_s + self._operators.step_time(n_dec, n_dec) + self._attention_time(n_dec, ctx)
         flops = m.linear_flops_per_token * n_dec + m.attn_flops_per_ctx_token * ctx
         kvb = m.kv_bytes_per_token * (self.tp if m.kv_replicated_across_tp else 1)
         nbytes = self.weight_bytes_read(n_dec) + kvb * ctx
@@ -174,6 +233,7 @@ class RooflineCostModel:
             "compute_efficiency": self.compute_efficiency, "memory_efficiency": self.memory_efficiency,
             "step_overhead_s": self.step_overhead_s, "memory_utilization": self.memory_utilization,
             "block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+            "calibration": self._operators.calibration.basis if self._operators is not None else None,
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "kv_bytes_per_token": self.model.kv_bytes_per_token,
         }

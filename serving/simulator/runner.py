@@ -60,7 +60,8 @@ class SimConfig:
         enable_prefix_caching: prefix caching on hash groups.
         group_tokens: tokens per trace hash block (Mooncake: 512).
         compute_efficiency, memory_efficiency, step_overhead_s, memory_utilization: cost-model
-            factors (None: the accelerator's defaults).
+            factors (None: the accelerator's defaults; an efficiency given here selects the plain
+            roofline over the GPU operator calibration, see :mod:`.costmodel`).
         max_model_len: context window override (None: the model's).
         engine_scheduling: ``priority`` or ``fcfs`` inside the engine (None: ``priority`` for
             VTC, ``fcfs`` for the baselines — plain vLLM).
