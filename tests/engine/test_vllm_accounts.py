@@ -191,6 +191,23 @@ async def test_abort_mid_decode_accounts_what_the_engine_generated(engine):
     assert account.computed_tokens - (100 + account.generation_tokens) in (-1, 0)
 
 
+async def test_an_abort_after_the_first_token_keeps_its_cached_prefix(engine):
+    """vLLM hands a request's prefix-cache count to its first output (and forgets it); the
+    account of a later abort still says it (noted by the scheduler hook at admission)."""
+    prompt = _prompt(engine, 1100)
+    await _run(engine, _request(prompt[:8 * BLOCK], 2))  # 8 full blocks of the prompt cached
+    request = _request(prompt, 300)
+    stream = engine.generate(request)
+    async for out in stream:
+        if out.num_output_tokens >= 3:
+            break
+    await stream.aclose()
+    account = await engine.final_stats(request.request_id, EVENT_WAIT_S)
+    assert account is not None and account.finish_reason == "abort"
+    assert account.cached_prompt_tokens == out.num_cached_tokens == 8 * BLOCK
+    assert account.prompt_tokens == 1100 and account.generation_tokens >= 3
+
+
 async def test_a_normal_finish_is_reported_as_before(engine):
     request = _request(_prompt(engine, 50), 7)
     outs = await _run(engine, request)
