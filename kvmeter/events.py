@@ -94,8 +94,10 @@ class UsageEvent:
         kv_token_seconds: ∫ tokens held in KV cache dt over the request's life in the engine
             (prompt tokens from dispatch, plus each output token from when it was generated).
     Provenance:
-        token_source: ``engine_hooks`` (vLLM's FinishedRequestStats) or ``frontend`` (counted from
-            the streamed RequestOutputs, as for aborts, which vLLM's hooks never report).
+        token_source: ``engine_hooks`` (the engine's own account: vLLM's FinishedRequestStats,
+            or for a request that ended early the scheduler hook's computed-token account) or
+            ``frontend`` (counted from the outputs the gateway received, where the engine gave
+            no account: the remote engine).
         attempt: 1 for the first attempt of this logical request; retries that did work count up.
         preemptions: times the engine preempted this request.
     """

@@ -263,8 +263,8 @@ def _reconcile(args: argparse.Namespace) -> int:
                         note="engine = the engine's own per-request counters (hooks); gateway = HTTP attempts; "
                              "ledger = deduplicated usage events. Tokens = prompt + output."),
             HtmlSection("Explained differences", frame.select(explained),
-                        note="aborted: vLLM's hooks never report aborted requests, so they are billed from the "
-                             "frontend's counts; superseded: engine work of an attempt whose logical request was "
+                        note="aborted: aborts without an engine record (an engine without hooks), billed from "
+                             "the frontend's counts; superseded: engine work of an attempt whose logical request was "
                              "billed under a later attempt; duplicate_rows: stored duplicates that billing's FINAL "
                              "read removes."),
             HtmlSection("Unexplained drift", frame.select(unexplained), bad_column="status", bad_values=("drift",),

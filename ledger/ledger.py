@@ -95,7 +95,7 @@ class Ledger:
         self._recent_old: set[tuple[str, str]] = set()
         self._late_after_s = config.late_after_s
         # request id → tenant of admitted attempts, to attribute engine records (two generations,
-        # bounded: entries of requests the engine never reports, e.g. aborts, age out)
+        # bounded: entries of requests the engine never reports, e.g. on a remote engine, age out)
         self._request_tenants: dict[str, str] = {}
         self._request_tenants_old: dict[str, str] = {}
         self._engine_invalid = 0

@@ -4,10 +4,12 @@ Input: :meth:`LedgerQueries.reconcile_views` (the SQL joins the three views per 
 Each difference is classified as *explained* or *unexplained*:
 
 explained (expected by design, reported, not drift)
-    ``aborted``         ledger events with outcome ``aborted`` and no engine record: vLLM's hooks
-                        never report aborted requests (vLLM issue 55634; docs/ARCHITECTURE.md,
-                        "Facts measured on the build machine"), so they are billed from the
-                        frontend's counts.
+    ``aborted``         ledger events with outcome ``aborted`` and no engine record: billed from
+                        the frontend's counts where the engine gave no account of the abort (an
+                        engine without hooks; vLLM's own stats never report aborts, vLLM issue
+                        55634, kvmeter's scheduler hook does: docs/ARCHITECTURE.md, "Facts
+                        measured on the build machine"). An abort with an engine record is
+                        matched like any request.
     ``frontend_only``   non-aborted events counted by the frontend (``token_source != engine_hooks``,
                         e.g. a remote engine without hooks).
     ``superseded``      engine work of an attempt whose logical request was billed under another

@@ -1,6 +1,7 @@
 """Engine metrics: KV watermark and blocks, batch, queue, preemptions, prefix cache, engine-side
 TTFT/ITL (from :class:`~kvmeter.stats.EngineStepStats`) and per-request phases and engine-true
-tokens, aborted requests included (from :class:`~kvmeter.stats.EngineRequestStats`)."""
+tokens, aborted requests included (from :class:`~kvmeter.stats.EngineRequestStats`; the phase
+histograms only where the engine measured the phases, not for an abort's scheduler account)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,11 @@ class EngineMetrics(MetricSource):
 
     def on_request(self, r: EngineRequestStats) -> None:
         reason = r.finish_reason or "unknown"
-        self.req_queue.labels(reason).observe(r.queued_s)
-        self.req_prefill.labels(reason).observe(r.prefill_s)
-        self.req_decode.labels(reason).observe(r.decode_s)
-        self.req_e2e.labels(reason).observe(r.e2e_s)
+        if r.phase_times_measured:  # an abort's account from the scheduler hook has no phase times
+            self.req_queue.labels(reason).observe(r.queued_s)
+            self.req_prefill.labels(reason).observe(r.prefill_s)
+            self.req_decode.labels(reason).observe(r.decode_s)
+            self.req_e2e.labels(reason).observe(r.e2e_s)
         for kind, count in (("prompt", r.prompt_tokens), ("cached_prompt", r.cached_prompt_tokens),
                             ("generation", r.generation_tokens)):
             if count > 0:

@@ -1,5 +1,6 @@
 """Stats of an engine kvmeter hosts (vLLM in-process through its hooks, the instant engine, the
-simulator): one per engine step, one per finished request, and the load the scheduler gates on.
+simulator): one per engine step, one per request that ended (finished, aborted or failed), and the
+load the scheduler gates on.
 
 Units are in the field names or stated; timestamps say which clock they come from.
 """
@@ -60,12 +61,36 @@ class EngineStepStats:
 
 @dataclass(slots=True)
 class EngineRequestStats:
-    """The engine's own account of one finished request (vLLM ``FinishedRequestStats``).
+    """The engine's own account of one request that ended, however it ended.
+
+    Two hooks produce it on vLLM (:mod:`kvmeter.collectors.vllm_hooks`): vLLM's
+    ``FinishedRequestStats`` for a request that finished (stop, length, error), and kvmeter's
+    scheduler hook for a request vLLM freed early (``finish_reason`` ``abort`` or ``error``:
+    client gone, stream closed, request failed), which vLLM never reports (vLLM issue 55634).
+    For an error both arrive in the same step and are merged into one account.
 
     Attributes:
-        request_id: kvmeter's request id (vLLM keeps it unchanged).
-        finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
-        prompt_tokens, cached_prompt_tokens (⊆ prompt), generation_tokens: engine-true counts.
+        request_id: kvmeter's request id (the id kvmeter passed to the engine; vLLM's internal
+            ``<id>-<8 random>`` is mapped back).
+        finish_reason: ``stop``, ``length``, ``abort``, ``error`` (or another reason vLLM names).
+        prompt_tokens: prompt tokens the engine took in, computed or served from its prefix cache:
+            the whole prompt for a finished request; for a request freed early, the most of its
+            prompt the engine ever held in KV (``min(prompt, peak computed tokens)``; a chunked
+            prefill cut after two 256-token chunks says 512). Billed as the request's prompt.
+        generation_tokens: output tokens the engine generated (whether or not they reached a
+            client).
+        cached_prompt_tokens: the part of ``prompt_tokens`` served from the prefix cache at the
+            request's first admission (0 ≤ cached ≤ prompt): tokens recomputed after a preemption
+            are not cached tokens, and a lookup whose KV allocation failed counts once, at the
+            admission that succeeded (none if it never did).
+        computed_tokens: vLLM's ``Request.num_computed_tokens`` when the scheduler freed the
+            request (prompt and fed-back output positions whose KV was in place, prefix-cache hits
+            included); ``None`` when only vLLM's ``FinishedRequestStats`` reported the request.
+        preempted_tokens: KV positions discarded by preemptions (``num_computed_tokens`` at each
+            preemption, summed): work the engine redid or would have redone, never billed;
+            ``None`` when not reported (as ``computed_tokens``).
+        phase_times_measured: False for an account of the scheduler hook alone (an abort), whose
+            phase times below are then 0.0 — not measurements; True when vLLM measured them.
         queued_s: time in the engine's waiting queue.
         prefill_s: first schedule → first token.
         decode_s: first token → last token.
@@ -89,6 +114,9 @@ class EngineRequestStats:
     mean_tpot_s: float = 0.0
     preemptions: int = 0
     wall_ts: float = 0.0
+    computed_tokens: int | None = None
+    preempted_tokens: int | None = None
+    phase_times_measured: bool = True
 
 
 @dataclass(slots=True)

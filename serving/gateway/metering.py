@@ -7,10 +7,14 @@ integrates the KV cache the request holds over time, and at the end produces the
 (stats on the bus).
 
 Token counts follow the metering rules (docs/ARCHITECTURE.md, "Metering rules"): the engine's own
-per-request stats when it reported them (a normal finish on vLLM), else the engine-true counts
-carried by the outputs the frontend received (an abort: vLLM never reports aborted requests in its
-hooks). A request aborted before its first output bills no tokens: the frontend cannot prove the
-prefill happened.
+account of the request when it gave one — vLLM's finished stats on the final delta, or, for a
+request that ended early (client gone, timeout, error), the account of kvmeter's scheduler hook
+that the gateway awaits from :meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`
+and hands to :meth:`RequestMeter.engine_account`: the prompt tokens the engine had taken in (a
+prefill cut partway bills the part it ran) and the tokens it generated, ``token_source``
+``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
+outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
+first output then bills no tokens: the frontend cannot prove the prefill happened.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from kvmeter.clock import Clock
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
-from kvmeter.stats import RequestCompletion
+from kvmeter.stats import EngineRequestStats, RequestCompletion
 
 __all__ = ["RequestMeter", "RequestIdentity"]
 
@@ -73,7 +77,7 @@ class RequestMeter:
         self.cached_prompt_tokens = 0
         self.completion_tokens = 0
         self.outputs_seen = 0
-        self.engine_stats = None
+        self.engine_stats: EngineRequestStats | None = None
         self.finish_reason: str | None = None
         self._event_id: str | None = None
 
@@ -117,6 +121,15 @@ class RequestMeter:
             self._last_kv_mono = None  # the engine frees the request's KV blocks at its last step
         return new
 
+    def engine_account(self, stats: EngineRequestStats | None) -> None:
+        """The engine's own account of a request that ended early (``None``: it gave none).
+
+        It decides the counts :meth:`finish` bills, as the stats of a finished request's last
+        delta do. Ignored when the last delta already carried the engine's stats.
+        """
+        if stats is not None and self.engine_stats is None:
+            self.engine_stats = stats
+
     # -- the end -------------------------------------------------------------------------------
     def finish(self, outcome: str, *, status_code: int, policy: TierPolicy | None = None,
                finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
@@ -136,7 +149,7 @@ class RequestMeter:
         if self._last_kv_mono is not None and self.outputs_seen:
             self.kv_token_seconds += (self.prompt_tokens + self.completion_tokens) * (now_mono - self._last_kv_mono)
             self._last_kv_mono = now_mono
-        if stats is not None:
+        if stats is not None:  # the engine's account: finished, or freed early (computed tokens)
             prompt, completion = stats.prompt_tokens, stats.generation_tokens
             cached = min(stats.cached_prompt_tokens, prompt)
             source = "engine_hooks"
@@ -147,8 +160,9 @@ class RequestMeter:
             prompt = completion = cached = 0
             source = "frontend"
         ident = self.identity
+        timed = stats if stats is not None and stats.phase_times_measured else None
         gateway_queue = (self.dispatch_mono - self.arrival_mono) if self.dispatch_mono is not None else None
-        queue_s = None if gateway_queue is None else gateway_queue + (stats.queued_s if stats else 0.0)
+        queue_s = None if gateway_queue is None else gateway_queue + (timed.queued_s if timed else 0.0)
         ttft = (self.first_token_mono - self.arrival_mono) if self.first_token_mono is not None else None
         itl_mean = sum(self.itls_s) / len(self.itls_s) if self.itls_s else None
         e2e = now_mono - self.arrival_mono
@@ -165,7 +179,7 @@ class RequestMeter:
             workspace_id=ident.workspace_id, project_id=ident.project_id,
             api_key_id=ident.api_key_id, agent_run_id=ident.agent_run_id,
             status_code=status_code, stream=ident.stream, queue_s=queue_s, ttft_s=ttft,
-            prefill_s=stats.prefill_s if stats else None, decode_s=stats.decode_s if stats else None,
+            prefill_s=timed.prefill_s if timed else None, decode_s=timed.decode_s if timed else None,
             e2e_s=e2e, itl_mean_s=itl_mean, kv_token_seconds=self.kv_token_seconds,
             token_source=source, attempt=ident.attempt,
             preemptions=stats.preemptions if stats else 0)

@@ -68,8 +68,12 @@ async def test_closing_the_stream_aborts_and_frees_kv(vllm_engine):
         unsub()
     assert 5 <= seen < 400
     assert vllm_engine.load().num_running == 0
-    # vLLM's hooks never report aborted requests (vLLM issue 55634): the frontend must bill them.
-    assert req.request_id not in [f.request_id for f in finished]
+    # vLLM's own hooks never report aborted requests (vLLM issue 55634); kvmeter's scheduler hook
+    # does, once, under kvmeter's request id
+    account = await vllm_engine.final_stats(req.request_id, 60.0)
+    assert [f for f in finished if f.request_id == req.request_id] == [account]
+    assert account.finish_reason == "abort" and account.prompt_tokens == len(req.prompt_token_ids)
+    assert seen <= account.generation_tokens < 400 and account.computed_tokens is not None
 
 
 async def test_cached_prefix_is_reported_as_part_of_prompt(vllm_engine):

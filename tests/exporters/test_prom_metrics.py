@@ -81,6 +81,14 @@ def test_engine_finished_requests_include_aborts(bus, registry, exporter):
     assert value(registry, "kvmeter_engine_request_e2e_seconds_count", finish_reason="abort") == 1
 
 
+def test_an_abort_accounted_by_the_scheduler_hook_counts_tokens_but_no_phase_times(bus, registry, exporter):
+    bus.publish(EngineRequestStats(request_id="r3", finish_reason="abort", prompt_tokens=512, generation_tokens=0,
+                                   computed_tokens=512, preempted_tokens=0, phase_times_measured=False))
+    assert value(registry, "kvmeter_engine_request_tokens_total", type="prompt", finish_reason="abort") == 512
+    for phase in ("queue", "prefill", "decode", "e2e"):  # 0.0 is not a measurement
+        assert value(registry, f"kvmeter_engine_request_{phase}_seconds_count", finish_reason="abort") is None
+
+
 def completion(tenant="acme", tier="paid_interactive", outcome="ok", prompt=1000, cached=200, out=100,
                ttft=0.4, itls=(0.03,) * 99, e2e=3.4, queue=0.05, slo=True):
     return RequestCompletion(tenant_id=tenant, tier=tier, model="smollm2", outcome=outcome,

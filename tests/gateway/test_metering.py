@@ -65,7 +65,7 @@ def test_abort_bills_what_the_frontend_saw_and_misses_its_slo():
     assert done.slo_met is False
 
 
-def test_abort_before_any_output_bills_nothing():
+def test_abort_before_any_output_without_an_engine_account_bills_nothing():
     clock = ManualClock()
     meter = RequestMeter(IDENT, clock, prompt_tokens=4000, reserved_completion_tokens=10)
     meter.dispatched()
@@ -73,6 +73,52 @@ def test_abort_before_any_output_bills_nothing():
     event, _ = meter.finish("aborted", status_code=499, finish_reason="abort")
     assert (event.prompt_tokens, event.completion_tokens, event.kv_token_seconds) == (0, 0, 0.0)
     assert event.ttft_s is None
+
+
+def _abort_account(prompt: int, generated: int, cached: int = 0) -> EngineRequestStats:
+    """What the vLLM scheduler hook reports for a request it freed early."""
+    return EngineRequestStats("kvm-1", "abort", prompt_tokens=prompt, generation_tokens=generated,
+                              cached_prompt_tokens=cached, computed_tokens=prompt + generated,
+                              preempted_tokens=0, phase_times_measured=False)
+
+
+def test_abort_before_any_output_bills_the_engines_account_of_its_prefill():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=1500, reserved_completion_tokens=10)
+    clock.advance(0.25)
+    meter.dispatched()
+    clock.advance(0.5)  # the client leaves mid-prefill; the engine ran two 256-token chunks
+    meter.engine_account(_abort_account(512, 0))
+    event, done = meter.finish("aborted", status_code=200, finish_reason="abort")
+    assert (event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens) == (512, 0, 0)
+    assert event.token_source == "engine_hooks" and event.outcome == "aborted"
+    assert event.reserved_prompt_tokens == 1500
+    assert event.prefill_s is None and event.decode_s is None  # the account measured no phases
+    assert event.queue_s == pytest.approx(0.25) and event.ttft_s is None
+    assert (done.prompt_tokens, done.completion_tokens) == (512, 0)
+
+
+def test_abort_mid_stream_bills_what_the_engine_generated_not_what_arrived():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=50, reserved_completion_tokens=500)
+    meter.dispatched()
+    meter.on_output(_out(7, 7, prompt=50, cached=16))
+    meter.engine_account(_abort_account(50, 9, cached=16))  # two tokens were in flight
+    event, _ = meter.finish("aborted", status_code=200, finish_reason="abort")
+    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (50, 16, 9)
+    assert event.token_source == "engine_hooks"
+
+
+def test_an_account_after_the_final_delta_changes_nothing():
+    clock = ManualClock()
+    meter = RequestMeter(IDENT, clock, prompt_tokens=100, reserved_completion_tokens=4)
+    meter.dispatched()
+    final = EngineRequestStats("kvm-1", "length", prompt_tokens=100, generation_tokens=4, prefill_s=0.2)
+    meter.on_output(_out(4, 4, finished=True, stats=final))
+    meter.engine_account(_abort_account(100, 6))
+    meter.engine_account(None)
+    event, _ = meter.finish("ok", status_code=200)
+    assert (event.prompt_tokens, event.completion_tokens, event.prefill_s) == (100, 4, 0.2)
 
 
 def test_idempotency_key_decides_the_event_id_and_slow_ttft_misses_the_slo():
