@@ -29,8 +29,8 @@ One module per producer:
 Units are in the field names or stated; timestamps say which clock they come from.
 """
 
-from kvmeter.stats.agents import (APPROVAL_EVENTS, RUN_STOP_REASONS, TOOL_CALL_DECISIONS, TOOL_CALL_SOURCES,
-                                  AgentRunStopped, ApprovalEvent, ToolCallDecided)
+from kvmeter.stats.agents import (APPROVAL_EVENTS, RISK_CLASSES, RUN_STOP_REASONS, TOOL_CALL_DECISIONS,
+                                  TOOL_CALL_SOURCES, AgentRunStopped, ApprovalEvent, ToolCallDecided)
 from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepStats
 from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, AdmissionDecision, RequestCompletion,
                                    RequestRefused)
@@ -56,7 +56,7 @@ __all__ = [
     "ConfigReloaded",
     # agent runs
     "ToolCallDecided", "ApprovalEvent", "AgentRunStopped", "TOOL_CALL_SOURCES", "TOOL_CALL_DECISIONS",
-    "APPROVAL_EVENTS", "RUN_STOP_REASONS",
+    "APPROVAL_EVENTS", "RUN_STOP_REASONS", "RISK_CLASSES",
     # scheduler
     "SchedulerStats", "TierSchedulerStats", "TenantSchedulerStats",
     # ledger

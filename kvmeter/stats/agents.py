@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["ToolCallDecided", "ApprovalEvent", "AgentRunStopped", "TOOL_CALL_SOURCES", "TOOL_CALL_DECISIONS",
-           "APPROVAL_EVENTS", "RUN_STOP_REASONS"]
+           "APPROVAL_EVENTS", "RUN_STOP_REASONS", "RISK_CLASSES"]
+
+#: Risk classes of a tool, least risky first (the tenants config's tool policy assigns them:
+#: :mod:`kvmeter.serving.tenancy.toolpolicy`).
+RISK_CLASSES = ("read_only", "side_effect", "high_risk")
 
 #: Where a tool call crossed the gateway: reported to ``/v1/agent_runs/{id}/tool_calls``, emitted
 #: by the model in a response, or declared in a request's ``tools``.

@@ -55,16 +55,16 @@ from typing import Iterable, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvmeter.stats.agents import RISK_CLASSES
+
 __all__ = [
     "RISK_CLASSES", "RiskClass", "TOOL_NAME_PATTERN", "TOOL_PATTERN_PATTERN", "DEFAULT_RISK",
     "DEFAULT_APPROVAL_TTL_S", "DEFAULT_SIDE_EFFECT_WINDOW_S", "ToolPolicyModel", "ToolVerdict",
     "ToolPolicy", "NodeToolRules", "compile_node", "compile_tool_policy", "ALLOW_ALL", "valid_tool_name",
 ]
 
-#: Risk classes, least risky first.
-RISK_CLASSES = ("read_only", "side_effect", "high_risk")
+#: Risk classes, least risky first (defined with the stats that label them: kvmeter.stats.agents).
 RiskClass = Literal["read_only", "side_effect", "high_risk"]
-_RISK_RANK = {c: i for i, c in enumerate(RISK_CLASSES)}
 
 #: A tool name as kvmeter accepts it: OpenAI function names (``^[a-zA-Z0-9_-]{1,64}$``) plus the
 #: ``.``, ``:`` and ``/`` MCP servers put in theirs, up to 128 characters.
