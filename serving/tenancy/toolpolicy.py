@@ -35,7 +35,8 @@ Patterns are shell globs (:mod:`fnmatch`: ``*``, ``?``, ``[seq]``, ``[!seq]``), 
 matched against the whole tool name. They are compiled once when the config loads (one
 :class:`ToolPolicy` per key, sharing each node's compiled patterns); evaluation costs a dictionary
 lookup and at most a few regular-expression matches per level (globs are bucketed by their first
-literal character), and its answers are memoised per tool name (``bench/agents/RESULTS.md``).
+literal character, or their last when they start with a wildcard), and its answers are memoised per
+tool name (``bench/agents/RESULTS.md``).
 
 The policy **version** (:attr:`ToolPolicy.version`) is the SHA-256 of the effective policy's
 canonical content (the patterns that block, the allow list in force, the risk maps narrowest level
@@ -158,24 +159,30 @@ class ToolVerdict:
 
 
 class _PatternSet:
-    """Names and globs compiled for matching: exact names in a dict, globs as one regular
-    expression per first literal character (plus one for globs starting with a wildcard)."""
+    """Names and globs compiled for matching: exact names in a dict; globs as one regular
+    expression per first literal character, those starting with a wildcard per *last* literal
+    character, and one for globs with wildcards at both ends — so a name is tried only against the
+    globs that could match it."""
 
-    __slots__ = ("exact", "by_first", "wild", "labels")
+    __slots__ = ("exact", "by_first", "by_last", "wild", "labels")
 
     def __init__(self, patterns: Iterable[str]) -> None:
         self.exact: dict[str, str] = {}
-        globs: dict[str, list[str]] = {}
+        first: dict[str, list[str]] = {}
+        last: dict[str, list[str]] = {}
         wild: list[str] = []
         for p in dict.fromkeys(patterns):
             if not _GLOB_CHARS & set(p):
                 self.exact[p] = p
-            elif p[0] in _GLOB_CHARS:
-                wild.append(p)
+            elif p[0] not in _GLOB_CHARS:
+                first.setdefault(p[0], []).append(p)
+            elif p[-1] not in _GLOB_CHARS and p[-1] != "]":
+                last.setdefault(p[-1], []).append(p)
             else:
-                globs.setdefault(p[0], []).append(p)
+                wild.append(p)
         self.labels: list[str] = []
-        self.by_first = {c: self._compile(ps) for c, ps in globs.items()}
+        self.by_first = {c: self._compile(ps) for c, ps in first.items()}
+        self.by_last = {c: self._compile(ps) for c, ps in last.items()}
         self.wild = self._compile(wild) if wild else None
 
     def _compile(self, patterns: list[str]) -> re.Pattern[str]:
@@ -190,16 +197,17 @@ class _PatternSet:
         hit = self.exact.get(name)
         if hit is not None:
             return hit
-        rx = self.by_first.get(name[0]) if name else None
-        m = rx.match(name) if rx is not None else None
-        if m is None and self.wild is not None:
-            m = self.wild.match(name)
-        if m is None:
+        if not name:
             return None
-        return self.labels[int(m.lastgroup[1:])]  # type: ignore[index]
+        for rx in (self.by_first.get(name[0]), self.by_last.get(name[-1]), self.wild):
+            if rx is not None:
+                m = rx.match(name)
+                if m is not None:
+                    return self.labels[int(m.lastgroup[1:])]  # type: ignore[index]
+        return None
 
     def __bool__(self) -> bool:
-        return bool(self.exact) or bool(self.by_first) or self.wild is not None
+        return bool(self.exact) or bool(self.by_first) or bool(self.by_last) or self.wild is not None
 
 
 @dataclass(frozen=True, slots=True)
