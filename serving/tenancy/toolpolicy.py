@@ -195,16 +195,20 @@ class _PatternSet:
     def match(self, name: str) -> str | None:
         """The first pattern matching ``name`` (an exact name before any glob), or None."""
         hit = self.exact.get(name)
-        if hit is not None:
+        if hit is not None or not name:
             return hit
-        if not name:
-            return None
-        for rx in (self.by_first.get(name[0]), self.by_last.get(name[-1]), self.wild):
+        m = None
+        if self.by_first:
+            rx = self.by_first.get(name[0])
             if rx is not None:
                 m = rx.match(name)
-                if m is not None:
-                    return self.labels[int(m.lastgroup[1:])]  # type: ignore[index]
-        return None
+        if m is None and self.by_last:
+            rx = self.by_last.get(name[-1])
+            if rx is not None:
+                m = rx.match(name)
+        if m is None and self.wild is not None:
+            m = self.wild.match(name)
+        return None if m is None else self.labels[int(m.lastgroup[1:])]  # type: ignore[index]
 
     def __bool__(self) -> bool:
         return bool(self.exact) or bool(self.by_first) or bool(self.by_last) or self.wild is not None
@@ -284,6 +288,13 @@ class ToolPolicy:
     version: str = ""
     _allow: NodeToolRules | None = field(default=None, repr=False)
     _memo: dict[str, ToolVerdict] = field(default_factory=dict, repr=False)
+    _blocking: tuple[NodeToolRules, ...] = field(default=(), repr=False)   # levels with blocks
+    _classifying: tuple[NodeToolRules, ...] = field(default=(), repr=False)  # with risk rules, narrowest first
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_blocking", tuple(lvl for lvl in self.levels if lvl.block))
+        object.__setattr__(self, "_classifying", tuple(lvl for lvl in reversed(self.levels)
+                                                       if lvl.risk_exact or lvl.risk_globs))
 
     def evaluate(self, tool: str) -> ToolVerdict:
         """The verdict on ``tool`` (rules in the module docstring); memoised per name.
@@ -304,7 +315,7 @@ class ToolPolicy:
     def evaluate_uncached(self, tool: str) -> ToolVerdict:
         """:meth:`evaluate` without the memo (what the benchmark measures cold)."""
         risk, risk_rule = self._risk(tool)
-        for lvl in self.levels:
+        for lvl in self._blocking:
             hit = lvl.block.match(tool)
             if hit is not None:
                 return ToolVerdict(tool, False, "tool_blocked", f"{lvl.path}.tool_policy.block {hit!r}",
@@ -315,7 +326,7 @@ class ToolPolicy:
         return ToolVerdict(tool, True, "", "", risk, risk_rule)
 
     def _risk(self, tool: str) -> tuple[str, str]:
-        for lvl in reversed(self.levels):
+        for lvl in self._classifying:
             found = lvl.risk_of(tool)
             if found is not None:
                 return found[0], f"{lvl.path}.tool_policy.risk {found[1]!r}"
