@@ -7,6 +7,8 @@ import hashlib
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmeter.serving.agents import ArgumentsError, arguments_digest, canonical_json, prompt_digest
 from kvmeter.serving.agents.loops import cycle_repeats
@@ -30,6 +32,24 @@ def test_rfc_8785_section_3_2_3_example_sorting():
              "1": "One", "\U0001f600": "Emoji: Grinning Face", "\u0080": "Control", "\u00f6": "Latin Small Letter O With Diaeresis"}
     keys = [k for k in json.loads(canonical_json(value))]
     assert keys == ["\r", "1", "\u0080", "\u00f6", "\u20ac", "\U0001f600", "\ufb33"]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2 ** 60), max_value=2 ** 60)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSON)
+def test_the_fast_path_writes_what_the_reference_encoder_writes(value):
+    from kvmeter.serving.agents.digest import canonical_json_slow
+
+    assert canonical_json(value) == canonical_json_slow(value)
+    # and it means the same JSON (every number read as the double JCS takes it to be)
+    as_doubles = dict(parse_int=float, parse_float=float)
+    assert json.loads(canonical_json(value), **as_doubles) == json.loads(json.dumps(value), **as_doubles)
 
 
 def test_equal_arguments_have_one_digest():
