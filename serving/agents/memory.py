@@ -184,6 +184,10 @@ class MemoryAgentStore(AgentStore):
     async def model_call(self, tenant_id: str, run_id: str, prompt_digest: str, max_repeated_prompts: int | None,
                          now: float) -> ModelCallResult:
         with self._lock:
+            if now >= self._next_sweep:
+                self._sweep(now)
+            if not prompt_digest and (tenant_id, run_id) not in self._runs:
+                return ModelCallResult("ok")  # nothing to check, nothing to remember
             run = self._run(tenant_id, run_id, now)
             if run.stop is not None:
                 return ModelCallResult("run_stopped", stop=run.stop)

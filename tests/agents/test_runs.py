@@ -329,3 +329,16 @@ async def test_emitted_calls_are_decided_without_a_permit(make_kit):
                        ("search_web", "approval_refused")]
     decided = [(e.source, e.decision) for e in kit.published if isinstance(e, ToolCallDecided)]
     assert ("emitted", "blocked") in decided and ("emitted", "allowed") in decided
+
+
+async def test_idle_runs_are_forgotten_after_their_ttl(make_kit, clock, store_kind):
+    if store_kind != "memory":
+        pytest.skip("Redis expires the keys itself (EXPIRE on every write)")
+    kit = make_kit()
+    p = kit.principal("agent")
+    await kit.agents.on_model_call(p, "idle-run")  # no digest, no state: nothing is remembered
+    await kit.agents.on_model_call(p, "prompted", "d1")
+    assert set(kit.store._runs) == {("acme", "prompted")}
+    clock.advance(7 * 86_400 + 61)
+    await kit.agents.on_model_call(p, "other", "d2")  # a sweep runs
+    assert set(kit.store._runs) == {("acme", "other")}
