@@ -25,7 +25,8 @@ from .window import Window, utc
 
 __all__ = ["HttpSource"]
 
-_TIME_FIELDS = {"ts", "last_ts"}
+_TIME_FIELDS = {"ts", "last_ts", "first_ts", "requested_ts", "expires_ts", "computed_at",
+                "last_approval_expires_ts"}
 
 
 class HttpSource:

@@ -39,3 +39,13 @@ RESERVATION_BY_TENANT = {"tenant_id": S, "tier": S, "requests": I, "reserved_pro
                          "over_reserved_requests": I, "under_reserved_requests": I}
 RESERVATION_TIMESERIES = {"ts": TS, "reserved_tokens": I, "actual_tokens": I}
 OUTPUT_BUDGET_USE = {"bin": I, "requests": I}
+AGENT_RUNS = {"tenant_id": S, "agent_run_id": S, "api_key_id": S, "tier": S, "first_ts": TS, "last_ts": TS,
+              "duration_s": F, "model_calls": I, "refused_model_calls": I, "prompt_tokens": I, "completion_tokens": I,
+              "tool_calls": I, "read_only_calls": I, "side_effect_calls": I, "high_risk_calls": I, "tools": S,
+              "refused_tool_calls": I, "replayed_tool_calls": I, "refusals": I, "approvals_requested": I,
+              "approvals_approved": I, "approvals_rejected": I, "loop_stops": I, "stop_reason": S, "subtotal": S,
+              "cost": S, "currency": S}
+AGENT_RUN_STOPS = {"ts": TS, "tenant_id": S, "agent_run_id": S, "api_key_id": S, "tier": S, "reason": S,
+                   "detail": S, "tool": S}
+APPROVALS_PENDING = {"approval_id": S, "tenant_id": S, "agent_run_id": S, "api_key_id": S, "tool": S,
+                     "requested_ts": TS, "expires_ts": TS, "waiting_s": F}

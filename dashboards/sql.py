@@ -3,8 +3,8 @@
 No SQL lives here: every read is the ledger's own query layer —
 :class:`~kvmeter.ledger.window_queries.WindowQueries` for the bucketed reads (traffic, latency,
 goodput, gateway decisions, reservations, signals), :func:`~kvmeter.ledger.billing.build_invoice`
-for the invoice and :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
-reconciliation. The same class serves the serve process's dashboard routes
+for the invoice, :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
+reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same class serves the serve process's dashboard routes
 (:mod:`kvmeter.dashboards.routes`), so mode *a* (through the read API) returns exactly these rows,
 and the billing page shows the invoice ``kvmeter billing report`` writes.
 
@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from clickhouse_connect.driver.client import Client
 
+from kvmeter.ledger.agent_runs import AgentRunQueries
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import ClientHolder
 from kvmeter.ledger.period import Period
@@ -58,6 +59,7 @@ class SqlSource:
         self._tiers_fn: Callable[[], Iterable[TierInfo]] = tiers if callable(tiers) else (lambda t=list(tiers): t)
         self._ledger = LedgerQueries(client, prices)
         self._window = WindowQueries(client)
+        self._runs = AgentRunQueries(client, prices)
 
     def close(self) -> None:
         """Close the connection if this source holds a :class:`ClientHolder` (idempotent)."""
@@ -88,6 +90,31 @@ class SqlSource:
     def reconcile_views(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """:meth:`kvmeter.ledger.queries.LedgerQueries.reconcile_views` of the period."""
         return self._ledger.reconcile_views(period, tenant_id)
+
+    def agent_runs(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`AgentRunQueries.runs <kvmeter.ledger.agent_runs.AgentRunQueries.runs>` of the window
+        (the 1,000 most expensive), flattened for a frame: ``tools`` (``name×n, ...``), ``models``
+        joined, per-class permits ``read_only_calls`` / ``side_effect_calls`` / ``high_risk_calls``,
+        ``subtotal`` and ``cost`` as exact decimal strings."""
+        out = []
+        for r in self._runs.runs(window, tenants, order="cost", limit=1000):
+            by_tool = r.pop("tool_calls_by_tool")
+            by_risk = r.pop("tool_calls_by_risk_class")
+            r["tools"] = ", ".join(f"{k}×{v}" for k, v in sorted(by_tool.items(), key=lambda kv: (-kv[1], kv[0])))
+            r["models"] = ", ".join(r["models"])
+            for cls in ("read_only", "side_effect", "high_risk"):
+                r[f"{cls}_calls"] = int(by_risk.get(cls, 0))
+            out.append(r)
+        return out
+
+    def agent_run_stops(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`AgentRunQueries.run_stops <kvmeter.ledger.agent_runs.AgentRunQueries.run_stops>`."""
+        return self._runs.run_stops(window, tenants, limit=1000)
+
+    def approvals_pending(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Approvals pending as of the window's end
+        (:meth:`AgentRunQueries.pending_approvals <kvmeter.ledger.agent_runs.AgentRunQueries.pending_approvals>`)."""
+        return self._runs.pending_approvals(window.end, tenants, limit=1000)
 
     def __getattr__(self, name: str) -> Any:
         if name in WINDOW_READS:  # the ledger's window read of that name (goodput is above)

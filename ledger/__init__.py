@@ -8,9 +8,13 @@ period and :mod:`.window_queries` per time bucket (the dashboards' reads), both 
 :class:`~.connection.QueryRunner`; :mod:`.billing` prices it (:mod:`.prices`) into the invoice
 (:func:`~.billing.build_invoice`, the one assembly); :mod:`.reconcile` compares the engine,
 gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
-reads it from another process; :mod:`.cli` is ``kvmeter billing``.
+reads it from another process; :mod:`.cli` is ``kvmeter billing``. Agent runs: :mod:`.agent_records`
+(tool-call decisions, approval events, run stops) and :mod:`.agent_runs` (the per-run rollup and
+its reads).
 """
 
+from .agent_records import ApprovalRecord, RunStopRecord, ToolCallRecord
+from .agent_runs import AgentRunQueries
 from .config import LedgerConfig
 from .errors import (ConfigError, InvalidRecord, LedgerError, LedgerLocked, LedgerUnavailable, MigrationError,
                      PeriodError, PriceListError, SpoolWriteError)
@@ -29,6 +33,10 @@ __all__ = [
     "Adjustment",
     "SignalSample",
     "attempt_id_for",
+    "ToolCallRecord",
+    "ApprovalRecord",
+    "RunStopRecord",
+    "AgentRunQueries",
     "Period",
     "parse_period",
     "PriceList",

@@ -33,7 +33,8 @@ from .period import Period
 from .prices import PriceList
 from .queries import INVOICE_KEYS, UsageReader
 
-__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
+__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "usage_subtotal", "INVOICE_COLUMNS",
+           "MONEY"]
 
 #: polars dtype of exact money and unit prices.
 MONEY = pl.Decimal(38, 18)
@@ -51,6 +52,23 @@ INVOICE_COLUMNS = (
     "error_requests", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
     "currency", "price_list_version", "priced", "subtotal", "cost", "note",
 )
+
+
+def usage_subtotal(prices: PriceList, model: str, tier: str, prompt_tokens: int, cached_prompt_tokens: int,
+                   completion_tokens: int, reasoning_tokens: int = 0) -> Decimal | None:
+    """The exact (unrounded) price of some usage of one model, by the invoice's rule: uncached
+    prompt × ``input`` + cached × ``cached_input`` + non-reasoning output × ``output`` + reasoning ×
+    ``reasoning`` (unit prices after the tier's discount); ``None`` for a model the list does not
+    price. Round a total once with :meth:`PriceList.round`."""
+    counts = {"uncached": prompt_tokens - cached_prompt_tokens, "cached_prompt_tokens": cached_prompt_tokens,
+              "nonreasoning": completion_tokens - reasoning_tokens, "reasoning_tokens": reasoning_tokens}
+    total = Decimal(0)
+    for token_type, column in _TYPES:
+        unit = prices.unit_price(model, tier, token_type)
+        if unit is None:
+            return None
+        total += counts[column] * unit
+    return total
 
 
 def _frame(rows: Iterable[dict[str, Any]], ints: tuple[str, ...], extra: dict[str, Any]) -> pl.DataFrame:

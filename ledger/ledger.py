@@ -5,7 +5,9 @@ Lifecycle::
     ledger = Ledger.open(config, bus=bus)          # recovers the spool, connects, migrates
     await ledger.record(usage_event)               # returns once the event is fsynced
     await ledger.record_attempt(attempt)           # every HTTP attempt, same durability
+    await ledger.record_agent(tool_call_record)    # agent-run records (kvmeter.ledger.agent_records)
     ledger.queries.usage_summary(period, tenant)   # reads (also served by read_api)
+    ledger.agent_runs.runs(period, tenants)        # the per-run rollup (kvmeter.ledger.agent_runs)
     ledger.flush()                                 # drain everything spooled so far
     ledger.close()
 
@@ -29,6 +31,8 @@ from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
 from kvmeter.stats import INGEST_STATUSES, EngineRequestStats, LedgerStats
 
+from .agent_records import AGENT_STREAMS, AgentRecord, encode_agent_record
+from .agent_runs import AgentRunQueries
 from .config import LedgerConfig
 from .connection import ClientFactory, ClientHolder, connect, describe_error
 from .drain import Writer
@@ -73,6 +77,7 @@ class Ledger:
 
     Attributes:
         queries: :class:`~kvmeter.ledger.queries.LedgerQueries` over this ledger's database.
+        agent_runs: :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` (the per-run rollup).
         config: the effective :class:`LedgerConfig`.
         prices: the price list in use.
     """
@@ -82,6 +87,7 @@ class Ledger:
         self.config = config
         self.prices = prices
         self.queries = LedgerQueries(query_holder, prices)
+        self.agent_runs = AgentRunQueries(query_holder, prices)
         self._spool = spool
         self._writer = writer
         self._query_holder = query_holder
@@ -133,7 +139,7 @@ class Ledger:
             migrate(client, config.cluster)
             sync_prices(client, prices)
 
-        spool = Spool(config.spool_dir, STREAMS, clock=clock, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes, fsync=config.fsync)
         try:
             writer_holder = ClientHolder(factory, prepare)
             query_holder = ClientHolder(factory, lambda client: migrate(client, config.cluster))
@@ -216,6 +222,17 @@ class Ledger:
     def record_attempt_sync(self, attempt: AttemptRecord, timeout_s: float | None = 10.0) -> None:
         """Blocking :meth:`record_attempt`."""
         self._submit_attempt(attempt).wait(timeout_s)
+
+    async def record_agent(self, record: AgentRecord) -> None:
+        """Make one agent-run record (a tool-call decision, an approval event, a run stop) durable;
+        same contract as :meth:`record`.
+
+        Raises:
+            InvalidRecord: the record cannot be stored (nothing was written).
+            SpoolWriteError: the spool could not write it.
+        """
+        stream, line = encode_agent_record(record)
+        await self._spool.streams[stream].submit(line).wait_async()
 
     def _on_engine_stats(self, stats: EngineRequestStats) -> None:
         """Bus callback: spool the engine's account of a request (cheap, never blocks), with the

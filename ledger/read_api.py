@@ -19,6 +19,9 @@ Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_peri
 ``/v1/usage/invoice_attempts``     :meth:`LedgerQueries.invoice_attempts`
 ``/v1/usage/adjustments``          :meth:`LedgerQueries.adjustments`
 ``/v1/usage/reconcile_views``      :meth:`LedgerQueries.reconcile_views`
+``/v1/usage/agent_runs``           :meth:`AgentRunQueries.runs <kvmeter.ledger.agent_runs.AgentRunQueries.runs>`
+                                   (runs active in the period; ``agent_run_id``, ``order=cost|tokens|last_ts``,
+                                   ``limit`` 1–1000): when the routes are given ``agent_runs``
 =================================  ===========================================================
 
 Errors use the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``: 401 unknown
@@ -109,7 +112,7 @@ def presented_key(request: Request) -> str | None:
 
 
 def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Principal], *,
-                prices: PriceList | None = None, prefix: str = "/v1/usage") -> list[Route]:
+                prices: PriceList | None = None, prefix: str = "/v1/usage", agent_runs: Any = None) -> list[Route]:
     """Starlette routes of the read API.
 
     Args:
@@ -118,6 +121,8 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
             :class:`~kvmeter.serving.tenancy.AuthError` for a missing/unknown key.
         prices: price list for ``/invoice`` (default: ``queries.prices`` if it has one).
         prefix: URL prefix.
+        agent_runs: the per-run reads (:class:`~kvmeter.ledger.agent_runs.AgentRunQueries`, normally
+            ``ledger.agent_runs``) for ``/agent_runs``; None: no such route.
     Returns:
         Routes to add to the serve app (``routes=[..., *read_routes(...)]`` or ``app.router.routes``).
     """
@@ -168,4 +173,15 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         Route(f"{prefix}/invoice", scoped(invoice), methods=["GET"]),
     ]
     routes += [Route(f"{prefix}/{name}", scoped(fn), methods=["GET"]) for name, fn in simple.items()]
+    if agent_runs is not None:
+        def runs(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
+            q = request.query_params
+            raw = q.get("limit", "100")
+            if not raw.isdigit():
+                raise ValueError("limit must be an integer in 1..1000")
+            return agent_runs.runs(period, None if tenant is None else [tenant],
+                                   agent_run_id=q.get("agent_run_id") or None, order=q.get("order", "cost"),
+                                   limit=int(raw[:6]))
+
+        routes.append(Route(f"{prefix}/agent_runs", scoped(runs), methods=["GET"]))
     return routes

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 
 from clickhouse_connect.driver.client import Client
 
+from .agent_runs import refresh_run_rollups
 from .queries import BILLABLE_TOTALS_SQL
 
 __all__ = ["refresh_rollups", "ROLLUP_MARGIN_S"]
@@ -52,7 +53,8 @@ GROUP BY hour, tenant_id, org_id, workspace_id, project_id, api_key_id, model, t
 
 
 def refresh_rollups(client: Client, *, full: bool = False) -> int:
-    """Recompute ``usage_hourly`` for every hour that received events since the last run.
+    """Recompute ``usage_hourly`` for every hour that received events since the last run, then the
+    agent-run rollup (:func:`~kvmeter.ledger.agent_runs.refresh_run_rollups`).
 
     Args:
         client: a client on the ledger database.
@@ -80,4 +82,7 @@ def refresh_rollups(client: Client, *, full: bool = False) -> int:
         done += len(chunk)
     if done:
         log.debug("ledger rollups: recomputed %d hour(s)", done)
+    runs = refresh_run_rollups(client, full=full)  # the agent-run rollup (ledger/agent_runs.py)
+    if runs:
+        log.debug("ledger rollups: recomputed %d agent run(s)", runs)
     return done

@@ -36,8 +36,11 @@ from kvmeter.ledger.read_api import read_routes
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.config import ServeConfig
+from kvmeter.ledger.agent_records import AgentRecord
+from kvmeter.serving.agents import AgentRuns, ApprovalDesk, RunGuardedQuota, open_agent_store
 from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
+from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
@@ -147,6 +150,11 @@ class _LedgerRecorder:
             raise RuntimeError("ledger not open")
         await self.ledger.record_attempt(attempt)
 
+    async def record_agent(self, record: AgentRecord) -> None:
+        if self.ledger is None:
+            raise RuntimeError("ledger not open")
+        await self.ledger.record_agent(record)
+
 
 class ServeRuntime:
     """All of ``kvmeter serve``'s parts, built from one config.
@@ -185,6 +193,13 @@ class ServeRuntime:
                                        price=price_function(self.prices), clock=clock, bus=self.bus,
                                        publish_decisions=False)
         self.idempotency = self.quota_backend.idempotency
+        self.recorder = _LedgerRecorder()
+        # agent runs: tool policy, approvals, idempotency, loop stops; run state beside the quota's
+        self.agent_store = open_agent_store(self.quota_backend, config.quota_store)
+        self.agents = AgentRuns(self.directory, self.quota, self.agent_store, recorder=self.recorder, bus=self.bus,
+                                clock=clock)
+        self.approvals = ApprovalDesk(self.directory, self.agent_store, recorder=self.recorder, bus=self.bus,
+                                      clock=clock)
         self.engine = engine or build_engine(config, self.bus, clock)
         self._owns_engine = engine is None
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
@@ -192,9 +207,8 @@ class ServeRuntime:
         # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
                              self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
-        self.recorder = _LedgerRecorder()
         self.gateway = Gateway(
-            engine=self.engine, authenticator=self.directory, quota=self.quota,
+            engine=self.engine, authenticator=self.directory, quota=RunGuardedQuota(self.quota, self.agents),
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
                                      body_read_timeout_s=config.server.body_read_timeout_s),
@@ -299,6 +313,7 @@ class ServeRuntime:
         if self._owns_engine:
             await self.engine.shutdown()
         await self.quota_backend.aclose()
+        await self.agent_store.aclose()
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self.exporter.close()
@@ -306,26 +321,30 @@ class ServeRuntime:
     def app(self) -> Starlette:
         """The ASGI app: OpenAI API, /healthz, /metrics, the ledger's read API (with the
         dashboards' reads: the embedded ledger can only be read through this process), tool-call
-        reports."""
+        reports, approvals."""
         from kvmeter.dashboards.routes import serve_routes
 
         queries = _LazyQueries(self.recorder)
         self._dashboard_routes = serve_routes(self)
-        routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices),
+        routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices,
+                                            agent_runs=_LazyQueries(self.recorder, "agent_runs")),
                                *self._dashboard_routes.routes,
-                               *tool_call_routes(self.gateway, self.quota)]
+                               *tool_call_routes(self.gateway, self.quota, self.agents),
+                               *approval_routes(self.gateway, self.approvals)]
         return create_app(self.gateway, extra_routes=routes, metrics_app=metrics_asgi_app(self.registry),
                           on_startup=[self.start], on_shutdown=[self.stop], ready=lambda: self.ready)
 
 
 class _LazyQueries:
-    """The ledger's queries, resolved when a read arrives (the ledger opens in the lifespan)."""
+    """The ledger's queries (``ledger.queries``, or another reader of the ledger named by
+    ``attribute``), resolved when a read arrives (the ledger opens in the lifespan)."""
 
-    def __init__(self, recorder: _LedgerRecorder) -> None:
+    def __init__(self, recorder: _LedgerRecorder, attribute: str = "queries") -> None:
         self._recorder = recorder
+        self._attribute = attribute
 
     def __getattr__(self, name: str):
         ledger = self._recorder.ledger
         if ledger is None:
             raise RuntimeError("ledger not open")
-        return getattr(ledger.queries, name)
+        return getattr(getattr(ledger, self._attribute), name)

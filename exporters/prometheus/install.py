@@ -11,6 +11,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 
 from .admission import AdmissionMetrics
+from .agents import AgentMetrics
 from .base import MetricSource, SourceContext
 from .config import PrometheusConfig
 from .engine import EngineMetrics
@@ -31,10 +32,10 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
     """Every source: engine (local + scraped), requests, admission, refusals before admission,
-    GPU, scheduler, quota (with retries and tenancy reloads), ledger, reconciliation."""
+    GPU, scheduler, quota (with retries and tenancy reloads), agent runs, ledger, reconciliation."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
-            RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx),
+            RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), AgentMetrics(ctx),
             LedgerMetrics(ctx), ReconciliationMetrics(ctx)]
 
 

@@ -7,7 +7,7 @@ history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new prod
 
 ``emitted=True`` metrics are produced today by a module of this package (one module per producer:
 :mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
-:mod:`.scheduler`, :mod:`.quota`, :mod:`.ledger`, :mod:`.reconciliation`). ``emitted=False`` ones
+:mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
 producer publishes the data on the bus (none today).
 
@@ -229,6 +229,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_tenancy_config_reloads_total", "counter", ("result",),
            "tenancy configuration reload attempts by result (ok, error: the old config stays live)",
            "tenancy"),
+    # ---- agent runs (ToolCallDecided, ApprovalEvent, AgentRunStopped from serving/agents): agents.py.
+    # source: reported, emitted, declared; risk_class: read_only, side_effect, high_risk;
+    # decision: kvmeter.stats.TOOL_CALL_DECISIONS (any other value is labelled "other")
+    Metric("kvmeter_agent_tool_calls_total", "counter", ("source", "risk_class", "decision"),
+           "agent tool calls decided at the gateway, by where they crossed it, risk class and decision "
+           "(allowed = a permit or passed through)", "agents"),
+    Metric("kvmeter_agent_approval_events_total", "counter", ("event",),
+           "approval events of high-risk tool calls (requested, approved, rejected, consumed)", "agents"),
+    Metric("kvmeter_agent_approval_wait_seconds", "histogram", ("event",),
+           "time from an approval request to its decision (approved, rejected), seconds", "agents",
+           buckets=B.APPROVAL_WAIT_SECONDS),
+    Metric("kvmeter_agent_stopped_runs_total", "counter", ("tier", "tenant", "reason"),
+           "agent runs stopped as a loop or retry storm, by reason (identical_tool_calls, tool_cycle, "
+           "repeated_prompt)", "agents"),
     # ---- ledger (LedgerStats, after every writer round): ledger.py
     Metric("kvmeter_ledger_events_ingested_total", "counter", ("status",),
            "usage events ingested by status (new, duplicate, invalid, late)", "ledger"),

@@ -18,6 +18,8 @@ One module per producer:
 * :mod:`.quota` — :class:`ReservationDrift`, :class:`QuotaStoreState`,
   :class:`IdempotencyAttempt`, :class:`ToolCallReported`;
 * :mod:`.tenancy` — :class:`ConfigReloaded`;
+* :mod:`.agents` — :class:`ToolCallDecided`, :class:`ApprovalEvent`, :class:`AgentRunStopped`
+  (agent-run tool policy, approvals and loop stops);
 * :mod:`.scheduler` — :class:`SchedulerStats`, :class:`TierSchedulerStats`,
   :class:`TenantSchedulerStats`;
 * :mod:`.ledger` — :class:`LedgerStats`;
@@ -27,6 +29,8 @@ One module per producer:
 Units are in the field names or stated; timestamps say which clock they come from.
 """
 
+from kvmeter.stats.agents import (APPROVAL_EVENTS, RISK_CLASSES, RUN_STOP_REASONS, TOOL_CALL_DECISIONS,
+                                  TOOL_CALL_SOURCES, AgentRunStopped, ApprovalEvent, ToolCallDecided)
 from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepStats
 from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, AdmissionDecision, RequestCompletion,
                                    RequestRefused)
@@ -50,6 +54,9 @@ __all__ = [
     "ReservationDrift", "QuotaStoreState", "IdempotencyAttempt", "ToolCallReported",
     # tenancy
     "ConfigReloaded",
+    # agent runs
+    "ToolCallDecided", "ApprovalEvent", "AgentRunStopped", "TOOL_CALL_SOURCES", "TOOL_CALL_DECISIONS",
+    "APPROVAL_EVENTS", "RUN_STOP_REASONS", "RISK_CLASSES",
     # scheduler
     "SchedulerStats", "TierSchedulerStats", "TenantSchedulerStats",
     # ledger

@@ -25,12 +25,16 @@ REFUSAL_CODES = frozenset({
     "idempotency_store_unavailable", "idempotent_response_unavailable",
     # quota errors on the tool-call route (serving/quota/gate.py)
     "quota_store_unavailable",
+    # the tool-call report and the approvals API (serving/agents/errors.py), and a request's
+    # declared tools refused by the tool policy (AgentRuns.check_declared_tools)
+    "agent_store_unavailable", "approval_forbidden", "approval_not_found", "approval_already_decided",
+    "approval_expired", "tool_blocked", "tool_not_allowed",
     # routing (app.py)
     "not_found", "method_not_allowed",
 })
 
 #: The ``endpoint`` values of :class:`RequestRefused`.
-REFUSAL_ENDPOINTS = ("chat.completions", "completions", "models", "agent_runs.tool_calls", "other")
+REFUSAL_ENDPOINTS = ("chat.completions", "completions", "models", "agent_runs.tool_calls", "approvals", "other")
 
 
 @dataclass(slots=True)

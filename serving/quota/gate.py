@@ -536,6 +536,15 @@ class HierarchicalQuota(QuotaGate):
                                                report.tool_calls, mx, report.exceeded, wall))
         return report
 
+    def tool_calls_key(self, principal: Principal, agent_run_id: str) -> bytes:
+        """The store key counting ``agent_run_id``'s tool calls — what ``max_tool_calls`` is checked
+        against at the run's next model call (the agent-run store counts permits in it).
+
+        Raises:
+            QuotaRejected: 401 for a key removed by a reload.
+        """
+        return self._plan(principal).tool_calls_key(agent_run_id)
+
     async def run_usage(self, principal: Principal, agent_run_id: str) -> RunUsage:
         """The run's counters (for a run-status endpoint).
 

@@ -143,6 +143,11 @@ class MemoryQuotaStore(QuotaStore):
                         self._exp.pop(key, None)
 
     async def add(self, key: bytes | str, amount: int, ttl_s: int, now: float) -> int:
+        return self.add_sync(key, amount, ttl_s, now)
+
+    def add_sync(self, key: bytes | str, amount: int, ttl_s: int, now: float) -> int:
+        """Synchronous :meth:`add` (the agent-run store counts a run's tool calls with it inside
+        its own critical section)."""
         key = _b(key)
         with self._lock:
             new = (self._v.get(key) or 0) + amount

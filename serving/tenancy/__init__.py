@@ -10,7 +10,9 @@ Public surface (re-exported here; the modules are internals):
   file watcher (:mod:`.directory`).
 * :class:`TierPolicy`, :data:`DEFAULT_TIERS` — weight, TTFT/ITL SLOs, engine priority and default
   limits per tier (:mod:`.tiers`).
-* :class:`Limits`, :class:`RunBudget` and the level/dimension names (:mod:`.limits`).
+* :class:`Limits`, :class:`RunBudget`, :class:`LoopStops` and the level/dimension names (:mod:`.limits`).
+* :class:`ToolPolicy`, :class:`ToolVerdict`, :data:`RISK_CLASSES` — a key's compiled tool policy
+  (allowed / blocked tools, risk classes, approvers) (:mod:`.toolpolicy`).
 * :func:`load_config`, :func:`parse_config`, :class:`ConfigError`, :data:`DEMO_TENANTS_FILE` (the demo
   tenants a bare ``kvmeter serve`` uses) (:mod:`.config`).
 """
@@ -27,6 +29,7 @@ from kvmeter.serving.tenancy.limits import (
     LEVELS,
     RUN_DIMENSIONS,
     Limits,
+    LoopStops,
     RunBudget,
 )
 from kvmeter.serving.tenancy.principal import (
@@ -38,6 +41,7 @@ from kvmeter.serving.tenancy.principal import (
     hash_api_key,
 )
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TierPolicy
+from kvmeter.serving.tenancy.toolpolicy import RISK_CLASSES, ToolPolicy, ToolVerdict, valid_tool_name
 
 __all__ = [
     "Principal",
@@ -54,6 +58,11 @@ __all__ = [
     "DEFAULT_TIERS",
     "Limits",
     "RunBudget",
+    "LoopStops",
+    "ToolPolicy",
+    "ToolVerdict",
+    "RISK_CLASSES",
+    "valid_tool_name",
     "LEVELS",
     "DIMENSIONS",
     "RUN_DIMENSIONS",

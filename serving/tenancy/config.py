@@ -23,6 +23,11 @@ org → workspace → project → API key, the tiers and the platform-wide (``gl
                   chatbot-dev:
                     key: sk-dev-only-plain-secret   # dev convenience: hashed at load, never logged
 
+Any node (org, workspace, project, key) may also set a ``tool_policy`` (allowed / blocked tools and
+risk classes of agent tool calls, :mod:`kvmeter.serving.tenancy.toolpolicy`) and ``approvers``
+(ids of keys of the same org that may approve the high-risk tool calls of runs below the node);
+a tier may set ``loop_stops`` (:class:`~kvmeter.serving.tenancy.limits.LoopStops`).
+
 Validation is pydantic's, with ``extra="forbid"`` everywhere; every problem is reported as a
 dotted field path (``orgs.acme.workspaces.research.limits.requests_per_minute: ...``) in one
 :class:`ConfigError`, and the input value is never echoed (it could be a plain key).
@@ -45,11 +50,13 @@ from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, 
 
 from kvmeter.serving.tenancy.limits import NODE_LEVELS
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TIER_FIELDS, tier_field_problem
+from kvmeter.serving.tenancy.toolpolicy import ToolPolicyModel
 
 __all__ = [
     "ConfigError",
     "LimitsModel",
     "RunBudgetModel",
+    "LoopStopsModel",
     "TierModel",
     "ApiKeyModel",
     "ProjectModel",
@@ -130,6 +137,18 @@ class RunBudgetModel(BaseModel):
     max_parallel_branches: int | None = Field(default=None, ge=1)
 
 
+class LoopStopsModel(BaseModel):
+    """A tier's agent-run loop stops (see :class:`kvmeter.serving.tenancy.limits.LoopStops`); all
+    optional, an explicit ``null`` turns a stop off."""
+
+    model_config = _STRICT
+
+    max_identical_tool_calls: int | None = Field(default=None, ge=1)
+    max_cycle_repeats: int | None = Field(default=None, ge=1)
+    max_cycle_length: int = Field(default=4, ge=2, le=16)
+    max_repeated_prompts: int | None = Field(default=None, ge=1)
+
+
 def _check_levels(value: Mapping[str, Any]) -> Mapping[str, Any]:
     for level in value:
         if level not in NODE_LEVELS:
@@ -160,6 +179,7 @@ class TierModel(BaseModel):
     shed_queued_at: int | None = None
     limits: dict[str, LimitsModel] = Field(default_factory=dict)
     run_budget: RunBudgetModel | None = None
+    loop_stops: LoopStopsModel | None = None
 
     @field_validator(*TIER_FIELDS, mode="before")
     @classmethod
@@ -193,6 +213,8 @@ class _Node(BaseModel):
     limits: LimitsModel | None = None
     run_budget: RunBudgetModel | None = None
     agent_run_limits: LimitsModel | None = None
+    tool_policy: ToolPolicyModel | None = None
+    approvers: list[str] = Field(default_factory=list)
     description: str = ""
 
 
@@ -327,25 +349,37 @@ def _semantic_problems(cfg: TenancyConfig) -> list[tuple[str, str]]:
 
     digests: dict[str, str] = {}
     key_ids: dict[str, str] = {}
+    key_orgs: dict[str, str] = {kid: oid for oid, org in cfg.orgs.items() for ws in org.workspaces.values()
+                                for proj in ws.projects.values() for kid in proj.api_keys}
 
-    def node(path: str, ident: str, n: _Node) -> None:
+    def node(path: str, ident: str, n: _Node, org_id: str = "") -> None:
         if not _ID_RE.match(ident):
             problems.append((path, f"id must match {ID_PATTERN}"))
         if n.tier is not None and n.tier not in tiers:
             problems.append((f"{path}.tier", f"unknown tier {n.tier!r}; known: {', '.join(sorted(tiers))}"))
+        if org_id and n.tool_policy is not None and n.tool_policy.default_risk is not None:
+            problems.append((f"{path}.tool_policy.default_risk",
+                             "default_risk is the org's: set it on the org's tool_policy"))
+        for i, approver in enumerate(n.approvers):
+            owner = key_orgs.get(approver)
+            if owner is None:
+                problems.append((f"{path}.approvers[{i}]", f"no API key {approver!r} is configured"))
+            elif owner != (org_id or ident):
+                problems.append((f"{path}.approvers[{i}]",
+                                 f"API key {approver!r} belongs to another org; approvers must be its own"))
 
     for oid, org in cfg.orgs.items():
         op = f"orgs.{oid}"
         node(op, oid, org)
         for wid, ws in org.workspaces.items():
             wp = f"{op}.workspaces.{wid}"
-            node(wp, wid, ws)
+            node(wp, wid, ws, oid)
             for pid, proj in ws.projects.items():
                 pp = f"{wp}.projects.{pid}"
-                node(pp, pid, proj)
+                node(pp, pid, proj, oid)
                 for kid, key in proj.api_keys.items():
                     kp = f"{pp}.api_keys.{kid}"
-                    node(kp, kid, key)
+                    node(kp, kid, key, oid)
                     if kid in key_ids:
                         problems.append((kp, f"API key id {kid!r} is already used at {key_ids[kid]}"))
                     else:

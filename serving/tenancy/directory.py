@@ -37,9 +37,10 @@ from typing import Any, Mapping
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, TierModel, parse_config
-from kvmeter.serving.tenancy.limits import NO_LIMITS, Limits, RunBudget
+from kvmeter.serving.tenancy.limits import NO_LIMITS, Limits, LoopStops, RunBudget
 from kvmeter.serving.tenancy.principal import AuthError, Principal
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TierPolicy
+from kvmeter.serving.tenancy.toolpolicy import ALLOW_ALL, NodeToolRules, ToolPolicy, compile_node, compile_tool_policy
 from kvmeter.stats.tenancy import ConfigReloaded
 
 __all__ = ["TenantDirectory", "DirectorySnapshot", "KeyEntry", "NodeLimits", "MAX_PRESENTED_KEY_CHARS"]
@@ -75,12 +76,15 @@ class KeyEntry:
         chain: effective limits from ``global`` down to the ``api_key`` node (5 entries).
         run_limits: the 7-dimension limits applied to each agent run of this key.
         run_budget: the budget of each agent run of this key.
+        tool_policy: the tools its agent runs may use and their risk classes
+            (:class:`~kvmeter.serving.tenancy.toolpolicy.ToolPolicy`, compiled at load).
     """
 
     principal: Principal
     chain: tuple[NodeLimits, ...]
     run_limits: Limits
     run_budget: RunBudget
+    tool_policy: ToolPolicy = ALLOW_ALL
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +158,8 @@ def _compile_tiers(overrides: Mapping[str, TierModel]) -> dict[str, TierPolicy]:
         for level, lm in m.limits.items():
             levels[level] = _overlay(base.limits_for(level), lm, Limits)
         tiers[name] = replace(base, **m.fields_set(), limits=MappingProxyType(levels),
-                              run_budget=_overlay(base.run_budget, m.run_budget, RunBudget))
+                              run_budget=_overlay(base.run_budget, m.run_budget, RunBudget),
+                              loop_stops=_overlay(base.loop_stops, m.loop_stops, LoopStops))
     return tiers
 
 
@@ -169,6 +174,13 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
     keys: dict[str, KeyEntry] = {}
     by_digest: dict[str, tuple[str, str]] = {}
     spend = _limits_has_spend(global_limits)
+    rules: dict[str, NodeToolRules] = {}  # each node's tool policy compiled once, shared below it
+
+    def node_rules(path: str, n: Any) -> NodeToolRules:
+        hit = rules.get(path)
+        if hit is None:
+            hit = rules[path] = compile_node(path, n.tool_policy)
+        return hit
 
     for oid, org in cfg.orgs.items():
         org_tier = org.tier or cfg.default_tier
@@ -197,7 +209,12 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
                         NodeLimits("project", f"{oid}/{wid}/{pid}", p_lim),
                         NodeLimits("api_key", f"{oid}/{wid}/{pid}/{kid}", k_lim),
                     )
-                    keys[kid] = KeyEntry(principal, chain, run_limits, run_budget)
+                    paths = (f"orgs.{oid}", f"orgs.{oid}.workspaces.{wid}",
+                             f"orgs.{oid}.workspaces.{wid}.projects.{pid}",
+                             f"orgs.{oid}.workspaces.{wid}.projects.{pid}.api_keys.{kid}")
+                    policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes)],
+                                                 approvers=[a for n in nodes for a in n.approvers])
+                    keys[kid] = KeyEntry(principal, chain, run_limits, run_budget, policy)
                     digest = key.digest()
                     by_digest[digest] = (digest, kid)
                     spend = spend or any(_limits_has_spend(n.limits) for n in chain) \

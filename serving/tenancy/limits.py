@@ -26,6 +26,8 @@ __all__ = [
     "RunBudget",
     "NO_LIMITS",
     "NO_RUN_BUDGET",
+    "LoopStops",
+    "DEFAULT_LOOP_STOPS",
 ]
 
 #: Principal levels, outermost first. ``global`` is the whole platform; ``agent_run`` is a run id
@@ -128,3 +130,45 @@ class RunBudget:
 
 NO_LIMITS = Limits()
 NO_RUN_BUDGET = RunBudget()
+
+
+@dataclass(frozen=True, slots=True)
+class LoopStops:
+    """When an agent run is stopped as a loop or a retry storm (per tier; ``None`` = never).
+
+    Counted by :mod:`kvmeter.serving.agents` per run; the call that crosses a threshold is refused
+    and the run is stopped (every later tool call and model call of it is refused).
+
+    Attributes:
+        max_identical_tool_calls: permitted calls of the same tool with the same arguments
+            (argument digest) in one run (≥ 1); the next one stops the run
+            (reason ``identical_tool_calls``).
+        max_cycle_repeats: back-to-back calls that repeat the call ``p`` places before them, for a
+            block of 2–``max_cycle_length`` calls that are not all the same (A → B → A is one
+            repeat, A → B → A → B two) (≥ 1); one more stops the run (reason ``tool_cycle``).
+        max_cycle_length: the longest block a cycle is looked for in (2–16).
+        max_repeated_prompts: model calls in a row with the same prompt digest and no permitted
+            tool call between them (≥ 1); the next one stops the run (reason ``repeated_prompt``).
+    """
+
+    max_identical_tool_calls: int | None = 5
+    max_cycle_repeats: int | None = 4
+    max_cycle_length: int = 4
+    max_repeated_prompts: int | None = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_identical_tool_calls", "max_cycle_repeats", "max_repeated_prompts"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        m = self.max_cycle_length
+        if not isinstance(m, int) or isinstance(m, bool) or not 2 <= m <= 16:
+            raise ValueError(f"max_cycle_length must be an integer in 2..16, got {m!r}")
+
+    @property
+    def history_calls(self) -> int:
+        """Permitted tool calls a run's history must keep to detect its cycles."""
+        return (self.max_cycle_repeats or 0) + 2 * self.max_cycle_length + 2
+
+
+DEFAULT_LOOP_STOPS = LoopStops()

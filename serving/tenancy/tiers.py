@@ -10,7 +10,8 @@ config file adds). Its :class:`TierPolicy` says
   function the gateway (``kvmeter serve``), the simulator and the scheduler core call;
 * how it behaves under overload: ``pause_at``, ``shed_new_at``, ``shed_queued_at`` (pressure levels
   :data:`PRESSURE_ELEVATED` and :data:`PRESSURE_OVERLOAD`, which the scheduler sets);
-* what its tenants may use by default: ``limits`` per node level and the agent ``run_budget``.
+* what its tenants may use by default: ``limits`` per node level and the agent ``run_budget``;
+* when an agent run is stopped as a loop: ``loop_stops``.
 
 Where it lives, and why here: tenancy owns the tiers (it maps every tenant to one, and a config
 file sets their fields), and this module imports nothing but :mod:`.limits`. The scheduler
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from kvmeter.serving.tenancy.limits import NO_LIMITS, NO_RUN_BUDGET, Limits, RunBudget
+from kvmeter.serving.tenancy.limits import DEFAULT_LOOP_STOPS, NO_LIMITS, NO_RUN_BUDGET, Limits, LoopStops, RunBudget
 
 __all__ = ["TierPolicy", "DEFAULT_TIERS", "TIER_FIELDS", "tier_field_problem",
            "PRESSURE_NORMAL", "PRESSURE_ELEVATED", "PRESSURE_OVERLOAD"]
@@ -46,7 +47,7 @@ PRESSURE_NORMAL = 0
 PRESSURE_ELEVATED = 1
 PRESSURE_OVERLOAD = 2
 
-#: The scalar fields of a tier a config file may set (``limits`` and ``run_budget`` besides).
+#: The scalar fields of a tier a config file may set (``limits``, ``run_budget`` and ``loop_stops`` besides).
 TIER_FIELDS = ("weight", "priority", "ttft_slo_s", "itl_slo_s", "deadline_slo_factor",
                "max_queue_wait_s", "pause_at", "shed_new_at", "shed_queued_at")
 
@@ -118,6 +119,8 @@ class TierPolicy:
         limits: default :class:`~kvmeter.serving.tenancy.limits.Limits` per node level (``org``,
             ``workspace``, ``project``, ``api_key``, ``agent_run``); a level not present has none.
         run_budget: default :class:`~kvmeter.serving.tenancy.limits.RunBudget` of an agent run.
+        loop_stops: when an agent run of the tier is stopped as a loop or a retry storm
+            (:class:`~kvmeter.serving.tenancy.limits.LoopStops`).
     Raises:
         ValueError: naming the field, for an empty name or any value :func:`tier_field_problem`
             refuses.
@@ -135,6 +138,7 @@ class TierPolicy:
     shed_queued_at: int | None = None
     limits: Mapping[str, Limits] = field(default_factory=lambda: MappingProxyType({}))
     run_budget: RunBudget = NO_RUN_BUDGET
+    loop_stops: LoopStops = DEFAULT_LOOP_STOPS
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -60,6 +60,9 @@ async def replay(vllm_engine, tmp_path_factory):
                           model=runtime.engine.model_name)
         await workload(f"http://127.0.0.1:{port}", data.model, data)
         await asyncio.sleep(2.5)  # two more signal samples after the last request
+        # the rollups (hourly usage, agent runs) as the writer's next minutely refresh would leave them
+        assert runtime.recorder.ledger.flush(60)
+        await asyncio.to_thread(runtime.recorder.ledger.refresh_rollups)
         data.end = datetime.now(timezone.utc)
         server.should_exit = True
         await task  # lifespan stop: last signal sample, spool drained, ledger closed

@@ -82,13 +82,15 @@ def _prompt(words: int, seed: int) -> list[dict[str, str]]:
 
 async def workload(base_url: str, model: str, data: ReplayData) -> None:
     """acme and globex: short chats; umbrella: long prompts (the noisy neighbour); hobbyist: a
-    burst over its 2-request concurrency limit (429s); two globex streams dropped mid-way."""
+    burst over its 2-request concurrency limit (429s); two globex streams dropped mid-way; then
+    acme's agent runs (:func:`agent_runs`)."""
 
-    async def complete(tenant: str, words: int, out: int, seed: int, delay: float) -> None:
+    async def complete(tenant: str, words: int, out: int, seed: int, delay: float, run: str = "") -> None:
         await asyncio.sleep(delay)
         body = {"model": model, "messages": _prompt(words, seed), "max_tokens": out, "min_tokens": out,
                 "temperature": 0.0}
-        r = await client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEYS[tenant]}"})
+        headers = {"authorization": f"Bearer {KEYS[tenant]}", **({"x-agent-run-id": run} if run else {})}
+        r = await client.post("/v1/chat/completions", json=body, headers=headers)
         if r.status_code == 200:
             usage = r.json()["usage"]
             acc = data.ok.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
@@ -127,6 +129,27 @@ async def workload(base_url: str, model: str, data: ReplayData) -> None:
             jobs.append(complete("hobbyist", 20, 16, 300 + i, 1.0))
         jobs += [abandon("globex", 400, 0.5), abandon("globex", 401, 2.0)]
         await asyncio.gather(*jobs)
+        await agent_runs(client, complete)
+
+
+async def agent_runs(client: httpx.AsyncClient, complete: Any) -> None:
+    """acme's agents (the demo tenants give acme a tool policy): a research run with model calls,
+    permitted, blocked and high-risk (pending approval) tool calls, and a run stopped as a loop
+    (more than 5 identical read-only calls). Model calls go through ``complete`` (counted as the
+    others); tool calls answer 200 / 403 / 202 / 409."""
+    headers = {"authorization": f"Bearer {KEYS['acme']}"}
+
+    async def tool(run: str, body: dict[str, Any]) -> int:
+        return (await client.post(f"/v1/agent_runs/{run}/tool_calls", headers=headers, json=body)).status_code
+
+    for i in range(2):
+        await complete("acme", 30, 16, 500 + i, 0.0, run="dash-research")
+    assert await tool("dash-research", {"tool": "search_docs", "arguments": {"q": "kv cache"}}) == 200
+    assert await tool("dash-research", {"tool": "send_report", "arguments": {"to": "ops"}}) == 200
+    assert await tool("dash-research", {"tool": "shell_exec", "arguments": {"cmd": "ls"}}) == 403
+    assert await tool("dash-research", {"tool": "deploy_index", "arguments": {"v": 2}}) == 202
+    codes = [await tool("dash-loop", {"tool": "search_web", "arguments": {"q": "same"}}) for _ in range(6)]
+    assert codes == [200] * 5 + [409], codes
 
 
 #: Reader serves running now (at most one: chDB holds one engine per process).

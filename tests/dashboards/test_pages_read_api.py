@@ -36,6 +36,8 @@ EXPECTED: dict[str, tuple[list[str], list[str]]] = {
     "quota": (["Rejected attempts", "Rejection rate", "Reserved vs used", "Tokens reserved"],
               ["Refusals by tenant and reason", "Tokens reserved at admission", "Reservation drift per tenant",
                "Share of max_tokens"]),
+    "agent_runs": (["Agent runs", "Loops stopped", "Approvals pending", "Most expensive run", "Tool calls refused"],
+                   ["Most expensive runs", "Tool calls permitted by risk class", "Runs stopped by reason"]),
     "billing": (["Invoice total", "Invoice lines", "Tenants reconciled", "Tenants with drift"],
                 ["Amount per tenant", "Engine vs ledger tokens", "Requests by reconciliation class"]),
     "gpu": (["GPUs reporting", "Mean utilization (coarse)", "Peak memory used"],

@@ -38,7 +38,7 @@ FIRED_BY_REAL_RUN = {"KvmeterReconciliationDrift", "KvmeterReconciliationStale"}
 
 def test_every_rule_file_is_shipped_and_tested():
     names = {p.name for p in RULE_FILES}
-    assert names == {"engine.yml", "requests.yml", "tenants.yml", "gpu.yml", "ledger.yml", "slo.yml"}
+    assert names == {"engine.yml", "requests.yml", "tenants.yml", "gpu.yml", "ledger.yml", "slo.yml", "agents.yml"}
     tested = {Path(f).name for t in TESTS for f in yaml.safe_load(t.read_text())["rule_files"]}
     assert tested == names
 

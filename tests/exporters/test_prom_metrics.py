@@ -237,7 +237,7 @@ def test_every_emitted_metric_is_registered_and_reserved_ones_are_not(registry, 
 UNIT_WORDS = {"seconds", "tokens", "bytes", "ratio", "requests", "blocks", "watts", "joules", "celsius",
               "hertz", "events", "links", "count", "rows", "info", "available", "pending", "failure",
               "active", "errors", "replays", "retries", "preemptions", "anomalies",
-              "level", "degraded", "reports", "reloads", "up", "records", "runs"}
+              "level", "degraded", "reports", "reloads", "up", "records", "runs", "calls"}
 
 
 def test_names_follow_the_conventions():
