@@ -10,7 +10,8 @@ Token counts follow the metering rules (docs/ARCHITECTURE.md, "Metering rules"):
 per-request stats when it reported them (a normal finish on vLLM), else the engine-true counts
 carried by the outputs the frontend received (an abort: vLLM never reports aborted requests in its
 hooks). A request aborted before its first output bills no tokens: the frontend cannot prove the
-prefill happened.
+prefill happened. Reasoning tokens (a part of the output) are what the protocol's reasoning parser
+counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class RequestMeter:
         self.outputs_seen = 0
         self.engine_stats = None
         self.finish_reason: str | None = None
+        #: output tokens that were reasoning (set by the protocol's reasoning parser; ⊆ output)
+        self.reasoning_tokens = 0
         self._event_id: str | None = None
 
     def event_id(self) -> str:
@@ -159,6 +162,7 @@ class RequestMeter:
             model=ident.model, endpoint=ident.endpoint, outcome=outcome, finish_reason=reason,
             arrival_ts=self.arrival_wall, finish_ts=now_wall,
             prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
+            reasoning_tokens=min(max(0, self.reasoning_tokens), completion),
             reserved_prompt_tokens=self.reserved_prompt_tokens,
             reserved_completion_tokens=self.reserved_completion_tokens,
             idempotency_key=ident.idempotency_key, org_id=ident.org_id,

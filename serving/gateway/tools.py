@@ -27,10 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmeter.errors import Refusal
-from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
+from kvmeter.serving.gateway.body import CLIENT_CLOSED, json_type, read_json_object
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import Gateway
-from kvmeter.serving.gateway.protocol import _json_type
 from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected
 
 __all__ = ["tool_call_routes", "MAX_REPORT_BYTES"]
@@ -61,7 +60,7 @@ def tool_call_routes(gateway: Gateway, quota: HierarchicalQuota) -> list[Route]:
                                param=name, code="unknown_parameter")
             count = data.get("count", 1)
             if type(count) is not int:  # a JSON true is not 1, nor 1.0
-                raise ApiError(400, f"count must be an integer, got {_json_type(count)}", param="count",
+                raise ApiError(400, f"count must be an integer, got {json_type(count)}", param="count",
                                code="invalid_value")
             result = await quota.report_tool_call(principal, run_id, count)
         except Refusal as refusal:
