@@ -46,11 +46,12 @@ class InstantEngine(Engine):
         clock: gives the stats' ``wall_ts`` (epoch seconds at the finish) and their durations.
         model_dir: the model directory vLLM's serving layer is configured from (its config and
             tokenizer; no weights are loaded); default: the tokenizer's (``HFTokenizer.model_dir``).
+        text: the sentence whose tokens every answer cycles through (default: kvmeter's thesis).
     """
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int = 8192,
                  max_output_tokens: int | None = None, *, bus: StatsBus | None = None,
-                 clock: Clock = SYSTEM_CLOCK, model_dir: str | Path | None = None) -> None:
+                 clock: Clock = SYSTEM_CLOCK, model_dir: str | Path | None = None, text: str = _TEXT) -> None:
         self._bus = bus or StatsBus()
         self.finished = FinishedStats(self._bus.publish)
         where = model_dir if model_dir is not None else getattr(tokenizer, "model_dir", None)
@@ -60,7 +61,7 @@ class InstantEngine(Engine):
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._cap = max_output_tokens
-        self._sentence = tokenizer.encode(_TEXT) or [0]
+        self._sentence = tokenizer.encode(text) or [0]
         self._started = False
         self.requests_total = 0
 
