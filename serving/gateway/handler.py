@@ -92,8 +92,9 @@ class GatewaySettings:
         max_body_bytes: largest request body accepted (413 above it).
         body_read_timeout_s: longest a request body may take to arrive once the gateway starts
             reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
-        tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
-            thread so the event loop keeps serving streams.
+        tokenize_in_thread_chars: on the remote engine's path, prompts longer than this
+            (characters) are tokenized in a worker thread so the event loop keeps serving streams
+            (vLLM's serving layer renders and tokenizes in its own worker threads).
     Raises:
         ValueError: for ``max_body_bytes`` < 1 or ``body_read_timeout_s`` ≤ 0.
     """
