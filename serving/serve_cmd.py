@@ -5,6 +5,7 @@ Examples::
     kvmeter serve                                   # SmolLM2-135M on vLLM (CPU), embedded ledger
     kvmeter serve --config deploy/kvmeter/kvmeter.yaml
     kvmeter serve --engine remote --remote-url http://gpu-node:8000 --model /models/llama
+    kvmeter serve --model /models/qwen2.5-7b --tool-call-parser hermes --vllm-arg=--max-logprobs=50
 
 Flags override the config file, which overrides environment variables (see
 :mod:`kvmeter.serving.config`).
@@ -45,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ledger-dsn", help="chdb:///path or http(s)://user:pw@host:port/db")
     parser.add_argument("--spool-dir", help="the ledger's durable spool directory")
     parser.add_argument("--prices", help="price list YAML (default: the packaged one)")
+    parser.add_argument("--tool-call-parser",
+                        help="vLLM's tool-call parser for the served model (default hermes; none: off)")
+    parser.add_argument("--reasoning-parser", help="vLLM's reasoning parser (deepseek_r1, qwen3, ...)")
+    parser.add_argument("--chat-template", help="a chat template file (or inline Jinja) instead of the model's")
+    parser.add_argument("--vllm-arg", action="append", metavar="ARG",
+                        help="one more `vllm serve` argument, passed through (repeatable; "
+                             "--vllm-arg=--max-logprobs --vllm-arg=50)")
 
 
 def _preflight(host: str, port: int, ledger) -> str | None:  # noqa: ANN001 — a LedgerConfig
@@ -92,7 +100,14 @@ def run(args: argparse.Namespace) -> int:
         ("tenants",): args.tenants, ("quota_store",): args.quota_store,
         ("scheduler", "policy"): args.scheduler, ("ledger_dsn",): args.ledger_dsn,
         ("spool_dir",): args.spool_dir, ("prices",): args.prices,
+        ("openai", "reasoning_parser"): args.reasoning_parser, ("openai", "chat_template"): args.chat_template,
+        ("openai", "vllm_args"): args.vllm_arg,
     }
+    if args.tool_call_parser is not None:  # "none" turns tool calling off, as no parser
+        off = args.tool_call_parser.lower() in ("", "none", "off")
+        overrides[("openai", "tool_call_parser")] = "" if off else args.tool_call_parser
+        if off:
+            overrides[("openai", "enable_auto_tool_choice")] = False
     try:
         config = load_serve_config(args.config, overrides)
         runtime = ServeRuntime(config)  # checks the ledger settings too (ConfigError: a ValueError)

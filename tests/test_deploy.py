@@ -41,8 +41,13 @@ def test_build_context_and_dockerfile_exist():
 
 
 def test_mounted_kvmeter_configs_are_valid():
+    from kvmeter.serving.engines.vllm_args import parse_vllm_argv, serving_argv
+
     config = load_serve_config(ROOT / "deploy/kvmeter/kvmeter.yaml", env={})
     assert config.engine.kind == "vllm" and config.server.host == "0.0.0.0"
+    # the serving flags are ones vLLM's own `vllm serve` parser accepts
+    args = parse_vllm_argv(["--model", config.engine.model, *serving_argv(config.openai.flags())])
+    assert (args.tool_call_parser, args.enable_auto_tool_choice, args.max_logprobs) == ("llama3_json", True, 20)
     directory = TenantDirectory.from_file(ROOT / "deploy/kvmeter/tenants.yaml")
     assert directory.snapshot.keys, "the production tenants template defines no keys"
 

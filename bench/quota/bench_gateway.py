@@ -378,13 +378,16 @@ def summarize(t: Target) -> dict:
 
 
 def machine(redis_version: str) -> str:
-    import litellm  # noqa: F401 — version only
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        litellm = version("litellm")
+    except PackageNotFoundError:  # --skip-litellm runs without it
+        litellm = "not installed"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return (f"{os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; uvicorn {version('uvicorn')} "
-            f"(uvloop, httptools); starlette {version('starlette')}; litellm {version('litellm')}; "
+            f"(uvloop, httptools); starlette {version('starlette')}; litellm {litellm}; "
             f"redis-server {redis_version} on loopback; wrk {wrk_version()}")
 
 

@@ -17,7 +17,7 @@ REFUSAL_CODES = frozenset({
     # the body (body.py)
     "invalid_content_length", "request_too_large", "unsupported_media_type", "request_timeout",
     "invalid_json", "invalid_encoding",
-    # the request's fields (protocol.py, handler.py, tools.py)
+    # the request's fields (serving/openai_api/errors.py, remote_path.py, handler.py, tools.py)
     "invalid_value", "unsupported_parameter", "unknown_parameter", "model_not_found",
     "context_length_exceeded", "invalid_request",
     # Idempotency-Key (serving/quota/idempotency.py, replays.py)

@@ -27,6 +27,8 @@ class HFTokenizer(Tokenizer):
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoTokenizer  # heavy import, only when a model is served
 
+        #: the model directory the tokenizer was loaded from
+        self.model_dir = Path(model_dir)
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
         self._vocab_size = len(self._tok)
         # The Rust tokenizer of a fast tokenizer, called directly on the hot path: the same ids as

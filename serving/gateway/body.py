@@ -1,17 +1,21 @@
-"""Reading a request body safely: media type, size cap, time limit, strict UTF-8, JSON object."""
+"""Reading a request body safely: media type, size cap, time limit, strict UTF-8, no lone
+surrogates, JSON object."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 from contextlib import aclosing
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
 from kvmeter.serving.gateway.errors import ApiError
 
-__all__ = ["read_json_object", "check_media_type", "single_header", "CLIENT_CLOSED", "JSON_MEDIA_TYPES"]
+__all__ = ["read_json_object", "check_media_type", "single_header", "json_type", "InvalidJson", "CLIENT_CLOSED",
+           "JSON_MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +28,55 @@ CLIENT_CLOSED = 499
 #: A request without a Content-Type is read as JSON too. Any other explicit type (``text/plain``,
 #: ``multipart/form-data``, ``application/xml``, ``application/octet-stream``...) is a 415.
 JSON_MEDIA_TYPES = frozenset({"application/json", "application/x-www-form-urlencoded"})
+
+#: A JSON escape of a UTF-16 surrogate: the only way a body that is valid UTF-8 can carry one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class InvalidJson(ApiError):
+    """400 ``invalid_json``: the body is empty, not JSON, or not a JSON object.
+
+    Attributes:
+        loc: where FastAPI (vLLM's server) would place the error: ``("body", <character offset>)``
+            for malformed JSON, ``("body",)`` otherwise.
+    """
+
+    def __init__(self, message: str, loc: tuple[Any, ...] = ("body",)) -> None:
+        super().__init__(400, message, code="invalid_json")
+        self.loc = loc
+
+
+def json_type(value: Any) -> str:
+    """The JSON type name of a parsed JSON value (for messages; never the value itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (key or value) in ``value`` that holds a lone
+    surrogate (valid JSON, but not text: UTF-8 cannot encode it, nor can a tokenizer), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
 
 
 def single_header(request: Request, name: str, display: str, *, code: str) -> str:
@@ -113,7 +166,7 @@ async def read_json_object(request: Request, max_bytes: int, *, timeout_s: float
     if not raw.strip():
         if allow_empty:
             return {}
-        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+        raise InvalidJson("request body is empty; expected a JSON object")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -122,13 +175,17 @@ async def read_json_object(request: Request, max_bytes: int, *, timeout_s: float
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ApiError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-                       code="invalid_json") from None
+        raise InvalidJson(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                          ("body", exc.pos)) from None
     except RecursionError:
-        raise ApiError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
+        raise InvalidJson("malformed JSON: nested too deeply") from None
     except ValueError:  # an integer literal past Python's int_max_str_digits (4300 digits)
-        raise ApiError(400, "malformed JSON: a number is too long", code="invalid_json") from None
+        raise InvalidJson("malformed JSON: a number is too long") from None
     if not isinstance(data, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}",
-                       code="invalid_json")
+        raise InvalidJson(f"request body must be a JSON object, got {json_type(data)}")
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise ApiError(400, f"{where} contains an invalid Unicode surrogate", param=where,
+                           code="invalid_encoding")
     return data

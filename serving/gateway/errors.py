@@ -7,6 +7,9 @@ other packages raise — :class:`~kvmeter.serving.tenancy.AuthError`,
 family, :class:`~kvmeter.serving.scheduler.SchedulerRejected` — share the base
 :class:`~kvmeter.errors.Refusal` with :class:`ApiError`, and :func:`api_error` alone translates
 them (status, code, message, ``Retry-After``, headers, a quota refusal's level and dimension).
+
+A refusal that brings its whole body (``error_body()``: vLLM's error answers,
+:class:`~kvmeter.serving.openai_api.errors.OpenAIError`) is answered with that body unchanged.
 """
 
 from __future__ import annotations
@@ -47,16 +50,19 @@ class ApiError(Refusal):
         headers: extra headers (``Retry-After``, ``x-ratelimit-*``).
         type: OpenAI error type; derived from ``status`` when omitted.
         extra: more fields of the error body (a quota refusal's ``level`` and ``dimension``).
+        body: the whole error body, sent instead of the OpenAI-shaped one built from the fields
+            above (which still name the refusal for metrics and attempt records).
     """
 
     code = None
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None, type: str | None = None,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, body: dict | None = None) -> None:
         super().__init__(message, status_code=status, code=code, headers=headers, param=param)
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.extra = dict(extra or {})
+        self._body = body
 
     @property
     def status(self) -> int:
@@ -67,6 +73,8 @@ class ApiError(Refusal):
         return dict(self.extra)
 
     def body(self) -> dict:
+        if self._body is not None:
+            return self._body
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         err.update(self.extra)
         return {"error": err}
@@ -84,9 +92,11 @@ def api_error(refusal: Refusal, *, param: str | None = None) -> ApiError:
     """
     if isinstance(refusal, ApiError) and param is None:
         return refusal
+    whole = getattr(refusal, "error_body", None)
     return ApiError(refusal.status_code, refusal.message, code=refusal.code,
                     param=param if param is not None else refusal.param,
-                    headers=refusal.response_headers(), extra=refusal.body_fields())
+                    headers=refusal.response_headers(), extra=refusal.body_fields(),
+                    body=whole() if callable(whole) else None)
 
 
 def error_response(err: Refusal, headers: dict[str, str] | None = None) -> JSONResponse:

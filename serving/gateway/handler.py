@@ -1,4 +1,4 @@
-"""One request's life in the gateway: authenticate → parse → tokenize → admit → schedule →
+"""One request's life in the gateway: authenticate → parse → render → admit → schedule →
 generate → meter → record → reconcile.
 
 The steps, in order, and what each can answer:
@@ -8,8 +8,8 @@ The steps, in order, and what each can answer:
 2. read the body (media type, size cap, time limit, UTF-8, JSON object)
    and validate it .................................................... 400 / 408 / 413 / 415
    (a client that leaves mid-body: 499 in the attempt record, nothing sent)
-3. check the model and tokenize with the model's chat template ........ 404 / 400
-4. check the context window (prompt + max_tokens) ..................... 400 context_length_exceeded
+3. check the model and render the prompt (chat template, tokens) ...... 404 / 400
+4. check the context window and estimate: prompt tokens, output ceiling 400
 5. reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
 6. ask the scheduler (early rejection, then wait for dispatch) ........ 429 + Retry-After
 7. run on the engine, streaming or not; a client that goes away aborts the engine request
@@ -21,6 +21,17 @@ Nothing is billed for a request rejected in steps 1–6, and every failure there
 the engine is touched. A refusal in steps 1–4 is published as a
 :class:`~kvmeter.stats.RequestRefused`; one in steps 5–6 as an
 :class:`~kvmeter.stats.AdmissionDecision`.
+
+This module is the orchestrator: :class:`CompletionEndpoint` runs the steps, and the two ways a
+request can be spoken leave it only the protocol's part (steps 2–4's validation, render and
+estimate, :meth:`CompletionEndpoint._prepare`; step 7, :meth:`CompletionEndpoint._run`):
+
+* :class:`~kvmeter.serving.gateway.openai_path.OpenAIEndpoint` — the in-process engines
+  (``vllm``, ``instant``): vLLM's own OpenAI serving layer (:mod:`kvmeter.serving.openai_api`),
+  so the API is vLLM's, every shape of it metered;
+* :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: kvmeter's
+  own request models and response shapes over the remote engine (until it becomes a transparent
+  proxy).
 """
 
 from __future__ import annotations
@@ -29,12 +40,10 @@ import asyncio
 import hashlib
 import logging
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import anyio
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -43,14 +52,13 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
 from kvmeter.events import UsageEvent
-from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest
-from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
+from kvmeter.serving.engines.base import Engine
+from kvmeter.serving.engines.finished import merge_stats
+from kvmeter.serving.gateway.body import CLIENT_CLOSED, InvalidJson, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
-from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
-from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
+from kvmeter.serving.gateway.replays import fingerprint, replay_response
 from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
                                         UsageEstimate)
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
@@ -60,7 +68,11 @@ from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejec
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision, RequestRefused
 
-__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
+__all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "Prepared", "Admitted",
+           "ClientGone", "ClosingStreamingResponse", "REQUEST_ID_HEADER"]
+
+#: kvmeter's own request id (the ledger's ``request_id``) on every completion answer.
+REQUEST_ID_HEADER = "x-kvmeter-request-id"
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +93,9 @@ class GatewaySettings:
         max_body_bytes: largest request body accepted (413 above it).
         body_read_timeout_s: longest a request body may take to arrive once the gateway starts
             reading it (seconds, > 0; 408 ``request_timeout`` after it; None: no limit).
-        tokenize_in_thread_chars: prompts longer than this (characters) are tokenized in a worker
-            thread so the event loop keeps serving streams.
+        tokenize_in_thread_chars: on the remote engine's path, prompts longer than this
+            (characters) are tokenized in a worker thread so the event loop keeps serving streams
+            (vLLM's serving layer renders and tokenizes in its own worker threads).
         engine_account_wait_s: how long finalizing a request that ended early after reaching the
             engine (client gone, error) waits for the engine's own account of the work it did
             (:meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`;
@@ -114,6 +127,10 @@ class Gateway:
     ``None`` for an unknown one): its deadline rule sets the deadline of the scheduler ``Job``
     and its SLOs the usage event's ``slo_met``. ``kvmeter serve`` passes the tenant directory's
     (the tenants config's tiers, live across reloads); the default is the built-in tiers.
+
+    ``openai`` is vLLM's serving layer for an in-process engine
+    (:class:`~kvmeter.serving.openai_api.layer.OpenAIApi`; ``kvmeter serve`` builds it for
+    ``vllm`` and ``instant``); ``None`` serves the remote engine's path.
     """
 
     engine: Engine
@@ -126,6 +143,7 @@ class Gateway:
     settings: GatewaySettings = field(default_factory=GatewaySettings)
     tier_policy: Callable[[str], TierPolicy | None] = DEFAULT_TIERS.get
     idempotency: IdempotencyManager | None = None
+    openai: Any = None
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
@@ -159,7 +177,7 @@ class Gateway:
             tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
@@ -198,14 +216,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
-
-
-class _ClosingStreamingResponse(StreamingResponse):
+class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that disconnects
     aborts the engine request at once rather than whenever the generator is garbage-collected,
     then runs ``on_close``: closing a generator that never started does not run its ``finally``
@@ -228,12 +239,28 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 @dataclass(slots=True)
-class _Admitted:
+class Prepared:
+    """A validated request, as the protocol's part hands it to the orchestrator.
+
+    Attributes:
+        stream: answered as server-sent events.
+        prompt_tokens: the prompt tokens it reserves (all its prompts).
+        output_tokens: the output tokens it reserves (its ceiling: every prompt and choice).
+        payload: the protocol's own state (its request object, render, engine request...).
+    """
+
+    stream: bool
+    prompt_tokens: int
+    output_tokens: int
+    payload: Any = None
+
+
+@dataclass(slots=True)
+class Admitted:
     """State of an admitted request, carried from admission to finalization."""
 
     principal: Principal
-    body: ChatCompletionRequest | CompletionRequest
-    engine_request: EngineRequest
+    prepared: Prepared
     meter: RequestMeter
     reservation: Reservation
     ticket: IdempotencyTicket | None = None
@@ -242,24 +269,51 @@ class _Admitted:
     ticket_settled: bool = False
     watch: asyncio.Task | None = None  # the client-disconnect watcher, one per request
     attempt_write: asyncio.Future | None = None  # the admitted attempt's ledger write
-    engine_opened: bool = False  # the request was handed to the engine (its stream was started)
+    #: engine request ids handed to the engine so far (their streams were started)
+    engine_ids: list[str] = field(default_factory=list)
+    #: called just before the usage event is built (the protocol's last counts, e.g. reasoning)
+    before_finish: Callable[[], None] | None = None
 
 
 class CompletionEndpoint:
-    """The ASGI endpoint for ``/v1/chat/completions`` (``chat=True``) or ``/v1/completions``."""
+    """The ASGI endpoint for ``/v1/chat/completions`` (``chat=True``) or ``/v1/completions``: the
+    orchestrator of a request's steps. A subclass supplies the protocol's part:
+    :meth:`_prepare` (validate, render, estimate), :meth:`_run` (engine, answer) and, optionally,
+    :meth:`_id_headers` and :meth:`_body_refusal`."""
 
     def __init__(self, gateway: Gateway, *, chat: bool) -> None:
         self.gw = gateway
         self.chat = chat
         self.endpoint = "chat.completions" if chat else "completions"
-        self._kind = ChatCompletionRequest if chat else CompletionRequest
+
+    # -- the protocol's part ---------------------------------------------------------------------
+    async def _prepare(self, request: Request, data: dict, principal: Principal, run_id: str) -> Prepared:
+        """Validate ``data``, check the model, render the prompt and estimate the request.
+
+        Raises:
+            Refusal: the request is refused (4xx) before anything is reserved.
+        """
+        raise NotImplementedError
+
+    async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
+        """Run the admitted request on the engine and answer it (finalizing its usage)."""
+        raise NotImplementedError
+
+    def _id_headers(self, request: Request, request_id: str) -> dict[str, str]:
+        """The request-id headers of every answer: kvmeter's id as ``x-request-id`` and
+        :data:`REQUEST_ID_HEADER`."""
+        return {"x-request-id": request_id, REQUEST_ID_HEADER: request_id}
+
+    def _body_refusal(self, err: ApiError) -> Refusal:
+        """How a body that is not a JSON object is answered (kvmeter's error as it is)."""
+        return err
 
     # ------------------------------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
         clock = self.gw.clock
         arrival = (clock.monotonic(), clock.wall())
         request_id = f"kvm-{uuid.uuid4().hex}"
-        rid_header = {"x-request-id": request_id}
+        rid_header = self._id_headers(request, request_id)
         seen = _Seen()
         try:
             admitted = await self._admit(request, request_id, arrival, seen)
@@ -289,7 +343,7 @@ class CompletionEndpoint:
                 err = api_error(exc)
                 await self._attempt(seen, request_id, err, adm=admitted)
                 return error_response(err, headers)
-            except _ClientGone:  # left while queued: nothing ran, nothing is billed
+            except ClientGone:  # left while queued: nothing ran, nothing is billed
                 await self._close_unfinished(admitted, status_code=499)
                 await self._attempt(seen, request_id, ApiError(499, "client closed the request while queued",
                                                                code="client_disconnected"),
@@ -300,11 +354,7 @@ class CompletionEndpoint:
             admitted.attempt_write = asyncio.ensure_future(
                 self._attempt(seen, request_id, None, status="admitted", adm=admitted))
             admitted.meter.dispatched()
-            if admitted.body.stream:
-                return _ClosingStreamingResponse(
-                    self._stream(admitted, headers), on_close=lambda: self._close_unfinished(admitted),
-                    media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-            return await self._complete(request, admitted, headers)
+            return await self._run(request, admitted, headers)
         except BaseException as exc:
             # Cancelled (server shutdown: the client gets app.py's 503) or an unexpected error
             # (500): never leave the reservation, the scheduler slot or the idempotency ticket held.
@@ -315,8 +365,16 @@ class CompletionEndpoint:
             if admitted.watch is not None:  # a stream's response watches the client itself
                 admitted.watch.cancel()
 
+    def streaming_response(self, body: AsyncIterator[bytes], adm: Admitted, headers: dict[str, str],
+                           on_close: Callable[[], Awaitable[None]] | None = None) -> Response:
+        """The SSE response of ``body``; closing it (the client left, or it ended) closes ``body``
+        and then runs ``on_close`` (default: finalize the request as aborted if it did not end)."""
+        return ClosingStreamingResponse(
+            body, on_close=on_close or (lambda: self._close_unfinished(adm)),
+            media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
+
     async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,
-                       status: str | None = None, attempt: int = 1, adm: "_Admitted | None" = None) -> None:
+                       status: str | None = None, attempt: int = 1, adm: "Admitted | None" = None) -> None:
         """Record this HTTP attempt in the ledger (any outcome once the tenant is known)."""
         principal = seen.principal
         if principal is None:
@@ -348,7 +406,7 @@ class CompletionEndpoint:
 
     # -- steps 1–5 ------------------------------------------------------------------------------
     async def _admit(self, request: Request, request_id: str, arrival: tuple[float, float],
-                     seen: "_Seen") -> _Admitted:
+                     seen: "_Seen") -> Admitted:
         gw = self.gw
         principal = gw.authenticate(request)
         seen.principal = principal
@@ -356,26 +414,24 @@ class CompletionEndpoint:
                                                     code="invalid_idempotency_key")
         seen.agent_run_id = run_id = single_header(request, "x-agent-run-id", "X-Agent-Run-Id",
                                                    code="invalid_request")
-        data = await read_json_object(request, gw.settings.max_body_bytes,
-                                      timeout_s=gw.settings.body_read_timeout_s)
-        body = parse_request(data, self._kind)
-        engine = gw.engine
-        if body.model != engine.model_name:
-            raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
-                                f"'{engine.model_name}'", param="model", code="model_not_found")
-        prompt_ids = await self._tokenize(body)
-        max_tokens = self._output_budget(body, len(prompt_ids), self._context_limit(principal, run_id))
+        try:
+            data = await read_json_object(request, gw.settings.max_body_bytes,
+                                          timeout_s=gw.settings.body_read_timeout_s)
+        except InvalidJson as err:
+            raise self._body_refusal(err) from None
+        prepared = await self._prepare(request, data, principal, run_id)
         ticket = await self._idempotency(principal, idem, data)
+        model = gw.engine.model_name
         identity = RequestIdentity(
             request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
-            model=engine.model_name, endpoint=self.endpoint, stream=body.stream,
+            model=model, endpoint=self.endpoint, stream=prepared.stream,
             idempotency_key=idem, org_id=principal.org_id, workspace_id=principal.workspace_id,
             project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id,
             attempt=ticket.attempt if ticket is not None else 1)
-        meter = RequestMeter(identity, gw.clock, prompt_tokens=len(prompt_ids),
-                             reserved_completion_tokens=max_tokens, arrival=arrival)
-        estimate = UsageEstimate(model=engine.model_name, prompt_tokens=len(prompt_ids),
-                                 max_output_tokens=max_tokens, agent_run_id=run_id,
+        meter = RequestMeter(identity, gw.clock, prompt_tokens=prepared.prompt_tokens,
+                             reserved_completion_tokens=prepared.output_tokens, arrival=arrival)
+        estimate = UsageEstimate(model=model, prompt_tokens=prepared.prompt_tokens,
+                                 max_output_tokens=prepared.output_tokens, agent_run_id=run_id,
                                  request_id=request_id, attempt=identity.attempt)
         try:
             reservation = await gw.quota.reserve(principal, estimate)
@@ -387,12 +443,8 @@ class CompletionEndpoint:
             self._decided(principal, exc)
             seen.decided = True
             raise
-        engine_request = EngineRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
-            top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
-        return _Admitted(principal=principal, body=body, engine_request=engine_request, meter=meter,
-                         reservation=reservation, ticket=ticket)
+        return Admitted(principal=principal, prepared=prepared, meter=meter, reservation=reservation,
+                        ticket=ticket)
 
     async def _idempotency(self, principal: Principal, key: str, data: dict) -> IdempotencyTicket | None:
         """Begin the attempt of ``(tenant, Idempotency-Key)``: run it (FIRST), or raise
@@ -406,77 +458,12 @@ class CompletionEndpoint:
             raise _Replay(ticket)
         return ticket
 
-    async def _tokenize(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
-        tokenizer = self.gw.engine.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            messages = body.chat()
-            size = sum(len(m["content"]) for m in messages)
-            call = lambda: tokenizer.encode_chat(messages)  # noqa: E731
-        elif isinstance(body.prompt, list):
-            vocab = tokenizer.vocab_size
-            bad = next((t for t in body.prompt if t >= vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               param="prompt", code="invalid_value")
-            return list(body.prompt)
-        else:
-            text = body.prompt
-            size = len(text)
-            call = lambda: tokenizer.encode(text, add_special_tokens=True)  # noqa: E731
-        try:
-            if size > self.gw.settings.tokenize_in_thread_chars:
-                ids = await anyio.to_thread.run_sync(call)
-            else:
-                ids = call()
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        if not ids:
-            raise ApiError(400, "the prompt is empty after tokenization", param="prompt",
-                           code="invalid_value")
-        return ids
-
     def _context_limit(self, principal: Principal, run_id: str) -> int | None:
         """The caller's tightest quota context limit (prompt + max_tokens), or None."""
         try:
             return self.gw.quota.context_limit(principal, run_id)
         except QuotaRejected:
             return None  # e.g. the key was removed by a reload: reserve() answers it
-
-    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int,
-                       context_limit: int | None = None) -> int:
-        """The output ceiling: the request's ``max_tokens``, else what the context window leaves —
-        the engine's window or, when tighter, the caller's quota ``max_context_tokens`` (a request
-        without ``max_tokens`` is not refused for a reservation it never asked for; at least 1
-        token, so a prompt over the quota limit is refused by the quota, naming its level).
-
-        Raises:
-            ApiError: 400 ``context_length_exceeded`` when prompt (+ max_tokens) does not fit the
-                engine's window.
-        """
-        window = self.gw.engine.max_model_len
-        requested = body.output_ceiling()
-        ceiling_param = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
-                         and body.max_completion_tokens is not None else "max_tokens")
-        if prompt_tokens >= window:
-            raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                f"your prompt is {prompt_tokens} tokens, leaving no room for output.",
-                           param="messages" if self.chat else "prompt", code="context_length_exceeded")
-        if requested is None:
-            budget = window - prompt_tokens
-            if context_limit is not None and context_limit < window:
-                budget = max(1, context_limit - prompt_tokens)
-        else:
-            if prompt_tokens + requested > window:
-                raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                    f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} "
-                                    f"in the prompt, {requested} in the completion). Please reduce the "
-                                    f"prompt or {ceiling_param}.",
-                               param=ceiling_param, code="context_length_exceeded")
-            budget = requested
-        if body.min_tokens > budget:
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the output budget ({budget})",
-                           param="min_tokens", code="invalid_value")
-        return budget
 
     def _decision(self, principal: Principal, admitted: bool, reason: str, level: str = "",
                   dimension: str = "", status: int = 200) -> None:
@@ -490,15 +477,15 @@ class CompletionEndpoint:
                        refusal.status_code)
 
     # -- step 6 ---------------------------------------------------------------------------------
-    async def _dispatch(self, request: Request, adm: _Admitted) -> Grant:
+    async def _dispatch(self, request: Request, adm: Admitted) -> Grant:
         gw = self.gw
         meter = adm.meter
         policy = gw.tier_policy(adm.principal.tier)
         # the tier's deadline rule, the one the simulator applies to the same request
         deadline = policy.deadline_s(meter.arrival_mono) if policy is not None else None
-        job = Job(request_id=adm.engine_request.request_id, tenant_id=adm.principal.tenant_id,
-                  tier=adm.principal.tier, prompt_tokens=len(adm.engine_request.prompt_token_ids),
-                  max_tokens=adm.engine_request.max_tokens, arrival_s=meter.arrival_mono,
+        job = Job(request_id=meter.identity.request_id, tenant_id=adm.principal.tenant_id,
+                  tier=adm.principal.tier, prompt_tokens=adm.prepared.prompt_tokens,
+                  max_tokens=adm.prepared.output_tokens, arrival_s=meter.arrival_mono,
                   deadline_s=deadline)
         try:
             gw.scheduler.check_admission(job)
@@ -506,13 +493,12 @@ class CompletionEndpoint:
         except SchedulerRejected as exc:
             self._decided(adm.principal, exc)
             raise
-        adm.engine_request.priority = grant.priority
         self._decision(adm.principal, True, "admitted")
         return grant
 
     @staticmethod
-    async def _until_disconnect(request: Request, awaitable: Any, adm: _Admitted) -> Any:
-        """Await ``awaitable``; raise :class:`_ClientGone` (cancelling it) if the client leaves.
+    async def _until_disconnect(request: Request, awaitable: Any, adm: Admitted) -> Any:
+        """Await ``awaitable``; raise :class:`ClientGone` (cancelling it) if the client leaves.
 
         One watcher task per request serves every wait (queue, then engine); ``handle`` cancels it.
         """
@@ -532,95 +518,10 @@ class CompletionEndpoint:
             await work
         except BaseException:  # noqa: BLE001 — the cancelled work's own outcome no longer matters
             pass
-        raise _ClientGone()
-
-    # -- step 7, non-streaming ---------------------------------------------------------------------
-    async def _complete(self, request: Request, adm: _Admitted, headers: dict[str, str]) -> Response:
-        texts: list[str] = []
-
-        async def collect() -> None:
-            async with aclosing(self._engine_stream(adm)) as outputs:
-                async for out in outputs:
-                    if out.new_text:
-                        texts.append(out.new_text)
-
-        try:
-            await self._until_disconnect(request, collect(), adm)
-        except _ClientGone:
-            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
-            await self._settle_idempotency(adm, None)
-            return Response(status_code=499)
-        except EngineError as exc:
-            log.error("engine failed %s: %s", adm.engine_request.request_id, exc)
-            await self._finalize(adm, "error", status_code=503 if exc.retryable else 500,
-                                 finish_reason="error")
-            await self._settle_idempotency(adm, None)
-            err = ApiError(503 if exc.retryable else 500, "the engine failed this request; retry",
-                           code="engine_error")
-            return error_response(err, headers)
-        event = await self._finalize(adm, "ok", status_code=200)
-        response = Response(orjson.dumps(self._full_response(adm, "".join(texts), event)),
-                            media_type="application/json", headers=headers)
-        await self._settle_idempotency(adm, StoredResponse(
-            200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
-        return response
-
-    # -- step 7, streaming ---------------------------------------------------------------------------
-    async def _stream(self, adm: _Admitted, headers: dict[str, str]) -> AsyncIterator[bytes]:
-        created = int(self.gw.clock.wall())
-        include_usage = adm.body.include_usage()
-        outputs = self._engine_stream(adm)
-        sent: list[bytes] | None = [] if adm.ticket is not None else None  # kept for replays
-        completed = False
-        try:
-            first = True
-            async for out in outputs:
-                if out.new_text or first or out.finished:
-                    chunk = _sse(self._chunk(adm, created, out, first, include_usage))
-                    if sent is not None:
-                        sent.append(chunk)
-                    yield chunk
-                    first = False
-            event = await self._finalize(adm, "ok", status_code=200)
-            tail = (_sse(self._usage_chunk(adm, created, event)) if include_usage else b"") + _DONE
-            if sent is not None:
-                sent.append(tail)
-                await self._settle_idempotency(adm, StoredResponse(
-                    200, stored_headers(headers), b"".join(sent), streamed=True))
-            completed = True
-            yield tail
-        except EngineError as exc:
-            log.error("engine failed %s mid-stream: %s", adm.engine_request.request_id, exc)
-            await self._finalize(adm, "error", status_code=200, finish_reason="error")
-            yield _sse(ApiError(503 if exc.retryable else 500, "the engine failed this request",
-                                code="engine_error").body())
-            yield _DONE
-        finally:
-            # Closing the engine stream aborts the engine request if it is still running (the
-            # client went away: GeneratorExit at a yield, or cancellation at an await).
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-            await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
-            if not completed:
-                await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
-
-    async def _engine_stream(self, adm: _Admitted) -> AsyncIterator[EngineOutput]:
-        """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
-        iterator early closes the engine's, which aborts the engine request."""
-        stream = self.gw.engine.generate(adm.engine_request)
-        adm.engine_opened = True
-        try:
-            async for out in stream:
-                new = adm.meter.on_output(out)
-                if new and adm.grant is not None:
-                    self.gw.scheduler.charge_output(adm.grant, new)
-                yield out
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
+        raise ClientGone()
 
     # -- steps 8–9 ------------------------------------------------------------------------------------
-    async def _finalize(self, adm: _Admitted, outcome: str, *, status_code: int,
+    async def _finalize(self, adm: Admitted, outcome: str, *, status_code: int,
                         finish_reason: str | None = None) -> UsageEvent:
         """Record the usage event (durably), release the scheduler slot, reconcile the quota.
 
@@ -632,14 +533,18 @@ class CompletionEndpoint:
         with anyio.CancelScope(shield=True):
             return await self._finalize_now(adm, outcome, status_code, finish_reason)
 
-    async def _finalize_now(self, adm: _Admitted, outcome: str, status_code: int,
+    async def _finalize_now(self, adm: Admitted, outcome: str, status_code: int,
                             finish_reason: str | None) -> UsageEvent:
         gw = self.gw
-        if outcome != "ok" and adm.engine_opened and adm.meter.engine_stats is None:
-            # ended early (the engine stream is closed, so the engine was told): bill the work the
-            # engine reports it did, not what reached the client
-            adm.meter.engine_account(await gw.engine.final_stats(
-                adm.engine_request.request_id, gw.settings.engine_account_wait_s))
+        if outcome != "ok" and adm.engine_ids and adm.meter.engine_stats is None:
+            # ended early (the engine streams are closed, so the engine was told): bill the work
+            # the engine reports it did, not what reached the client
+            wait = gw.settings.engine_account_wait_s
+            accounts = await asyncio.gather(*(gw.engine.final_stats(eid, wait) for eid in adm.engine_ids))
+            if all(a is not None for a in accounts):
+                adm.meter.engine_account(merge_stats(adm.meter.identity.request_id, [[a] for a in accounts]))
+        if adm.before_finish is not None:
+            adm.before_finish()
         event, completion = adm.meter.finish(outcome, status_code=status_code,
                                              policy=gw.tier_policy(adm.principal.tier),
                                              finish_reason=finish_reason)
@@ -659,7 +564,7 @@ class CompletionEndpoint:
         gw.bus.publish(completion)
         return event
 
-    async def _close_unfinished(self, adm: _Admitted, *, status_code: int = 499,
+    async def _close_unfinished(self, adm: Admitted, *, status_code: int = 499,
                                 outcome: str = "aborted") -> None:
         """Finalize (reconcile, release the slot, record) a request that did not end normally, and
         abandon its idempotency ticket so a retry runs. A no-op for what already ended."""
@@ -669,12 +574,12 @@ class CompletionEndpoint:
                                      finish_reason="abort" if outcome == "aborted" else "error")
             await self._settle_idempotency(adm, None)
 
-    async def _release_unrun(self, adm: _Admitted) -> None:
+    async def _release_unrun(self, adm: Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
         await self.gw.quota.reconcile(adm.reservation, ActualUsage())
         await self._settle_idempotency(adm, None)
 
-    async def _settle_idempotency(self, adm: _Admitted, stored: StoredResponse | None) -> None:
+    async def _settle_idempotency(self, adm: Admitted, stored: StoredResponse | None) -> None:
         """Store a complete response for replays, or abandon the attempt (the next retry runs)."""
         manager, ticket = self.gw.idempotency, adm.ticket
         if manager is None or ticket is None or adm.ticket_settled:
@@ -687,47 +592,4 @@ class CompletionEndpoint:
                 else:
                     await manager.complete(ticket, stored)
             except Exception:  # noqa: BLE001 — a lost replay is not worth failing the response
-                log.exception("idempotency store failed for %s", adm.engine_request.request_id)
-
-    # -- response shapes ----------------------------------------------------------------------------
-    def _usage(self, event: UsageEvent) -> dict[str, Any]:
-        return usage_block(event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
-                           event.reasoning_tokens)
-
-    def _full_response(self, adm: _Admitted, text: str, event: UsageEvent) -> dict[str, Any]:
-        rid = adm.engine_request.request_id
-        created = int(self.gw.clock.wall())
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": event.finish_reason, "logprobs": None}
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                    "model": event.model, "choices": [choice], "usage": self._usage(event)}
-        choice = {"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                "model": event.model, "choices": [choice], "usage": self._usage(event)}
-
-    def _chunk(self, adm: _Admitted, created: int, out: EngineOutput, first: bool,
-               include_usage: bool) -> dict[str, Any]:
-        rid = adm.engine_request.request_id
-        reason = out.finish_reason if out.finished else None
-        if self.chat:
-            delta: dict[str, Any] = {"content": out.new_text}
-            if first:
-                delta["role"] = "assistant"
-            chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
-                     "model": self.gw.engine.model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
-        else:
-            chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                     "model": self.gw.engine.model_name,
-                     "choices": [{"index": 0, "text": out.new_text, "finish_reason": reason,
-                                  "logprobs": None}]}
-        if include_usage:
-            chunk["usage"] = None  # OpenAI: only the final usage chunk carries totals
-        return chunk
-
-    def _usage_chunk(self, adm: _Admitted, created: int, event: UsageEvent) -> dict[str, Any]:
-        rid = adm.engine_request.request_id
-        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": created, "model": event.model, "choices": [], "usage": self._usage(event)}
+                log.exception("idempotency store failed for %s", adm.meter.identity.request_id)

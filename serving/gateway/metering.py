@@ -14,7 +14,8 @@ and hands to :meth:`RequestMeter.engine_account`: the prompt tokens the engine h
 prefill cut partway bills the part it ran) and the tokens it generated, ``token_source``
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
-first output then bills no tokens: the frontend cannot prove the prefill happened.
+first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning tokens (a part of the output) are
+what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class RequestMeter:
         self.outputs_seen = 0
         self.engine_stats: EngineRequestStats | None = None
         self.finish_reason: str | None = None
+        #: output tokens that were reasoning (set by the protocol's reasoning parser; ⊆ output)
+        self.reasoning_tokens = 0
         self._event_id: str | None = None
 
     def event_id(self) -> str:
@@ -173,6 +176,7 @@ class RequestMeter:
             model=ident.model, endpoint=ident.endpoint, outcome=outcome, finish_reason=reason,
             arrival_ts=self.arrival_wall, finish_ts=now_wall,
             prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
+            reasoning_tokens=min(max(0, self.reasoning_tokens), completion),
             reserved_prompt_tokens=self.reserved_prompt_tokens,
             reserved_completion_tokens=self.reserved_completion_tokens,
             idempotency_key=ident.idempotency_key, org_id=ident.org_id,

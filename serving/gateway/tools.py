@@ -56,10 +56,9 @@ from starlette.routing import Route
 
 from kvmeter.errors import Refusal
 from kvmeter.serving.agents import AgentRefusal, AgentRuns
-from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object, single_header
+from kvmeter.serving.gateway.body import CLIENT_CLOSED, json_type, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import Gateway
-from kvmeter.serving.gateway.protocol import _json_type
 from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected
 
 __all__ = ["tool_call_routes", "MAX_REPORT_BYTES"]
@@ -75,7 +74,7 @@ def _string(data: dict[str, Any], name: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise ApiError(400, f"{name} must be a string, got {_json_type(value)}", param=name, code="invalid_value")
+        raise ApiError(400, f"{name} must be a string, got {json_type(value)}", param=name, code="invalid_value")
     return value
 
 
@@ -101,7 +100,7 @@ def tool_call_routes(gateway: Gateway, quota: HierarchicalQuota, agents: AgentRu
                                     f"{', '.join(repr(f) for f in _FIELDS)}", param=name, code="unknown_parameter")
             count = data.get("count", 1)
             if type(count) is not int:  # a JSON true is not 1, nor 1.0
-                raise ApiError(400, f"count must be an integer, got {_json_type(count)}", param="count",
+                raise ApiError(400, f"count must be an integer, got {json_type(count)}", param="count",
                                code="invalid_value")
             if "tool" in data:
                 return await _named(request, principal, run_id, data, count, header_key)
@@ -133,7 +132,7 @@ def tool_call_routes(gateway: Gateway, quota: HierarchicalQuota, agents: AgentRu
                                 reason="invalid_request", level="agent_run", dimension="tool_calls")
         tool = data.get("tool")
         if not isinstance(tool, str):
-            raise ApiError(400, f"tool must be a string, got {_json_type(tool)}", param="tool", code="invalid_value")
+            raise ApiError(400, f"tool must be a string, got {json_type(tool)}", param="tool", code="invalid_value")
         body_key = _string(data, "idempotency_key")
         if header_key and body_key and header_key != body_key:
             raise ApiError(400, "the Idempotency-Key header and the body's idempotency_key differ",

@@ -42,8 +42,9 @@ def _start(port: int, root: Path, log_name: str) -> subprocess.Popen:
 async def _send(client: httpx.AsyncClient, i: int, model: str) -> dict | None:
     """One logical request; returns its usage if the response completed, else None."""
     body = {"model": model, "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
-            "max_tokens": 48, "min_tokens": 48, "temperature": 0.0, "stream": i % 2 == 0,
-            "stream_options": {"include_usage": True}}
+            "max_tokens": 48, "min_tokens": 48, "temperature": 0.0, "stream": i % 2 == 0}
+    if body["stream"]:  # vLLM refuses stream_options on a request that does not stream
+        body["stream_options"] = {"include_usage": True}
     headers = {"authorization": f"Bearer {KEY}", "idempotency-key": f"kill9-{i}"}
     try:
         if not body["stream"]:

@@ -1,6 +1,7 @@
 """The HTTP surface on a real uvicorn server with the instant engine: bad input is a 400 naming the
-field, a client that leaves mid-body is a quiet 499, over-long headers never break the attempt
-record, and nothing refused is billed."""
+field as vLLM's OpenAI server names it (the instant engine runs vLLM's serving layer), a client
+that leaves mid-body is a quiet 499, over-long headers never break the attempt record, and nothing
+refused is billed."""
 
 from __future__ import annotations
 
@@ -45,12 +46,16 @@ async def test_seed_beyond_int64_is_a_400_naming_seed_and_bills_nothing(instant_
         resp = await iclient.post("/v1/chat/completions", headers=auth("acme"), json={**body, "seed": seed})
         assert resp.status_code == 400, (seed, resp.text)
         err = resp.json()["error"]
-        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "seed", "invalid_value")
-        assert rec.attempt(resp.headers["x-request-id"]).status == "invalid"
-    # an integer literal too long for Python's int() is malformed JSON, not a 500
+        # vLLM's answer to a body its pydantic model refuses (FastAPI's loc under "body")
+        assert (err["type"], err["param"], err["code"]) == ("Bad Request", "body.seed", 400)
+        assert str(seed) not in err["message"]  # the offending value is never echoed
+        assert rec.attempt(resp.headers["x-kvmeter-request-id"]).status == "invalid"
+    # an integer literal too long for Python's int() is malformed JSON (vLLM's answer), not a 500
     resp = await iclient.post("/v1/chat/completions", headers={**auth("acme"), "content-type": "application/json"},
                               content=b'{"seed": 1' + b"0" * 5000 + b"}")
-    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+    err = resp.json()["error"]
+    assert (resp.status_code, err["type"], err["code"], err["param"]) == (400, "Bad Request", 400, "body")
+    assert "number is too long" in err["message"]
     assert rec.billed("acme") == before
     ok = await iclient.post("/v1/chat/completions", headers=auth("acme"), json={**body, "seed": 2**63 - 1})
     assert ok.status_code == 200 and rec.billed("acme") == before + 1
@@ -58,21 +63,34 @@ async def test_seed_beyond_int64_is_a_400_naming_seed_and_bills_nothing(instant_
 
 
 @pytest.mark.parametrize("field", ["n", "max_tokens", "min_tokens", "seed"])
-async def test_json_true_is_not_the_integer_1(instant_stack, iclient, field):
-    resp = await iclient.post("/v1/chat/completions", headers=auth("acme"),
-                              json={"model": instant_stack.model, **GOOD, field: True})
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["param"] == field
+async def test_json_true_is_read_as_vllm_reads_it_and_billed_by_that_value(instant_stack, iclient, field):
+    """vLLM's request models are lax (``true`` is 1, as pydantic reads it): kvmeter answers as vLLM's
+    server does, and reserves and bills by the value vLLM runs with."""
+    rec = instant_stack.recorder
+    body = {"model": instant_stack.model, "messages": GOOD["messages"], "max_tokens": 3, "min_tokens": 0,
+            field: True}
+    resp = await iclient.post("/v1/chat/completions", headers=auth("acme"), json=body)
+    assert resp.status_code == 200, resp.text
+    out = 1 if field == "max_tokens" else 3
+    assert len(resp.json()["choices"]) == 1 and resp.json()["usage"]["completion_tokens"] == out
+    [event] = [e for e in rec.events if e.request_id == resp.headers["x-kvmeter-request-id"]]
+    assert (event.completion_tokens, event.reserved_completion_tokens) == (out, out)
 
 
-@pytest.mark.parametrize("prompt", [[-1], None])
-async def test_completion_prompt_error_names_prompt(instant_stack, iclient, prompt):
+@pytest.mark.parametrize("prompt, param", [([-1], "body.prompt.0"), (None, "prompt"), ("", "prompt"),
+                                           ({"text": "hi"}, "body.prompt"), ([10**9], None)])
+async def test_completion_prompt_error_names_prompt(instant_stack, iclient, prompt, param):
+    rec = instant_stack.recorder
+    before = rec.billed("acme")
     resp = await iclient.post("/v1/completions", headers=auth("acme"),
                               json={"model": instant_stack.model, "prompt": prompt, "max_tokens": 2})
-    assert resp.status_code == 400
+    assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["param"] == "prompt"
-    assert err["message"].startswith("prompt must be a non-empty string or a non-empty list of token ids")
+    assert (err["param"], err["code"]) == (param, 400)
+    assert "prompt" in err["message"] or "vocabulary" in err["message"]
+    # refused before admission (a token id outside the vocabulary too): nothing reserved or billed
+    assert rec.attempt(resp.headers["x-kvmeter-request-id"]).status == "invalid"
+    assert rec.billed("acme") == before
 
 
 async def _send_and_hang_up(port: int, path: str, tenant: str) -> None:
@@ -112,7 +130,7 @@ async def test_over_long_header_is_refused_and_its_attempt_recorded_bounded(inst
     resp = await iclient.post("/v1/chat/completions", headers={**auth("acme"), header: value},
                               json={"model": instant_stack.model, **GOOD})
     assert resp.status_code == 400, resp.text
-    attempt = rec.attempt(resp.headers["x-request-id"])  # recorded, not dropped as InvalidRecord
+    attempt = rec.attempt(resp.headers["x-kvmeter-request-id"])  # recorded, not dropped as InvalidRecord
     kept = attempt.idempotency_key if header == "idempotency-key" else attempt.agent_run_id
     assert kept.startswith("sha256:") and len(kept) == 71
     assert (attempt.status, attempt.status_code) == ("invalid" if header == "idempotency-key" else "rejected", 400)

@@ -1,12 +1,14 @@
-"""Request validation without a server: every bad field is a 400 naming it, in words a client can
-act on (``parse_request`` is what both completion routes call)."""
+"""The remote engine's request validation without a server: every bad field is a 400 naming it, in
+words a client can act on (``parse_request`` is what both completion routes call on ``--engine
+remote``; the in-process engines validate with vLLM's own request models,
+``tests/gateway/test_openai_layer.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvmeter.serving.gateway.errors import ApiError
-from kvmeter.serving.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvmeter.serving.gateway.remote_path import ChatCompletionRequest, CompletionRequest, parse_request
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit int: what vLLM's own server accepts
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

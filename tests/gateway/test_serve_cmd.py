@@ -34,6 +34,18 @@ def test_bad_ledger_dsn_is_one_cannot_start_line(tmp_path):
     assert "Started server process" not in text, "uvicorn should never have started"
 
 
+@pytest.mark.parametrize("flags, why", [
+    (("--vllm-arg=--no-such-flag",), "vLLM does not know the arguments ['--no-such-flag']"),
+    (("--vllm-arg=--max-logprobs", "--vllm-arg=many"), "argument --max-logprobs: invalid int value: 'many'"),
+])
+def test_a_vllm_argument_vllm_refuses_is_one_cannot_start_line(tmp_path, flags, why):
+    proc = _serve(tmp_path, free_port(), "--ledger-dsn", f"chdb://{tmp_path / 'chdb'}", *flags)
+    assert proc.wait(180) == 2
+    text = (tmp_path / "serve.log").read_text()
+    assert "cannot start: " in text and why in text, text
+    assert "Traceback" not in text and "Started server process" not in text, text
+
+
 def test_a_taken_port_is_one_cannot_start_line_before_anything_loads(tmp_path):
     import socket
     with socket.socket() as taken:

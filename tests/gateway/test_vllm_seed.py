@@ -21,5 +21,5 @@ async def test_int64_seeds_run_on_vllm_and_wider_ones_are_400(stack, client):
     for seed in (2**63, 2**64, 2**70, -(2**63) - 1):
         resp = await client.post("/v1/chat/completions", headers=auth("acme"), json={**body, "seed": seed})
         assert resp.status_code == 400, (seed, resp.text)
-        assert resp.json()["error"]["param"] == "seed"
+        assert resp.json()["error"]["param"] == "body.seed"  # vLLM's name for it
     assert stack.usage_count("acme") == before, "a refused seed was billed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from tests.quota_http.conftest import tenants
+from tests.quota_http.conftest import MODEL, bearer, tenants
 
 CFG = tenants("""
 acme:
@@ -42,12 +42,19 @@ async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
     assert "70 tokens" in too_much.json()["error"]["message"]
     assert s.runtime.engine.requests_total == 0
 
-    # without max_tokens the output reservation is bounded by the node's limit, not refused
-    fits = await s.complete(SHORT, n_prompt=50, max_tokens=None)
+    # a completion without max_tokens runs to vLLM's default of 16 (OpenAI's): 50 + 16 > 64, refused
+    default = await s.complete(SHORT, n_prompt=50, max_tokens=None)
+    assert default.status_code == 400 and "66 tokens" in default.json()["error"]["message"]
+    # a chat without an output ceiling (vLLM's default: what the window leaves) has its output
+    # reservation bounded by the node's limit, not refused
+    fits = await s.client.post("/v1/chat/completions", headers=bearer(SHORT),
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert fits.status_code == 200, fits.text
-    assert fits.json()["usage"]["completion_tokens"] == 14
+    usage = fits.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
     [event] = s.billed(api_key_id="short")
-    assert (event["reserved_prompt_tokens"], event["reserved_completion_tokens"]) == (50, 14)
+    assert (event["reserved_prompt_tokens"], event["reserved_completion_tokens"]) == (
+        usage["prompt_tokens"], 64 - usage["prompt_tokens"])
     # the engine's own window still answers its own 400 (no quota level)
     over_engine = await s.complete(SPENDER, n_prompt=50, max_tokens=5000)
     assert over_engine.status_code == 400 and "level" not in over_engine.json()["error"]

@@ -62,12 +62,14 @@ async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer)
         for attempt in (1, 2):  # the same key twice: the failed attempt was abandoned, not stored
             failed = await s.complete(ONE, headers={"idempotency-key": "boom"})
             assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_error"
-        for _ in range(2):  # streaming: headers were sent, the error arrives in the stream
+        for _ in range(2):  # streaming: headers were sent, the error arrives in the stream, as
+            # vLLM's serving layer sends it (an error event, then [DONE])
             async with s.client.stream("POST", "/v1/completions", headers=bearer(ONE),
                                        json=completion(10, 5, stream=True)) as resp:
                 assert resp.status_code == 200
                 body = b"".join([c async for c in resp.aiter_bytes()])
-            assert b'"engine_error"' in body and body.endswith(b"data: [DONE]\n\n")
+            assert b'"InternalServerError"' in body and b"instant engine told to fail" in body
+            assert body.endswith(b"data: [DONE]\n\n")
     finally:
         unsubscribe()
     assert engine.requests_total == 4  # each one ran: never refused for a leaked concurrency hold

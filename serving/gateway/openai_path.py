@@ -1,0 +1,208 @@
+"""The protocol's part of a request on the in-process engines: vLLM's OpenAI serving layer.
+
+:class:`OpenAIEndpoint` gives the orchestrator (:class:`~kvmeter.serving.gateway.handler.CompletionEndpoint`)
+the steps vLLM's layer does (:mod:`kvmeter.serving.openai_api.layer`): the body validated into
+vLLM's request model, the model checked, the prompt rendered once, the output ceilings and the
+estimate; then, once admitted and dispatched, ``create_chat_completion`` / ``create_completion``
+with the request bound to kvmeter's metered engine client
+(:class:`~kvmeter.serving.openai_api.engine_client.BoundRequest`), which meters every
+``RequestOutput`` and makes the usage event durable before vLLM's layer sends the usage chunk,
+``[DONE]`` or the JSON response.
+
+Errors vLLM's server would also answer are answered as it does (its body, its status); kvmeter's
+own refusals (authentication, body limits, quota, scheduler, idempotency, an engine failure:
+503 ``engine_error``, retryable) keep kvmeter's. ``X-Request-Id`` follows vLLM: the response id
+is built from the client's header (``chatcmpl-<X-Request-Id>``), and with
+``enable_request_id_headers`` (the default) every answer carries ``X-Request-Id`` — the client's,
+else kvmeter's request id; kvmeter's own id is always in ``x-kvmeter-request-id``, and the engine
+request ids derive from it, so they stay unique when clients reuse an ``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvmeter.errors import Refusal
+from kvmeter.serving.engines.base import EngineError
+from kvmeter.serving.engines.vllm_engine import STATS_WAIT_S
+from kvmeter.serving.gateway.errors import ApiError, error_response
+from kvmeter.serving.gateway.handler import (REQUEST_ID_HEADER, Admitted, ClientGone, CompletionEndpoint,
+                                             Prepared)
+from kvmeter.serving.gateway.replays import stored_headers
+from kvmeter.serving.openai_api.engine_client import BoundRequest
+from kvmeter.serving.openai_api.errors import from_error_response, from_exception, invalid_body
+from kvmeter.serving.quota.idempotency import StoredResponse
+from kvmeter.serving.tenancy import Principal
+
+__all__ = ["OpenAIEndpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class _Payload:
+    """The vLLM request, its render and its plan, from admission to the answer."""
+
+    __slots__ = ("layer", "request", "rendered", "plan", "bound")
+
+    def __init__(self, layer: Any, request: Any, rendered: Any, plan: Any) -> None:
+        self.layer = layer
+        self.request = request
+        self.rendered = rendered
+        self.plan = plan
+        self.bound: BoundRequest | None = None
+
+
+def _engine_failure(exc: BaseException) -> bool:
+    """Did the engine fail the request (kvmeter's engine error, or vLLM's engine errors)?"""
+    if isinstance(exc, EngineError):
+        return True
+    return type(exc).__name__ in ("EngineGenerateError", "EngineDeadError")
+
+
+class OpenAIEndpoint(CompletionEndpoint):
+    """``/v1/chat/completions`` or ``/v1/completions`` through vLLM's serving layer."""
+
+    def _id_headers(self, request: Request, request_id: str) -> dict[str, str]:
+        headers = {REQUEST_ID_HEADER: request_id}
+        if self.gw.openai.request_id_headers:  # vLLM's XRequestIdMiddleware: the client's, else new
+            headers["x-request-id"] = request.headers.get("x-request-id", request_id)
+        return headers
+
+    def _body_refusal(self, err: ApiError) -> Refusal:
+        return invalid_body(err.message, getattr(err, "loc", ("body",)))
+
+    # -- steps 2–4 -----------------------------------------------------------------------------
+    async def _prepare(self, request: Request, data: dict, principal: Principal, run_id: str) -> Prepared:
+        layer = await self.gw.openai.layer()
+        vreq = layer.validate(data, self.chat)
+        rendered = await layer.render(vreq, self.chat)
+        plan = layer.plan(vreq, rendered, self.chat, self._context_limit(principal, run_id))
+        return Prepared(stream=bool(vreq.stream), prompt_tokens=plan.total_prompt_tokens,
+                        output_tokens=plan.total_output_tokens,
+                        payload=_Payload(layer, vreq, rendered, plan))
+
+    # -- step 7 ----------------------------------------------------------------------------------
+    async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
+        gw = self.gw
+        payload: _Payload = adm.prepared.payload
+        grant = adm.grant
+        scheduler = gw.scheduler
+        bound = payload.bound = BoundRequest(
+            request_id=adm.meter.identity.request_id, engine_inputs=len(payload.plan.prompt_tokens),
+            meter=adm.meter, charge=lambda new: scheduler.charge_output(grant, new),
+            priority=grant.priority if grant is not None else 0,
+            finished=getattr(gw.engine, "finished", None), publish=gw.bus.publish,
+            on_done=lambda outcome: self._finalize(adm, outcome, status_code=200),
+            reasoning=payload.layer.reasoning_counter(payload.request, self.chat),
+            stats_wait_s=STATS_WAIT_S, request=payload.request, rendered=payload.rendered,
+            started=adm.engine_ids)
+        adm.before_finish = bound.count_reasoning
+        work = payload.layer.create(payload.request, request, self.chat)
+        bound.bind()  # the engine calls vLLM's layer makes inside create() are this request's
+        try:
+            if adm.prepared.stream:
+                return await self._stream(payload, adm, headers, work)
+            return await self._complete(request, payload, adm, headers, work)
+        finally:
+            bound.unbind()
+
+    async def _complete(self, request: Request, payload: _Payload, adm: Admitted, headers: dict[str, str],
+                        work: Any) -> Response:
+        bound = payload.bound
+        try:
+            result = await self._until_disconnect(request, work, adm)
+        except ClientGone:
+            await bound.aclose()
+            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
+            await self._settle_idempotency(adm, None)
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 — answered as vLLM (or kvmeter, for the engine) does
+            await bound.aclose()
+            return await self._failed(adm, exc, headers)
+        layer = payload.layer
+        if layer.is_error(result):
+            await bound.aclose()
+            return await self._refused_late(adm, from_error_response(result), headers)
+        if not hasattr(result, "model_dump_json"):  # a stream where none was asked for: not expected
+            return await self._failed(adm, TypeError(f"unexpected answer {type(result).__name__}"), headers)
+        await self._finalize(adm, "ok", status_code=200)  # normally done already, by the engine client
+        response = Response(result.model_dump_json(), media_type="application/json", headers=headers)
+        await self._settle_idempotency(adm, StoredResponse(
+            200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
+        return response
+
+    async def _stream(self, payload: _Payload, adm: Admitted, headers: dict[str, str], work: Any) -> Response:
+        bound = payload.bound
+        try:
+            result = await work  # the stream's generator: nothing has run on the engine yet
+        except Exception as exc:  # noqa: BLE001
+            await bound.aclose()
+            return await self._failed(adm, exc, headers)
+        if payload.layer.is_error(result):
+            return await self._refused_late(adm, from_error_response(result), headers)
+
+        async def on_close() -> None:
+            await bound.aclose()
+            await self._close_unfinished(adm)
+
+        return self.streaming_response(self._events(adm, bound, result, headers), adm, headers, on_close)
+
+    async def _events(self, adm: Admitted, bound: BoundRequest, events: AsyncIterator[str],
+                      headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """vLLM's SSE strings as bytes (kept for an idempotent replay); the usage event is made
+        durable by the engine client before vLLM's layer yields the usage chunk and ``[DONE]``."""
+        sent: list[bytes] | None = [] if adm.ticket is not None else None
+        completed = False
+        try:
+            async for event in events:
+                data = event.encode("utf-8")
+                if sent is not None:
+                    sent.append(data)
+                yield data
+            if adm.finalized is None:  # vLLM's layer ended the stream with an error event
+                if bound.failed is not None:
+                    log.error("engine failed %s mid-stream: %s", adm.meter.identity.request_id, bound.failed)
+                await self._finalize(adm, "error", status_code=200, finish_reason="error")
+            completed = adm.finalized.outcome == "ok" and bound.failed is None
+            if completed and sent is not None:
+                await self._settle_idempotency(adm, StoredResponse(
+                    200, stored_headers(headers), b"".join(sent), streamed=True))
+        finally:
+            # Closing vLLM's generator does not close the engine calls it iterates: the bound
+            # request closes them, which aborts any engine request still running (the client left).
+            await bound.aclose()
+            await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
+            if not completed:
+                await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
+
+    # -- failures after admission -------------------------------------------------------------------
+    async def _failed(self, adm: Admitted, exc: BaseException, headers: dict[str, str]) -> Response:
+        """The engine or vLLM's layer failed an admitted request: bill what ran, answer."""
+        if _engine_failure(exc):
+            retryable = getattr(exc, "retryable", True)
+            log.error("engine failed %s: %s", adm.meter.identity.request_id, exc)
+            status = 503 if retryable else 500
+            await self._finalize(adm, "error", status_code=status, finish_reason="error")
+            await self._settle_idempotency(adm, None)
+            return error_response(ApiError(status, "the engine failed this request; retry", code="engine_error"),
+                                  headers)
+        err = from_exception(exc)
+        if err.status_code >= 500:
+            log.error("vLLM's serving layer failed %s: %s: %s", adm.meter.identity.request_id,
+                      type(exc).__name__, exc)
+        return await self._refused_late(adm, err, headers)
+
+    async def _refused_late(self, adm: Admitted, err: Refusal, headers: dict[str, str]) -> Response:
+        """vLLM's layer answered an error after admission: finalized as an error (what the
+        engine did, if anything, is billed), the reservation reconciled, the answer vLLM's."""
+        outcome = "error"
+        if adm.finalized is not None and adm.finalized.outcome == "ok":
+            log.warning("request %s: the engine finished but vLLM's layer answered %d: %s",
+                        adm.meter.identity.request_id, err.status_code, err.message)
+        await self._finalize(adm, outcome, status_code=err.status_code, finish_reason="error")
+        await self._settle_idempotency(adm, None)
+        return error_response(err, headers)
