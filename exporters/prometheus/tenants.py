@@ -8,14 +8,22 @@ it. kvmeter keeps full per-tenant detail in ClickHouse and puts only a bounded s
   holds right now as the scheduler reports it (active KV + queued prompt tokens). Token work, not
   request count, because the request is not the unit of load.
 * **Top-K with hysteresis.** While fewer than K tenants hold a label, any tenant seen gets one at
-  once (one only ever refused too). Every ``refresh_s`` the set is recomputed: free slots go to the highest scores, and a
-  challenger takes the weakest incumbent's label only if its score exceeds that incumbent's by
-  more than ``hysteresis`` (20 % by default), so tenants near the edge do not flap.
-* **Pruning.** When a tenant loses its label, every series recorded under it is removed from its
-  metric (its counts continue under ``other``), so the number of tenant series stays ≤ K per
-  label combination. In prometheus-client's multiprocess mode series cannot be removed (values
-  live in the shared files); there, demoted tenants' series stay until the worker restarts and
-  ``max_labels_per_process`` caps how many distinct tenant labels one process ever hands out.
+  once (one only ever refused too), and keeps it: an incumbent loses its label only to a
+  challenger. Every ``refresh_s`` the set is recomputed: free slots go to the highest scores, and
+  a challenger takes the weakest incumbent's label only if its score exceeds that incumbent's by
+  more than ``hysteresis`` (20 % by default), so tenants near the edge do not flap. A tenant whose
+  score fell to 0 (its requests were aborted or refused: no tokens) keeps its label while no
+  challenger with work wants the slot.
+* **Series never vanish.** A counter or histogram series, once exported, stays for the life of the
+  process: when a tenant loses its label, its series keep their last values (frozen) and its later
+  counts go to ``other``, so every series and every sum over tenants is monotonic (``rate()`` and
+  ``increase()`` see no reset, and an alert on a tenant locked out by its cap does not lose its
+  series at the next refresh). Only gauges are removed with a demoted tenant (their value moves
+  into ``other``'s). Because frozen series stay, the number of tenant series is bounded by
+  ``max_labels_per_process`` (default ``10 * k``): how many distinct tenants may ever get a label
+  in this process; once that many have had one, a tenant never labelled before goes to ``other``
+  until the process restarts (prometheus-client's multiprocess mode, where no series can be
+  removed, has the same bound).
 
 All timing reads the injected clock's ``monotonic()``. Not thread-safe by itself: the bus
 dispatches synchronously on the producer's thread; see :class:`TenantLabels` for the lock.
@@ -29,6 +37,8 @@ import os
 import threading
 from collections import defaultdict
 from typing import Any
+
+from prometheus_client import Gauge
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 
@@ -47,10 +57,10 @@ class TenantLabels:
         half_life_s: decay half-life of the work score, seconds (> 0).
         refresh_s: how often the top-K set is recomputed, seconds (≥ 0).
         hysteresis: a challenger must beat the weakest incumbent by this fraction (≥ 0).
-        multiprocess: series cannot be removed (prometheus-client multiprocess mode); default:
-            whether ``PROMETHEUS_MULTIPROC_DIR`` is set.
-        max_labels_per_process: in multiprocess mode, how many distinct tenants may ever get a
-            label in this process (default ``10 * k``).
+        multiprocess: series cannot be removed (prometheus-client multiprocess mode: a demoted
+            tenant's gauges stay too); default: whether ``PROMETHEUS_MULTIPROC_DIR`` is set.
+        max_labels_per_process: how many distinct tenants may ever get a label in this process
+            (default ``10 * k``): the bound on tenant series, since counter series never go.
     Raises:
         ValueError: on a negative ``k``/``refresh_s``/``hysteresis`` or a non-positive half-life.
     """
@@ -129,8 +139,7 @@ class TenantLabels:
             return OTHER
 
     def _may_label(self, tenant: str) -> bool:
-        return (not self._multiprocess or tenant in self._ever_labeled
-                or len(self._ever_labeled) < self._max_ever)
+        return tenant in self._ever_labeled or len(self._ever_labeled) < self._max_ever
 
     def labeled(self) -> frozenset[str]:
         """Tenants that currently hold their own label."""
@@ -138,7 +147,8 @@ class TenantLabels:
             return frozenset(self._labeled)
 
     def refresh(self) -> list[str]:
-        """Recompute the top-K set now; returns the tenants demoted (their series pruned)."""
+        """Recompute the top-K set now; returns the tenants demoted (their gauges pruned, their
+        counters frozen)."""
         with self.lock:
             now = self._clock.monotonic()
             self._next_refresh = now + self._refresh_s
@@ -147,7 +157,9 @@ class TenantLabels:
             for t in [t for t, s in scores.items() if s < 1e-3 and t not in self._labeled]:
                 self._scores.pop(t, None)
                 scores.pop(t)
-            new = {t for t in self._labeled if scores.get(t, 0.0) > 0}
+            # every incumbent keeps its label unless a challenger takes it (a tenant with score 0,
+            # only aborted or refused, must not vanish while slots are free)
+            new = set(self._labeled)
             challengers = [t for t, score in heapq.nlargest(self.k + len(new), scores.items(),
                                                             key=lambda kv: kv[1])
                            if t not in new and score > 0 and self._may_label(t)]
@@ -155,8 +167,8 @@ class TenantLabels:
                 if len(new) < self.k:  # a free slot
                     new.add(tenant)
                     continue
-                weakest = min(new, key=lambda t: scores[t], default=None)
-                if weakest is None or scores[tenant] <= scores[weakest] * (1 + self._hysteresis):
+                weakest = min(new, key=lambda t: scores.get(t, 0.0), default=None)
+                if weakest is None or scores[tenant] <= scores.get(weakest, 0.0) * (1 + self._hysteresis):
                     break  # challengers are sorted: no later one can beat the margin either
                 new.remove(weakest)
                 new.add(tenant)
@@ -172,14 +184,15 @@ class TenantLabels:
     def child(self, metric: Any, tenant_index: int, values: tuple[str, ...]) -> Any:
         """``metric.labels(*values)`` with ``values[tenant_index]`` replaced by the tenant's label.
 
-        The series is recorded under the tenant so it can be removed if the tenant is demoted.
+        A gauge's series is recorded under the tenant so it can be removed if the tenant is
+        demoted; a counter's or histogram's is never removed (see the module docstring).
         """
         with self.lock:
             tenant = values[tenant_index]
             lab = self.label(tenant)
             if lab != tenant:
                 values = values[:tenant_index] + (lab,) + values[tenant_index + 1:]
-            elif not self._multiprocess:
+            elif not self._multiprocess and isinstance(metric, Gauge):
                 self._series[tenant].add((metric, values))
             return metric.labels(*values)
 

@@ -1,5 +1,6 @@
-"""Bounded tenant labels: top-K by active (token) work plus ``other``, with decay, hysteresis and
-pruning of demoted tenants' series — all on a manual clock."""
+"""Bounded tenant labels: top-K by active (token) work plus ``other``, with decay and hysteresis;
+a counter series, once exported, never disappears and every total stays monotonic — all on a
+manual clock."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from kvmeter.stats import RequestCompletion
 def done(tenant: str, tokens: int, tier: str = "free") -> RequestCompletion:
     return RequestCompletion(tenant_id=tenant, tier=tier, model="m", outcome="ok",
                              prompt_tokens=tokens, completion_tokens=0, e2e_s=1.0)
+
+
+def exporter_tokens(registry, tenant):
+    return sum(s.value for fam in registry.collect() for s in fam.samples
+               if s.name == "kvmeter_tokens_total" and s.labels["tenant"] == tenant)
+
+
+def counter_samples(registry) -> dict[tuple, float]:
+    """Every sample of every counter family: (name, labels) → value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in registry.collect()
+            if fam.type == "counter" for s in fam.samples if s.name.endswith("_total")}
 
 
 def tenant_values(registry, metric="kvmeter_requests_total"):
@@ -31,16 +43,16 @@ def test_top_k_by_work_plus_other(bus, registry, clock):
     for tenant, tokens in work.items():
         bus.publish(done(tenant, tokens))
     labels = tenant_values(registry, "kvmeter_tokens_total")
-    # the first three arrivals held the free slots until the refresh, then the heaviest won
-    assert labels >= {"t9", "t8", "t7", OTHER}
-    assert {"t0", "t1", "t2"}.isdisjoint(labels)  # demoted at the refresh: their series are gone
+    # the first three arrivals held the free slots until the refresh, then the heaviest won; the
+    # demoted t0, t1, t2 keep their first-round series (frozen), their second round is in other
+    assert labels == {"t9", "t8", "t7", "t0", "t1", "t2", OTHER}
+    assert exporter_tokens(registry, "t0") == 1000
     total = sum(s.value for fam in registry.collect() for s in fam.samples
                 if s.name == "kvmeter_tokens_total")
-    # every token is under some label, except the pruned first-round series of t0, t1, t2
-    assert total == 2 * sum(work.values()) - (1000 + 2000 + 3000)
+    assert total == 2 * sum(work.values())  # every token is under some label
 
 
-def test_demotion_prunes_series_and_counts_move_to_other(bus, registry, clock):
+def test_demotion_freezes_series_and_later_counts_move_to_other(bus, registry, clock):
     exporter = install_prometheus(bus, registry, clock=clock,
                                   config=PrometheusConfig(top_k_tenants=1, tenant_refresh_s=5,
                                                           tenant_half_life_s=60))
@@ -51,10 +63,72 @@ def test_demotion_prunes_series_and_counts_move_to_other(bus, registry, clock):
     clock.advance(600)  # ten half-lives: early's score decays to ~5 tokens
     bus.publish(done("late", 100_000))  # refresh happens before this is labelled
     bus.publish(done("late", 100_000))
-    assert tenant_values(registry) == {"late", OTHER}
+    bus.publish(done("early", 10))  # demoted: counted under other
     assert exporter.tenants.demotions == 1
+    assert exporter.tenants.labeled() == {"late"}
+    assert tenant_values(registry) == {"early", "late", OTHER}  # early's series stays, frozen
     assert registry.get_sample_value("kvmeter_requests_total",
-                                     {"tier": "free", "tenant": "early", "outcome": "ok"}) is None
+                                     {"tier": "free", "tenant": "early", "outcome": "ok"}) == 1
+    assert registry.get_sample_value("kvmeter_requests_total",
+                                     {"tier": "free", "tenant": OTHER, "outcome": "ok"}) == 2
+
+
+def test_an_aborted_tenants_counter_survives_a_refresh_with_free_slots(bus, registry, clock):
+    """Issue 15 item 7: kvmeter_requests_total{outcome="aborted"} read 2 and was gone 20 s later at
+    the top-K refresh, with free label slots (the aborted requests carried no tokens: score 0)."""
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=20))
+    aborted = {"tier": "free", "tenant": "quitter", "outcome": "aborted"}
+    for _ in range(2):
+        bus.publish(RequestCompletion(tenant_id="quitter", tier="free", model="m", outcome="aborted",
+                                      prompt_tokens=0, completion_tokens=0, e2e_s=0.2))
+    assert registry.get_sample_value("kvmeter_requests_total", aborted) == 2
+    clock.advance(20)  # past the 15 s refresh
+    bus.publish(done("busy", 500))  # any labelled update runs the refresh first
+    assert registry.get_sample_value("kvmeter_requests_total", aborted) == 2
+
+
+def test_a_refused_only_tenants_rejections_survive_every_refresh(bus, registry, clock):
+    """A tenant locked out by its cap (every request refused: score 0) keeps every
+    kvmeter_admission_rejected_requests_total series across refreshes, and it keeps counting."""
+    from kvmeter.stats import AdmissionDecision
+
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=5))
+    refused = lambda reason: AdmissionDecision(tenant_id="capped", tier="free", admitted=False,  # noqa: E731
+                                               reason=reason, level="org", dimension="spend_per_day",
+                                               status_code=402)
+    for minute in range(1, 6):
+        bus.publish(refused("spend_exhausted"))
+        bus.publish(refused("request_too_large"))
+        clock.advance(60)
+        bus.publish(done("busy", 1000))
+        rejected = {s.labels["reason"]: s.value for fam in registry.collect() for s in fam.samples
+                    if s.name == "kvmeter_admission_rejected_requests_total" and s.labels["tenant"] == "capped"}
+        assert rejected == {"spend_exhausted": minute, "request_too_large": minute}
+
+
+def test_every_counter_stays_monotonic_through_demotions(bus, registry, clock):
+    """Random tenants, K = 3, frequent refreshes with demotions: between any two scrapes no counter
+    series disappears or goes down, and the sum over tenants of each counter only grows."""
+    rng = random.Random(11)
+    exporter = install_prometheus(bus, registry, clock=clock,
+                                  config=PrometheusConfig(top_k_tenants=3, tenant_refresh_s=5,
+                                                          tenant_half_life_s=20))
+    before = counter_samples(registry)
+    for step in range(40):
+        for _ in range(20):
+            tenant = f"t{rng.randrange(12)}"
+            outcome = rng.choice(["ok", "ok", "aborted", "error"])
+            bus.publish(RequestCompletion(tenant_id=tenant, tier="free", model="m", outcome=outcome,
+                                          prompt_tokens=rng.randrange(0, 3000), completion_tokens=rng.randrange(0, 50),
+                                          e2e_s=1.0))
+        clock.advance(rng.choice([1, 3, 7]))
+        after = counter_samples(registry)
+        for key, value in before.items():
+            assert key in after, f"{key} vanished at step {step}"
+            assert after[key] >= value, f"{key} went down at step {step}"
+        before = after
+    assert exporter.tenants.demotions > 0  # the run did demote tenants
+    assert sum(v for (name, _), v in before.items() if name == "kvmeter_requests_total") == 40 * 20
 
 
 def test_hysteresis_keeps_incumbents_near_the_edge(clock):
@@ -107,8 +181,20 @@ def test_cardinality_stays_bounded_with_1000_tenants(bus, registry, clock):
         bus.publish(done(tenant, rng.randint(10, 5000), tier=rng.choice(["free", "batch"])))
         if step % 100 == 0:
             clock.advance(5)
-    assert len(tenant_values(registry)) <= k + 1
-    assert len(tenant_values(registry, "kvmeter_tokens_total")) <= k + 1
+    # demoted tenants' counter series stay (frozen): the bound is the tenants ever labelled
+    assert len(tenant_values(registry)) <= 10 * k + 1
+    assert len(tenant_values(registry, "kvmeter_tokens_total")) <= 10 * k + 1
+
+
+def test_labels_handed_out_are_capped_per_process(clock):
+    labels = TenantLabels(1, clock=clock, refresh_s=1, max_labels_per_process=2)
+    for i, tenant in enumerate(["a", "b", "c"]):
+        labels.observe(tenant, 1000 * 10 ** i)  # each far above the last: it takes the slot
+        labels.label(tenant)
+        clock.advance(2)
+        labels.refresh()
+    assert labels.labeled() == {"b"}  # c never gets a label: a and b's series stay for good
+    assert labels.label("c") == OTHER
 
 
 def test_multiprocess_mode_caps_labels_handed_out(clock):
