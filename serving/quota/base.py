@@ -81,7 +81,9 @@ class QuotaRejected(Refusal):
 
     Attributes:
         status_code: 429 (rate/concurrency/KV/run budget), 402 (spend budget exhausted; see the
-            quota package docs), 400 (context length over the node's limit), 503 (store down).
+            quota package docs), 400 (context length over the node's limit, or a request that
+            alone exceeds a limit: ``request_exceeds_limit``, never retried by OpenAI's SDKs),
+            503 (store down).
         code: machine-readable reason, e.g. ``rate_limited``, ``spend_exhausted``,
             ``context_length_exceeded``, ``run_budget_exceeded`` (also readable as ``reason``,
             the word the admission decisions use).

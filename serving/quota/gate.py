@@ -42,8 +42,12 @@ Rejections (:class:`~kvmeter.serving.quota.base.QuotaRejected`):
   ``active_kv_tokens``. Nothing refills these; ``Retry-After`` is an estimate by Little's law:
   the node's holds end at about ``held / D`` per second, ``D`` being the moving average of this
   gate's reservation lifetimes, so ``retry ≈ D · (held + asked − limit) / held``.
-* **429** ``request_too_large`` — the request alone exceeds a limit (e.g. ``max_tokens`` above an
-  output-tokens-per-minute limit): waiting cannot help; no ``Retry-After``.
+* **400** ``request_exceeds_limit`` — the request alone exceeds a limit (``max_tokens`` above an
+  output-tokens-per-minute limit, a reserved cost above the whole ``spend_per_day`` cap, ...): it
+  can never fit, so waiting cannot help; no ``Retry-After``. 400, not 429: OpenAI's SDKs retry
+  408, 409, 429 and every 5xx, so a 429 would be retried until the client's retry budget ran out.
+  Over only this replica's share of a limit while the shared store is down (see :mod:`.failover`)
+  it may fit once the store is back: **503** ``quota_store_unavailable`` with ``Retry-After``.
 * **402** ``spend_exhausted`` — a ``spend_per_day`` / ``spend_per_month`` budget cannot hold the
   request's reserved cost. 402 (not 429) because retrying soon cannot help and OpenAI-compatible
   SDKs retry 429s automatically; ``Retry-After`` is the time to the start of the next UTC day /
@@ -374,12 +378,18 @@ class HierarchicalQuota(QuotaGate):
         return QuotaRejected(
             f"request too large for the {it.dimension} limit at the {it.level} level: it needs "
             f"{_fmt_amount(it, src[it.source])}, the limit is {_fmt_limit(it)}. Lower max_tokens "
-            "or shorten the prompt.", reason="request_too_large", level=it.level, dimension=it.dimension)
+            "or shorten the prompt.", status_code=400, reason="request_exceeds_limit", level=it.level,
+            dimension=it.dimension)
 
     def _rejection(self, it: PlanItem, res: ReserveResult, src: tuple[int, ...], wall: float) -> QuotaRejected:
         now = res.now or wall
         if not res.unavailable and it.kind != DEADLINE and src[it.source] > it.limit:
-            return self._too_large(it, src)  # over this replica's share of a limit (failover)
+            # over this replica's share of a limit (failover): it may fit once the store is back
+            return QuotaRejected(
+                f"quota store unavailable and this request ({_fmt_amount(it, src[it.source])}) exceeds "
+                f"this replica's share of the {it.dimension} limit at the {it.level} level ({_fmt_limit(it)})",
+                status_code=503, reason="quota_store_unavailable", level=it.level, dimension=it.dimension,
+                retry_after_s=1.0, headers=retry_after_headers(1.0))
         if res.unavailable:
             retry = res.retry_after_s
             return QuotaRejected(

@@ -172,7 +172,7 @@ async def test_reservation_is_all_or_nothing_across_levels(make_gate, clock):
 async def test_request_larger_than_a_limit_is_refused_without_retry_after(make_gate):
     gate = make_gate(tree(key_limits="{output_tokens_per_minute: 100}"))
     e = await rejected(gate, K1, est(m=200))
-    assert (e.status_code, e.reason, e.dimension, e.retry_after_s) == (429, "request_too_large",
+    assert (e.status_code, e.reason, e.dimension, e.retry_after_s) == (400, "request_exceeds_limit",
                                                                       "output_tokens_per_minute", None)
     assert "retry-after" not in e.headers
     await gate.reserve(gate.directory.authenticate(K1), est(m=100))

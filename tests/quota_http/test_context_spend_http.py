@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from decimal import Decimal
 
+import pytest
+
 from tests.quota_http.conftest import MODEL, bearer, tenants
 
 CFG = tenants("""
@@ -99,3 +101,34 @@ async def test_monthly_budget_binds_when_the_daily_one_does_not(serve):
     # T0 + 5 days is 2024-05-22 12:00 UTC: 9.5 days to June 1st
     assert refused.headers["retry-after"] == str(int(9.5 * 86400))
     assert len(s.billed(api_key_id="spender")) == 5
+
+
+async def test_a_request_costlier_than_the_whole_cap_is_a_400_the_openai_sdk_does_not_retry(serve):
+    """Issue 15 item 7: a request whose reserved cost alone exceeds the spend cap can never fit.
+    It was a 429 ``request_too_large``, which OpenAI's SDKs retry (408, 409, 429, 5xx) until their
+    retry budget runs out; now a 400 the real SDK raises at once, after one request."""
+    import httpx
+    import openai
+
+    s = await serve(CFG)
+    sent: list[httpx.Request] = []
+
+    async def count(request: httpx.Request) -> None:
+        sent.append(request)
+
+    async with httpx.AsyncClient(event_hooks={"request": [count]}) as http:
+        client = openai.AsyncOpenAI(base_url=f"{s.base_url}/v1", api_key=SPENDER, max_retries=3, timeout=60,
+                                    http_client=http)
+        # 100 + 2 × 300 tokens = 0.0007 reserved > the 0.0005 daily cap, with nothing spent yet
+        with pytest.raises(openai.BadRequestError) as raised:
+            await client.completions.create(model=MODEL, prompt=[100 + i for i in range(100)], max_tokens=300)
+    assert len(sent) == 1  # not retried
+    err = raised.value.body
+    assert (raised.value.status_code, err["code"], err["level"], err["dimension"]) == (
+        400, "request_exceeds_limit", "org", "spend_per_day")
+    assert "retry-after" not in raised.value.response.headers
+    # the same request that fits under the cap still runs: nothing was held by the refusal
+    assert (await s.complete(SPENDER, n_prompt=100, max_tokens=200)).status_code == 200
+    [attempt] = s.attempts(status="rejected")
+    assert (attempt["reason"], attempt["status_code"]) == ("request_exceeds_limit", 400)
+    assert s.runtime.engine.requests_total == 1

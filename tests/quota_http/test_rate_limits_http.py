@@ -112,7 +112,7 @@ async def test_output_reservation_is_reconciled_to_what_the_engine_produced(serv
     assert third.status_code == 429
     assert _error(third)["dimension"] == "output_tokens_per_minute"
     too_big = await s.complete(O1, max_tokens=101)  # can never fit: refused without Retry-After
-    assert too_big.status_code == 429 and _error(too_big)["code"] == "request_too_large"
+    assert too_big.status_code == 400 and _error(too_big)["code"] == "request_exceeds_limit"
     assert "retry-after" not in too_big.headers
     events = s.billed(api_key_id="o1")
     assert [(e["reserved_completion_tokens"], e["completion_tokens"]) for e in events] == [(60, 10), (60, 10)]
