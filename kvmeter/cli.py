@@ -31,10 +31,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "billing": ("kvmeter.ledger.cli", "billing reports and three-way reconciliation from the ledger"),
     "dashboard": ("kvmeter.dashboards.cli", "start the Streamlit dashboards"),
     "gpu": ("kvmeter.collectors.gpu_cli", "read the GPUs through NVML (or a capture) once"),
+    "check": ("kvmeter.serving.selfcheck.cli", "self-checks of a running serve (its /metrics): exit 1 if one fails"),
 }
 
 #: Commands whose output is a result read by people or scripts: WARNING unless -v/--log-level.
-QUIET_COMMANDS = frozenset({"billing", "gpu"})
+QUIET_COMMANDS = frozenset({"billing", "gpu", "check"})
 
 _VERBOSE_HELP = "show INFO logs, the libraries' included (e.g. httpx's request lines)"
 

@@ -19,6 +19,9 @@ The periodic three-way reconciliation (``reconciliation:`` in the file, see
 :class:`ReconciliationSettings`): ``KVMETER_RECONCILE_INTERVAL_S`` (seconds between runs, default
 3600) and ``KVMETER_RECONCILE_FIRST_RUN_DELAY_S`` (seconds from start to the first run, default 60).
 
+The self-checks (``selfcheck:`` in the file, see :class:`SelfCheckSettings`):
+``KVMETER_SELFCHECK_TTFT_FLOOR_S`` and ``KVMETER_SELFCHECK_PEAK_FLOPS_PER_S``.
+
 Validation errors name the offending field (pydantic), e.g. ``engine.max_num_seqs: Input should be
 greater than 0``.
 """
@@ -35,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvmeter.serving.engines.vllm_args import ServingFlags
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "OpenAISettings",
+__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "SelfCheckSettings",
+           "OpenAISettings",
            "load_serve_config", "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS",
            "DEMO_SCHEDULER_OPTIONS"]
 
@@ -146,6 +150,29 @@ class ReconciliationSettings(_Section):
     lookback_s: float = Field(86400.0, gt=0, allow_inf_nan=False)
 
 
+class SelfCheckSettings(_Section):
+    """The plausibility checks serve runs on every request (:mod:`kvmeter.serving.selfcheck`):
+    ``kvmeter_selfcheck_*`` metrics, the ``rules/selfcheck.yml`` alerts and ``kvmeter check``.
+
+    Attributes:
+        ttft_floor_s: a TTFT no request may beat, seconds (≥ 0; 0: only the physical floor).
+        peak_flops_per_s: the device's peak FLOP/s for the physical floor and roofline (> 0;
+            default 2e15, above any single accelerator's dense peak today: see
+            :mod:`kvmeter.serving.selfcheck.bounds`).
+        model_params: the served model's parameter count; default: counted from the model
+            directory's safetensors headers for ``--engine vllm``; none for ``remote`` (the
+            upstream's weights are not here: set it) and ``instant`` (it computes nothing), which
+            then have no physical bound, only ``ttft_floor_s``.
+        reservation_input_ratio: how far the engine's input tokens may exceed the reserved ones,
+            as a fraction of them (≥ 0).
+    """
+
+    ttft_floor_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    peak_flops_per_s: float = Field(2.0e15, gt=0, allow_inf_nan=False)
+    model_params: int | None = Field(None, gt=0)
+    reservation_input_ratio: float = Field(0.1, ge=0, allow_inf_nan=False)
+
+
 class OpenAISettings(_Section):
     """vLLM's OpenAI serving layer (the in-process engines, ``vllm`` and ``instant``): the
     ``vllm serve`` flags kvmeter names, and any other vLLM argument passed through. Each field is
@@ -198,6 +225,7 @@ class ServeConfig(_Section):
     metrics_top_k_tenants: int = Field(20, ge=1)
     otel: bool = False
     reconciliation: ReconciliationSettings = Field(default_factory=ReconciliationSettings)
+    selfcheck: SelfCheckSettings = Field(default_factory=SelfCheckSettings)
 
     def tenants_path(self) -> Path:
         return Path(self.tenants).expanduser() if self.tenants else DEMO_TENANTS_FILE
@@ -213,6 +241,8 @@ _ENV = {
     ("scheduler", "policy"): "KVMETER_SCHEDULER",
     ("reconciliation", "interval_s"): "KVMETER_RECONCILE_INTERVAL_S",
     ("reconciliation", "first_run_delay_s"): "KVMETER_RECONCILE_FIRST_RUN_DELAY_S",
+    ("selfcheck", "ttft_floor_s"): "KVMETER_SELFCHECK_TTFT_FLOOR_S",
+    ("selfcheck", "peak_flops_per_s"): "KVMETER_SELFCHECK_PEAK_FLOPS_PER_S",
 }
 
 

@@ -46,6 +46,8 @@ from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.openai_api.layer import OpenAIApi
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
+from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
+from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineLoad, EngineStepStats
 
@@ -224,6 +226,14 @@ class ServeRuntime:
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)
         self.exporter = install_prometheus(self.bus, registry, config=prom, clock=clock)
+        # plausibility checks on every request (kvmeter_selfcheck_* metrics, `kvmeter check`)
+        sc = config.selfcheck
+        params = sc.model_params
+        if params is None and self.engine.weights_dir is not None:  # the vLLM engine
+            params = count_parameters(self.engine.weights_dir)
+        self.selfcheck = SelfCheckMonitor(
+            self.bus, PhysicalBounds(params, peak_flops_per_s=sc.peak_flops_per_s, ttft_floor_s=sc.ttft_floor_s),
+            input_ratio=sc.reservation_input_ratio)
         self.otel = None
         if config.otel:
             from kvmeter.exporters.otel import install_otel

@@ -23,6 +23,7 @@ from .refusals import RefusalMetrics
 from .remote import RemoteEngineMetrics
 from .requests import RequestMetrics
 from .scheduler import SchedulerMetrics
+from .selfcheck import SelfCheckMetrics
 from .tenants import TenantLabels
 
 __all__ = ["PrometheusExporter", "install_prometheus", "default_sources"]
@@ -32,11 +33,12 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
     """Every source: engine (local + scraped), requests, admission, refusals before admission,
-    GPU, scheduler, quota (with retries and tenancy reloads), agent runs, ledger, reconciliation."""
+    GPU, scheduler, quota (with retries and tenancy reloads), agent runs, ledger, reconciliation,
+    self-checks."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
             RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), AgentMetrics(ctx),
-            LedgerMetrics(ctx), ReconciliationMetrics(ctx)]
+            LedgerMetrics(ctx), ReconciliationMetrics(ctx), SelfCheckMetrics(ctx)]
 
 
 @dataclass

@@ -7,7 +7,8 @@ history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new prod
 
 ``emitted=True`` metrics are produced today by a module of this package (one module per producer:
 :mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
-:mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`). ``emitted=False`` ones
+:mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
+:mod:`.selfcheck`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
 producer publishes the data on the bus (none today).
 
@@ -271,6 +272,23 @@ METRICS: tuple[Metric, ...] = (
            multiprocess_mode="max"),
     Metric("kvmeter_reconciliation_runs_total", "counter", ("result",),
            "periodic reconciliation runs by result (ok, error: the ledger could not be read)", "ledger"),
+    # ---- self-checks (SelfCheckViolation from serve's kvmeter.serving.selfcheck monitor; the streamed
+    # requests from RequestCompletion): selfcheck.py. Labels from fixed sets only, every series
+    # created at 0 so increase() sees the first violation; the check table: serving/selfcheck/checks.py
+    Metric("kvmeter_selfcheck_ttft_below_floor_requests_total", "counter", (),
+           "requests whose TTFT was below the physical floor (prefill FLOPs / peak FLOP/s, or the "
+           "configured selfcheck.ttft_floor_s)", "selfcheck"),
+    Metric("kvmeter_selfcheck_output_above_roofline_requests_total", "counter", (),
+           "streams decoded faster than the roofline (peak FLOP/s / (2 x parameters) tokens per second)",
+           "selfcheck"),
+    Metric("kvmeter_selfcheck_cached_over_input_requests_total", "counter", ("view",),
+           "requests with more cached input tokens than input tokens, by view (gateway, engine)", "selfcheck"),
+    Metric("kvmeter_selfcheck_reservation_exceeded_requests_total", "counter", ("type",),
+           "requests that used more tokens than reserved (output: any; input: beyond "
+           "selfcheck.reservation_input_ratio), by type (input, output)", "selfcheck"),
+    Metric("kvmeter_selfcheck_streamed_ok_requests_total", "counter", ("tier",),
+           "streamed requests that ended ok with output: each must have one TTFT sample in "
+           "kvmeter_request_ttft_seconds", "selfcheck"),
 )
 
 _BY_NAME = {m.name: m for m in METRICS}

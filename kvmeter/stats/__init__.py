@@ -23,6 +23,7 @@ One module per producer:
 * :mod:`.scheduler` — :class:`SchedulerStats`, :class:`TierSchedulerStats`,
   :class:`TenantSchedulerStats`;
 * :mod:`.ledger` — :class:`LedgerStats`;
+* :mod:`.selfcheck` — :class:`SelfCheckViolation` (serve's plausibility monitor);
 * :mod:`.gpu` — :class:`GpuSample`, :class:`MigSample`, :class:`GpuProcessSample`,
   :class:`XidEvent`, :class:`GpuCollectorStatus`.
 
@@ -40,6 +41,7 @@ from kvmeter.stats.ledger import (INGEST_STATUSES, RECONCILIATION_VIEWS, RUN_RES
                                   ReconciliationStats)
 from kvmeter.stats.quota import IdempotencyAttempt, QuotaStoreState, ReservationDrift, ToolCallReported
 from kvmeter.stats.remote import CounterAnomaly, HistogramSnapshot, RemoteEngineStats
+from kvmeter.stats.selfcheck import VIOLATION_CHECKS, SelfCheckViolation
 from kvmeter.stats.scheduler import SchedulerStats, TenantSchedulerStats, TierSchedulerStats
 from kvmeter.stats.tenancy import ConfigReloaded
 
@@ -61,6 +63,8 @@ __all__ = [
     "SchedulerStats", "TierSchedulerStats", "TenantSchedulerStats",
     # ledger
     "LedgerStats", "INGEST_STATUSES", "ReconciliationStats", "RECONCILIATION_VIEWS", "RUN_RESULTS",
+    # self-checks
+    "SelfCheckViolation", "VIOLATION_CHECKS",
     # GPU
     "GpuSample", "MigSample", "GpuProcessSample", "XidEvent", "GpuCollectorStatus",
     "CLOCK_EVENT_REASONS", "clock_event_reason_names",

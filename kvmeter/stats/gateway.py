@@ -52,6 +52,7 @@ class RequestCompletion:
             chunks, divided evenly over the tokens in each chunk).
         e2e_s: gateway arrival → end.
         queue_s: gateway arrival → engine dispatch.
+        stream: the client asked for a stream (SSE).
         slo_met: whether the request met its tier's TTFT and ITL SLO (``None`` when no SLO is set);
             goodput counts the tokens of requests with ``slo_met`` true.
         wall_ts: wall-clock epoch seconds at the end.
@@ -70,6 +71,7 @@ class RequestCompletion:
     queue_s: float = 0.0
     slo_met: bool | None = None
     wall_ts: float = 0.0
+    stream: bool = False
 
 
 @dataclass(slots=True)

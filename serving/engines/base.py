@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 from kvmeter.stats import EngineLoad, EngineRequestStats
@@ -132,6 +133,10 @@ class Engine(abc.ABC):
     model_name: str
     #: The context window in tokens (prompt + output must fit).
     max_model_len: int
+    #: The directory of the weights this process computes with, or ``None`` (the remote engine
+    #: computes elsewhere; the instant engine computes nothing). The self-checks count the model's
+    #: parameters from it for their physical bounds (:mod:`kvmeter.serving.selfcheck.bounds`).
+    weights_dir: Path | None = None
 
     @property
     @abc.abstractmethod

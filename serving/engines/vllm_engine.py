@@ -122,6 +122,7 @@ class VllmEngine(Engine):
         #: the ``vllm serve`` words the engine is built from
         self.argv = engine_argv(config)
         self.model_dir = Path(config.model_dir)
+        self.weights_dir = self.model_dir
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property

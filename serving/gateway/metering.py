@@ -194,6 +194,6 @@ class RequestMeter:
             tenant_id=ident.tenant_id, tier=ident.tier, model=ident.model, outcome=outcome,
             prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
             ttft_s=ttft, itls_s=self.itls_s, e2e_s=e2e, queue_s=gateway_queue or 0.0,
-            slo_met=slo_met, wall_ts=now_wall)
+            slo_met=slo_met, wall_ts=now_wall, stream=ident.stream)
         return event, completion_stats
 

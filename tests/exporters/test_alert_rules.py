@@ -32,13 +32,16 @@ needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not on PATH (Debian: apt-get install -y prometheus)")
 TESTS = sorted((Path(__file__).parent / "promtool").glob("*.test.yml"))
 RULE_FILES = rule_files()
-#: Alerts whose promtool tests are generated from a real run's series (test_reconciliation_alerts_*).
-FIRED_BY_REAL_RUN = {"KvmeterReconciliationDrift", "KvmeterReconciliationStale"}
+#: Alerts whose promtool tests are generated from a real run's series (test_reconciliation_alerts_*,
+#: test_selfcheck.py).
+FIRED_BY_REAL_RUN = {"KvmeterReconciliationDrift", "KvmeterReconciliationStale",
+                     "KvmeterTtftBelowPhysicalFloor"}  # tests/exporters/test_selfcheck.py
 
 
 def test_every_rule_file_is_shipped_and_tested():
     names = {p.name for p in RULE_FILES}
-    assert names == {"engine.yml", "requests.yml", "tenants.yml", "gpu.yml", "ledger.yml", "slo.yml", "agents.yml"}
+    assert names == {"engine.yml", "requests.yml", "tenants.yml", "gpu.yml", "ledger.yml", "slo.yml", "agents.yml",
+                     "selfcheck.yml"}
     tested = {Path(f).name for t in TESTS for f in yaml.safe_load(t.read_text())["rule_files"]}
     assert tested == names
 
