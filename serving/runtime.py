@@ -37,7 +37,7 @@ from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.config import ServeConfig
 from kvmeter.ledger.agent_records import AgentRecord
-from kvmeter.serving.agents import AgentRuns, ApprovalDesk, RunGuardedQuota, open_agent_store
+from kvmeter.serving.agents import AgentRuns, ApprovalDesk, open_agent_store
 from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
@@ -217,11 +217,12 @@ class ServeRuntime:
         # the engine loads; the layer itself is built once the engine has started)
         self.openai = OpenAIApi(self.engine, config.openai.flags()) if OpenAIApi.supports(self.engine) else None
         self.gateway = Gateway(
-            engine=self.engine, authenticator=self.directory, quota=RunGuardedQuota(self.quota, self.agents),
+            engine=self.engine, authenticator=self.directory, quota=self.quota,
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
                                      body_read_timeout_s=config.server.body_read_timeout_s),
-            tier_policy=self._tier_policy, idempotency=self.idempotency, openai=self.openai)
+            tier_policy=self._tier_policy, idempotency=self.idempotency, openai=self.openai,
+            agents=self.agents)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)

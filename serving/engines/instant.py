@@ -6,6 +6,13 @@ quota, scheduler and metering paths run unchanged while the engine costs nothing
 ``bench/quota`` (gateway ceiling) and by tests that exercise the HTTP surface without vLLM.
 It is never a default for ``kvmeter serve`` (``--engine instant`` must be asked for).
 
+A test that needs a given answer — a hermes ``<tool_call>{...}</tool_call>`` for the gateway's
+tool policy, say — scripts it with ``reply``: a function of the :class:`EngineRequest` giving the
+text to answer with (its tokens, at most ``max_tokens`` of them; ``finish_reason`` ``stop`` when
+it all fits, ``length`` when cut), or None for the fixed sentence. A scripted engine yields one
+delta per token (:attr:`InstantEngine.streams_tokens`), as a real engine streams, so vLLM's
+streaming tool-call and reasoning parsers run token by token over it.
+
 Like vLLM's engine hooks, it reports each finished request's
 :class:`~kvmeter.stats.EngineRequestStats` (before the last delta reaches the caller) through
 :attr:`InstantEngine.finished`: held for the caller that claimed the request, published on the
@@ -20,7 +27,7 @@ directory without loading weights), so the gateway's measured cost includes vLLM
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
@@ -47,11 +54,14 @@ class InstantEngine(Engine):
         model_dir: the model directory vLLM's serving layer is configured from (its config and
             tokenizer; no weights are loaded); default: the tokenizer's (``HFTokenizer.model_dir``).
         text: the sentence whose tokens every answer cycles through (default: kvmeter's thesis).
+        reply: scripts the answer (see the module docstring): ``reply(request)`` is the text to
+            answer ``request`` with, or None for the cycled sentence; default: always the sentence.
     """
 
     def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int = 8192,
                  max_output_tokens: int | None = None, *, bus: StatsBus | None = None,
-                 clock: Clock = SYSTEM_CLOCK, model_dir: str | Path | None = None, text: str = _TEXT) -> None:
+                 clock: Clock = SYSTEM_CLOCK, model_dir: str | Path | None = None, text: str = _TEXT,
+                 reply: Callable[[EngineRequest], str | None] | None = None) -> None:
         self._bus = bus or StatsBus()
         self.finished = FinishedStats(self._bus.publish)
         where = model_dir if model_dir is not None else getattr(tokenizer, "model_dir", None)
@@ -62,6 +72,9 @@ class InstantEngine(Engine):
         self.max_model_len = max_model_len
         self._cap = max_output_tokens
         self._sentence = tokenizer.encode(text) or [0]
+        self._reply = reply
+        #: one delta per output token (a scripted ``reply``), else one delta with all of them
+        self.streams_tokens = reply is not None
         self._started = False
         self.requests_total = 0
 
@@ -95,8 +108,9 @@ class InstantEngine(Engine):
         return EngineLoad()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """One delta with all ``max_tokens`` (capped) output tokens, ``finish_reason="length"``;
-        its ``stats`` are the ones reported (:attr:`finished`) just before it is yielded.
+        """One delta with all ``max_tokens`` (capped) output tokens, ``finish_reason="length"``
+        (a scripted ``reply``: its tokens up to that ceiling, ``stop`` when they all fit); its
+        ``stats`` are the ones reported (:attr:`finished`) just before it is yielded.
 
         Raises:
             EngineError: the engine is not started.
@@ -106,14 +120,34 @@ class InstantEngine(Engine):
         started = self._clock.monotonic()
         self.requests_total += 1
         n = request.max_tokens if self._cap is None else min(request.max_tokens, self._cap)
-        ids = [self._sentence[i % len(self._sentence)] for i in range(n)]
+        scripted = self._reply(request) if self._reply is not None else None
+        reason = "length"
+        if scripted is None:
+            ids = [self._sentence[i % len(self._sentence)] for i in range(n)]
+        else:
+            whole = self._tokenizer.encode(scripted)
+            ids = whole[:n]
+            reason = "stop" if len(whole) <= n else "length"
+            n = len(ids)
         prompt = len(request.prompt_token_ids)
         elapsed = max(0.0, self._clock.monotonic() - started)
-        stats = EngineRequestStats(request_id=request.request_id, finish_reason="length",
+        stats = EngineRequestStats(request_id=request.request_id, finish_reason=reason,
                                    prompt_tokens=prompt, generation_tokens=n, prefill_s=elapsed,
                                    inference_s=elapsed, e2e_s=elapsed, wall_ts=self._clock.wall())
+        if self.streams_tokens and ids:
+            sent = ""
+            for i in range(len(ids) - 1):  # each token's text: what decoding it adds (multi-byte safe)
+                upto = self._tokenizer.decode(ids[:i + 1])
+                yield EngineOutput(new_token_ids=[ids[i]], new_text=upto[len(sent):], num_output_tokens=i + 1,
+                                   num_prompt_tokens=prompt)
+                sent = upto
+            self.finished.put(stats)
+            yield EngineOutput(new_token_ids=[ids[-1]], new_text=self._tokenizer.decode(ids)[len(sent):],
+                               num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
+                               finish_reason=reason, stats=stats)
+            return
         # as vLLM's hooks: the engine's account is reported before the caller sees the finish
         self.finished.put(stats)
         yield EngineOutput(new_token_ids=ids, new_text=self._tokenizer.decode(ids),
                            num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
-                           finish_reason="length", stats=stats)
+                           finish_reason=reason, stats=stats)

@@ -10,12 +10,20 @@ The steps, in order, and what each can answer:
    (a client that leaves mid-body: 499 in the attempt record, nothing sent)
 3. check the model and render the prompt (chat template, tokens) ...... 404 / 400
 4. check the context window and estimate: prompt tokens, output ceiling 400
-5. reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
+   the request's declared ``tools`` under the key's tool policy ........ 403 (``tool_blocked``)
+5. the agent run's model call: a stopped run, a pending approval ...... 409
+   reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
+   then the run's repeated-prompt stop on the rendered prompt's digest (admitted calls count;
+   a stop releases the reservation) .................................... 409
 6. ask the scheduler (early rejection, then wait for dispatch) ........ 429 + Retry-After
 7. run on the engine, streaming or not; a client that goes away aborts the engine request
 8. meter: one usage event per logical request, durable in the ledger's spool *before* the
    response completes (for a stream: before the usage chunk and ``[DONE]``)
 9. reconcile the reservation to engine-true counts; release the scheduler slot.
+
+The agent-run checks (steps 4 and 5) are :class:`~kvmeter.serving.agents.AgentRuns`' hooks, called
+here when the gateway holds ``agents``; the third hook, on the tool calls the model emits, is the
+protocol's (:mod:`kvmeter.serving.gateway.emitted`, on vLLM's layer's answer).
 
 Nothing is billed for a request rejected in steps 1–6, and every failure there is answered before
 the engine is touched. A refusal in steps 1–4 is published as a
@@ -41,7 +49,7 @@ import hashlib
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 from starlette.requests import Request
@@ -52,6 +60,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
 from kvmeter.events import UsageEvent
+from kvmeter.serving.agents import AgentRuns, prompt_digest
 from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.finished import merge_stats
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, InvalidJson, read_json_object, single_header
@@ -131,6 +140,10 @@ class Gateway:
     ``openai`` is vLLM's serving layer for an in-process engine
     (:class:`~kvmeter.serving.openai_api.layer.OpenAIApi`; ``kvmeter serve`` builds it for
     ``vllm`` and ``instant``); ``None`` serves the remote engine's path.
+
+    ``agents`` is the agent-run service (:class:`~kvmeter.serving.agents.AgentRuns`): with it, a
+    request's declared tools, each model call of a run and the tool calls the model emits are
+    checked (see the module docstring); ``None`` checks none of them.
     """
 
     engine: Engine
@@ -144,6 +157,7 @@ class Gateway:
     tier_policy: Callable[[str], TierPolicy | None] = DEFAULT_TIERS.get
     idempotency: IdempotencyManager | None = None
     openai: Any = None
+    agents: AgentRuns | None = None
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
@@ -209,6 +223,18 @@ def _bounded(value: str, max_chars: int) -> str:
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _prompts_digest(prompts: tuple[Sequence[int], ...]) -> str:
+    """:func:`~kvmeter.serving.agents.prompt_digest` of a request's prompt token ids (several
+    engine inputs: of their concatenation, in order); ``""`` when none are known."""
+    if not prompts:
+        return ""
+    ids = prompts[0] if len(prompts) == 1 else [t for p in prompts for t in p]
+    try:
+        return prompt_digest(ids)
+    except Exception:  # noqa: BLE001 — a token id past 32 bits: no digest, the stop is skipped
+        return ""
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -247,12 +273,18 @@ class Prepared:
         prompt_tokens: the prompt tokens it reserves (all its prompts).
         output_tokens: the output tokens it reserves (its ceiling: every prompt and choice).
         payload: the protocol's own state (its request object, render, engine request...).
+        tool_names: the tools the request declares (``tools[].function.name``), for the tool
+            policy.
+        prompts: each engine input's prompt token ids (after the chat template), for the agent
+            run's repeated-prompt stop; empty where they are not known.
     """
 
     stream: bool
     prompt_tokens: int
     output_tokens: int
     payload: Any = None
+    tool_names: tuple[str, ...] = ()
+    prompts: tuple[Sequence[int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -420,6 +452,9 @@ class CompletionEndpoint:
         except InvalidJson as err:
             raise self._body_refusal(err) from None
         prepared = await self._prepare(request, data, principal, run_id)
+        agents = gw.agents
+        if agents is not None and prepared.tool_names:  # 403 before anything is reserved
+            await agents.check_declared_tools(principal, run_id, prepared.tool_names)
         ticket = await self._idempotency(principal, idem, data)
         model = gw.engine.model_name
         identity = RequestIdentity(
@@ -434,7 +469,11 @@ class CompletionEndpoint:
                                  max_output_tokens=prepared.output_tokens, agent_run_id=run_id,
                                  request_id=request_id, attempt=identity.attempt)
         try:
+            if agents is not None and run_id:  # a stopped run, a pending approval: nothing is reserved
+                await agents.on_model_call(principal, run_id)
             reservation = await gw.quota.reserve(principal, estimate)
+            if agents is not None and run_id:
+                await self._count_prompt(agents, principal, run_id, prepared, reservation)
         except BaseException as exc:
             if ticket is not None:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
@@ -445,6 +484,20 @@ class CompletionEndpoint:
             raise
         return Admitted(principal=principal, prepared=prepared, meter=meter, reservation=reservation,
                         ticket=ticket)
+
+    async def _count_prompt(self, agents: AgentRuns, principal: Principal, run_id: str, prepared: Prepared,
+                            reservation: Reservation) -> None:
+        """The repeated-prompt stop, on an admitted model call of a run: only calls the quota
+        admitted count (a call refused 429 and retried is not a loop). A refusal releases the
+        reservation (nothing ran) and raises :class:`~kvmeter.serving.agents.ModelCallRefused`."""
+        digest = _prompts_digest(prepared.prompts)
+        if not digest:
+            return
+        try:
+            await agents.on_model_call(principal, run_id, digest)
+        except BaseException:
+            await self.gw.quota.reconcile(reservation, ActualUsage())
+            raise
 
     async def _idempotency(self, principal: Principal, key: str, data: dict) -> IdempotencyTicket | None:
         """Begin the attempt of ``(tenant, Idempotency-Key)``: run it (FIRST), or raise

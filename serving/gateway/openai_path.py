@@ -9,6 +9,11 @@ with the request bound to kvmeter's metered engine client
 ``RequestOutput`` and makes the usage event durable before vLLM's layer sends the usage chunk,
 ``[DONE]`` or the JSON response.
 
+Under agent runs (the gateway holds ``agents``), a chat request that declares ``tools`` has its
+tool calls decided before they reach the client (:mod:`kvmeter.serving.gateway.emitted`: a
+blocked or high-risk call is withheld and a refusal or "pending approval" sentence put in its
+place); the declared tools and the run's model call are checked at admission by the orchestrator.
+
 Errors vLLM's server would also answer are answered as it does (its body, its status); kvmeter's
 own refusals (authentication, body limits, quota, scheduler, idempotency, an engine failure:
 503 ``engine_error``, retryable) keep kvmeter's. ``X-Request-Id`` follows vLLM: the response id
@@ -20,6 +25,7 @@ request ids derive from it, so they stay unique when clients reuse an ``X-Reques
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, AsyncIterator
 
@@ -29,6 +35,7 @@ from starlette.responses import Response
 from kvmeter.errors import Refusal
 from kvmeter.serving.engines.base import EngineError
 from kvmeter.serving.engines.vllm_engine import STATS_WAIT_S
+from kvmeter.serving.gateway.emitted import EmittedToolCalls
 from kvmeter.serving.gateway.errors import ApiError, error_response
 from kvmeter.serving.gateway.handler import (REQUEST_ID_HEADER, Admitted, ClientGone, CompletionEndpoint,
                                              Prepared)
@@ -46,7 +53,7 @@ log = logging.getLogger(__name__)
 class _Payload:
     """The vLLM request, its render and its plan, from admission to the answer."""
 
-    __slots__ = ("layer", "request", "rendered", "plan", "bound")
+    __slots__ = ("layer", "request", "rendered", "plan", "bound", "emitted")
 
     def __init__(self, layer: Any, request: Any, rendered: Any, plan: Any) -> None:
         self.layer = layer
@@ -54,6 +61,8 @@ class _Payload:
         self.rendered = rendered
         self.plan = plan
         self.bound: BoundRequest | None = None
+        #: the emitted-tool-call gate (a chat request that declares tools, under agent runs)
+        self.emitted: EmittedToolCalls | None = None
 
 
 def _engine_failure(exc: BaseException) -> bool:
@@ -81,9 +90,18 @@ class OpenAIEndpoint(CompletionEndpoint):
         vreq = layer.validate(data, self.chat)
         rendered = await layer.render(vreq, self.chat)
         plan = layer.plan(vreq, rendered, self.chat, self._context_limit(principal, run_id))
+        tools = getattr(vreq, "tools", None) if self.chat else None
+        names = tuple(t.function.name for t in tools) if tools else ()
+        prompts: tuple = ()
+        if run_id and self.gw.agents is not None:  # the repeated-prompt stop's input
+            ids = [ei.get("prompt_token_ids") for ei in layer.engine_inputs(rendered, self.chat)]
+            prompts = tuple(ids) if all(ids) else ()
+        payload = _Payload(layer, vreq, rendered, plan)
+        if names and self.gw.agents is not None:  # the model may emit calls: each is decided
+            payload.emitted = EmittedToolCalls(self.gw.agents, principal, run_id)
         return Prepared(stream=bool(vreq.stream), prompt_tokens=plan.total_prompt_tokens,
-                        output_tokens=plan.total_output_tokens,
-                        payload=_Payload(layer, vreq, rendered, plan))
+                        output_tokens=plan.total_output_tokens, payload=payload, tool_names=names,
+                        prompts=prompts)
 
     # -- step 7 ----------------------------------------------------------------------------------
     async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
@@ -130,7 +148,11 @@ class OpenAIEndpoint(CompletionEndpoint):
         if not hasattr(result, "model_dump_json"):  # a stream where none was asked for: not expected
             return await self._failed(adm, TypeError(f"unexpected answer {type(result).__name__}"), headers)
         await self._finalize(adm, "ok", status_code=200)  # normally done already, by the engine client
-        response = Response(result.model_dump_json(), media_type="application/json", headers=headers)
+        body = result.model_dump_json()
+        gate = payload.emitted
+        if gate is not None and any(getattr(c.message, "tool_calls", None) for c in result.choices):
+            body = json.dumps(await gate.response(json.loads(body)), ensure_ascii=False, separators=(",", ":"))
+        response = Response(body, media_type="application/json", headers=headers)
         await self._settle_idempotency(adm, StoredResponse(
             200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
         return response
@@ -149,6 +171,8 @@ class OpenAIEndpoint(CompletionEndpoint):
             await bound.aclose()
             await self._close_unfinished(adm)
 
+        if payload.emitted is not None:  # tool-call deltas held until decided (emitted.py)
+            result = payload.emitted.stream(result)
         return self.streaming_response(self._events(adm, bound, result, headers), adm, headers, on_close)
 
     async def _events(self, adm: Admitted, bound: BoundRequest, events: AsyncIterator[str],

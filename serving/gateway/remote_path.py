@@ -289,7 +289,8 @@ class RemoteEndpoint(CompletionEndpoint):
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
             top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
         return Prepared(stream=body.stream, prompt_tokens=len(prompt_ids), output_tokens=max_tokens,
-                        payload=_Payload(body, engine_request))
+                        payload=_Payload(body, engine_request),
+                        prompts=(prompt_ids,) if run_id else ())  # the run's repeated-prompt stop
 
     async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
         engine_request = adm.prepared.payload.engine_request

@@ -9,7 +9,9 @@ sequences is one :meth:`~kvmeter.serving.engines.instant.InstantEngine.generate`
 (``max_tokens`` tokens of its fixed sentence, exact counts, its finished stats reported as vLLM's
 hooks report them), with a log-probability of 0 for each token when ``logprobs`` (or prompt
 logprobs) are asked for. Stop strings, structured outputs and sampling parameters do not change
-what it answers. So ``--engine instant`` runs the same serving layer, metering and ledger as
+what it answers. An instant engine with a scripted ``reply`` (``streams_tokens``) is streamed
+token by token instead (for ``n`` = 1), as a real engine streams, so vLLM's streaming parsers
+(tool calls, reasoning) see one token per delta. So ``--engine instant`` runs the same serving layer, metering and ledger as
 ``--engine vllm``, and the gateway's measured cost includes vLLM's layer.
 """
 
@@ -107,9 +109,30 @@ class InstantEngineClient:
         """
         from vllm.logprobs import Logprob
         from vllm.outputs import CompletionOutput, RequestOutput
+        from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = list(prompt["prompt_token_ids"])
         want_logprobs = sampling_params.logprobs is not None
+        if int(sampling_params.n or 1) == 1 and getattr(self._engine, "streams_tokens", False):
+            # a scripted reply: one RequestOutput per token, as an engine streams them
+            delta = sampling_params.output_kind == RequestOutputKind.DELTA
+            request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                    max_tokens=int(sampling_params.max_tokens or 1),
+                                    min_tokens=int(sampling_params.min_tokens or 0),
+                                    ignore_eos=bool(sampling_params.ignore_eos), priority=priority)
+            ids, text = [], ""
+            async for out in self._engine.generate(request):
+                ids.extend(out.new_token_ids)
+                text += out.new_text
+                new_ids = list(out.new_token_ids) if delta else list(ids)
+                logprobs = [{t: Logprob(0.0, 1)} for t in new_ids] if want_logprobs else None
+                choice = CompletionOutput(index=0, text=out.new_text if delta else text, token_ids=new_ids,
+                                          cumulative_logprob=0.0 if want_logprobs else None, logprobs=logprobs,
+                                          finish_reason=out.finish_reason if out.finished else None)
+                yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=prompt_ids,
+                                    prompt_logprobs=None, outputs=[choice], finished=out.finished,
+                                    num_cached_tokens=0)
+            return
         outputs = []
         for index in range(int(sampling_params.n or 1)):
             request = EngineRequest(request_id=request_id, prompt_token_ids=prompt_ids,

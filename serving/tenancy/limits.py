@@ -147,8 +147,10 @@ class LoopStops:
             block of 2–``max_cycle_length`` calls that are not all the same (A → B → A is one
             repeat, A → B → A → B two) (≥ 1); one more stops the run (reason ``tool_cycle``).
         max_cycle_length: the longest block a cycle is looked for in (2–16).
-        max_repeated_prompts: model calls in a row with the same prompt digest and no permitted
-            tool call between them (≥ 1); the next one stops the run (reason ``repeated_prompt``).
+        max_repeated_prompts: model calls in a row with the same prompt digest (the rendered
+            prompt's token ids) and no permitted tool call between them (≥ 1); the next one stops
+            the run (reason ``repeated_prompt``). Only calls the quota admitted count: a call
+            refused 429 and retried is not a loop.
     """
 
     max_identical_tool_calls: int | None = 5

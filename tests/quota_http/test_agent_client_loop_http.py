@@ -5,9 +5,9 @@ application approves or rejects; the run resumes) with the decision held by the 
 The Agents SDK itself (``pip install openai-agents``) is not installed in this environment, so the
 loop below is the equivalent written with ``openai.AsyncOpenAI``: model calls through
 ``chat.completions`` with the run id in ``X-Agent-Run-Id``, tool calls through the report
-endpoint (the permit), decisions through the approvals API. The instant engine emits no tool
-calls, so the loop plays the model's tool choice from a script; everything else is the real
-gateway, SDK and ledger.
+endpoint (the permit), decisions through the approvals API. Here the loop plays the model's tool
+choice itself (the calls are reported, not emitted); ``test_agent_emitted_http.py`` runs the same
+pattern from tool calls the model emits (a scripted instant engine through vLLM's hermes parser).
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ async def call_tool(agent: openai.AsyncOpenAI, name: str, arguments: str, approv
 
 
 def tool_result(text: str) -> dict:
-    """A tool's result for the next model call. The gateway refuses ``tools`` and ``role: tool``
-    messages until the OpenAI protocol work lands (issue 12 builds on it), so the result travels as
-    a user message here."""
+    """A tool's result for the next model call, as a user message (the calls here are not the
+    model's, so there is no ``tool_call_id`` to answer)."""
     return {"role": "user", "content": f"tool result: {text}"}
 
 
