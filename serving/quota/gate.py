@@ -402,7 +402,7 @@ class HierarchicalQuota(QuotaGate):
         held = int(res.value or 0)
         asked = src[it.source]
         if it.money and it.dimension not in RUN_DIMENSIONS:
-            retry = period_end_s(wall, it.period)
+            retry = period_end_s(wall, it.period, it.timezone)
             return QuotaRejected(
                 f"{it.dimension} budget at the {it.level} level is exhausted: {_money(held)} of "
                 f"{_money(it.limit)} spent or reserved, this request reserves {_money(asked)}.",
