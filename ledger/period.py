@@ -109,7 +109,8 @@ class Period:
 def _endpoint(text: str, tz: str) -> datetime:
     text = text.strip()
     if _DAY.match(text):
-        return day_bounds(date.fromisoformat(text), tz)[0]
+        d = date.fromisoformat(text)
+        return datetime(d.year, d.month, d.day, tzinfo=zone(tz))  # local midnight; Period checks the range
     try:
         value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:

@@ -71,6 +71,7 @@ from typing import Any, Callable, Sequence
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.money import format_money
 from kvmeter.serving.quota.base import ActualUsage, QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.headers import rate_item_headers, ratelimit_headers, retry_after_headers
 from kvmeter.serving.quota.memory import MemoryQuotaStore
@@ -577,7 +578,7 @@ class HierarchicalQuota(QuotaGate):
 
 
 def _money(units: int) -> str:
-    return f"{from_units(units).normalize():f}"
+    return format_money(from_units(units), 0)
 
 
 def _fmt_limit(it: PlanItem) -> str:
