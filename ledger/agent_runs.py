@@ -28,6 +28,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from clickhouse_connect.driver.client import Client
 
+from kvmeter.money import format_money
+
 from .billing import usage_subtotal
 from .connection import ClientHolder, QueryRunner
 from .prices import PriceList
@@ -174,7 +176,7 @@ def _tenants(tenants: Sequence[str] | None) -> list[str] | None:
 
 
 def _money(value: Decimal | None) -> str | None:
-    return None if value is None else format(value, "f")
+    return None if value is None else format_money(value, None)
 
 
 class AgentRunQueries:

@@ -8,6 +8,12 @@ period's usage, attempts and adjustments through a
 One usage line per (period, tenant, org, workspace, project, API key, model, tier) — the
 attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus one line per adjustment.
 
+Time zones: each tenant is billed in its own zone (its org's ``billing_timezone``; see
+:mod:`kvmeter.billing_calendar`). Given the tenants' zones, :func:`build_invoice` reads the period
+label once per zone (``2026-11`` in ``America/New_York`` is ``2026-11-01T04:00Z ..
+2026-12-01T05:00Z``) and keeps each tenant's rows from its own zone's read; every line carries its
+``timezone``, ``period_start`` and ``period_end`` (UTC instants).
+
 Token columns follow the metering rules: ``input_tokens`` are all prompt tokens, of which
 ``cached_input_tokens`` were served from the prefix cache (a part, not an addition);
 ``output_tokens`` are all generated tokens, of which ``reasoning_tokens`` were reasoning.
@@ -23,11 +29,13 @@ KV token-seconds are reported, not priced (a float measure; pricing it would bre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import polars as pl
+
+from kvmeter.billing_calendar import UTC
 
 from .period import Period
 from .prices import PriceList
@@ -47,7 +55,7 @@ _TYPES = (("input", "uncached"), ("cached_input", "cached_prompt_tokens"), ("out
 
 #: Column order of the invoice line frame (and of the CSV / Parquet files).
 INVOICE_COLUMNS = (
-    "period", "period_start", "period_end", "line_type", *INVOICE_KEYS,
+    "period", "period_start", "period_end", "timezone", "line_type", *INVOICE_KEYS,
     "requests", "attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts", "aborted_requests",
     "error_requests", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
     "currency", "price_list_version", "priced", "subtotal", "cost", "note",
@@ -146,7 +154,8 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
             "note": f"adjustment {r.get('adjustment_id', '')}: {r.get('reason', '')}".strip(),
         })
     meta = [pl.lit(period.label).alias("period"), pl.lit(period.start).alias("period_start"),
-            pl.lit(period.end).alias("period_end"), pl.lit(prices.currency).alias("currency"),
+            pl.lit(period.end).alias("period_end"), pl.lit(period.timezone).alias("timezone"),
+            pl.lit(prices.currency).alias("currency"),
             pl.lit(prices.version).alias("price_list_version")]
     df = df.with_columns(meta)
     if adj_rows:
@@ -188,14 +197,16 @@ class Invoice:
     """The invoice of a period, as :func:`build_invoice` assembles it.
 
     Attributes:
-        period: the billed period.
+        period: the billed period as asked (its zone is the caller's).
         prices: the price list the lines were priced with.
         lines: the line frame (:data:`INVOICE_COLUMNS`; see :func:`invoice_lines`).
+        periods: zone → the period read in that zone, for every zone a line was read in.
     """
 
     period: Period
     prices: PriceList
     lines: pl.DataFrame
+    periods: Mapping[str, Period] = field(default_factory=dict)
 
     @property
     def totals(self) -> pl.DataFrame:
@@ -218,7 +229,8 @@ class Invoice:
         return self.lines.to_dicts()
 
 
-def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant_id: str | None = None) -> Invoice:
+def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant_id: str | None = None,
+                  zones: Mapping[str, str] | None = None) -> Invoice:
     """Assemble the invoice of ``period``: the one assembly the CLI, the read API and the
     dashboards share.
 
@@ -229,12 +241,40 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
         period: the billed period.
         prices: the price list (Decimal unit prices; the rounding rule is the list's).
         tenant_id: one tenant, or ``None`` for all.
+        zones: tenant id → billing time zone (IANA; tenants not named are UTC). ``None``: every
+            line is read in ``period``'s own zone. Given, each tenant's lines cover
+            ``period.label`` read in its zone (one read per distinct zone).
     Returns:
         The :class:`Invoice`: one usage line per :data:`~kvmeter.ledger.queries.INVOICE_KEYS`
         plus one line per adjustment, each rounded once.
     Raises:
-        whatever the reader raises (``LedgerUnavailable``, ``LedgerError``, ``ValueError``).
+        whatever the reader raises (``LedgerUnavailable``, ``LedgerError``, ``ValueError``);
+        ``PeriodError`` when the label cannot be read in a tenant's zone.
     """
-    lines = invoice_lines(reader.invoice_usage(period, tenant_id), reader.invoice_attempts(period, tenant_id),
-                          reader.adjustments(period, tenant_id), prices, period)
-    return Invoice(period, prices, lines)
+    if zones is None:
+        by_zone = {period.timezone: (period, None)}
+    elif tenant_id is not None:
+        p = period.in_zone(zones.get(tenant_id, UTC))
+        by_zone = {p.timezone: (p, None)}
+    else:
+        names = set(zones.values()) | {UTC}
+        by_zone = {z: (period.in_zone(z), z) for z in sorted(names)}
+    frames = []
+    for z, (p, keep) in by_zone.items():
+        def mine(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+            rows = list(rows)
+            if keep is None:
+                return rows
+            return [r for r in rows if zones.get(r.get("tenant_id", ""), UTC) == keep]  # type: ignore[union-attr]
+        frames.append(invoice_lines(mine(reader.invoice_usage(p, tenant_id)),
+                                    mine(reader.invoice_attempts(p, tenant_id)),
+                                    mine(reader.adjustments(p, tenant_id)), prices, p))
+    lines = frames[0] if len(frames) == 1 else _merge(frames)
+    return Invoice(period, prices, lines, {z: p for z, (p, _) in by_zone.items()})
+
+
+def _merge(frames: list[pl.DataFrame]) -> pl.DataFrame:
+    """Usage lines of every zone sorted by key, then the adjustment lines (as :func:`invoice_lines`)."""
+    both = pl.concat(frames, how="vertical")
+    usage = both.filter(pl.col("line_type") == "usage").sort(list(INVOICE_KEYS))
+    return pl.concat([usage, both.filter(pl.col("line_type") == "adjustment")], how="vertical")

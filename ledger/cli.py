@@ -11,11 +11,15 @@ Examples::
     kvmeter billing prices --prices my-prices.yaml           # validate and print a price list
 
 Where the data comes from: ``--server URL`` reads through a running serve process's read API
-(needed while ``kvmeter serve`` owns the embedded chDB ledger); otherwise the ledger DSN
+(needed while ``kvmeter serve`` owns the embedded chDB ledger) and prices with that server's price
+list and its tenants' billing time zones unless ``--prices`` is given; otherwise the ledger DSN
 (``--ledger-dsn``, alias ``--dsn`` > ``KVMETER_LEDGER_DSN`` > ``chdb://./var/ledger/chdb``). For an
 embedded ledger ``report`` and ``reconcile`` only read: a chDB path that does not hold a kvmeter
 ledger is refused (exit 2), never created. They open it, drain its spool first when the spool
 directory exists (progress lines on stderr), then read. ``migrate`` creates what is missing.
+On the ledger path the tenants' billing time zones come from the tenants config (``--tenants``,
+default ``$KVMETER_TENANTS``; without one every tenant is billed in UTC): each tenant's lines
+cover the period read in its zone (:mod:`kvmeter.billing_calendar`).
 
 Exit status: 0 ok; 1 reconciliation found unexplained drift above the threshold; 2 bad
 arguments or configuration; 3 the report has usage the price list does not price; 4 the ledger
@@ -43,6 +47,7 @@ from .billing import build_invoice
 from .config import LedgerConfig, require_existing_ledger
 from .errors import LedgerError, LedgerLocked, LedgerUnavailable
 from .period import Period, parse_period
+from kvmeter.money import format_money, money_places
 from .prices import PriceList, load_price_list
 from .queries import UsageReader
 from .reconcile import reconcile
@@ -53,6 +58,11 @@ __all__ = ["add_arguments", "run"]
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE, EXIT_UNPRICED, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+#: Invoice-line columns the HTML page shows (the CSV and Parquet files carry all of INVOICE_COLUMNS).
+HTML_LINE_COLUMNS = ("line_type", "tenant_id", "workspace_id", "project_id", "api_key_id", "model", "tier",
+                     "requests", "attempts", "input_tokens", "cached_input_tokens", "output_tokens",
+                     "reasoning_tokens", "subtotal", "cost", "note")
 
 
 def _dsn_arg(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -77,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "within 1900-01-01 .. 2299-12-31")
 
     p = sub.add_parser("report", help="invoice lines per org/workspace/project/key: CSV, Parquet, HTML")
-    p.add_argument("--period", required=True, help=period_help)
-    p.add_argument("--prices", help="price list YAML (default: the packaged prices.yaml)")
+    p.add_argument("--period", required=True, help=period_help + "; read in each tenant's billing time zone")
+    p.add_argument("--prices", help="price list YAML (default: the server's with --server, else the packaged "
+                                    "prices.yaml)")
+    p.add_argument("--tenants", default=os.environ.get("KVMETER_TENANTS"),
+                   help="tenants config whose orgs' billing_timezone the periods follow (ledger path; default "
+                        "$KVMETER_TENANTS; none: UTC). With --server the server's zones are used")
     p.add_argument("--out", default="billing", help="output directory (default ./billing)")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list of csv,parquet,html")
     _source_args(p)
@@ -198,8 +212,22 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def _meta(period: Period, source: str) -> dict[str, str]:
-    return {"period": period.label, "interval (UTC, end exclusive)": f"{period.start.isoformat()} .. {period.end.isoformat()}",
+    zone_note = "UTC" if period.timezone == "UTC" else f"{period.timezone}, as UTC instants"
+    return {"period": period.label,
+            f"interval ({zone_note}, end exclusive)": f"{period.start.isoformat()} .. {period.end.isoformat()}",
             "source": source, "generated at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _local_zones(path: str | None) -> dict[str, str] | None:
+    """Tenant → billing time zone from a tenants config file (``None`` without one)."""
+    if not path:
+        return None
+    from kvmeter.serving.tenancy import ConfigError, load_config
+    try:
+        cfg = load_config(path)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return {oid: org.billing_timezone for oid, org in cfg.orgs.items()}
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -207,28 +235,42 @@ def _report(args: argparse.Namespace) -> int:
     formats = _formats(args.formats)
     prices = load_price_list(args.prices)
     with _reader(args, prices) as (reader, source):
-        invoice = build_invoice(reader, period, prices, args.tenant)
+        zones = _local_zones(args.tenants)
+        if args.server:
+            server_prices, zones = reader.billing_config()  # type: ignore[attr-defined]
+            if args.prices is None:
+                if server_prices is None:
+                    raise ValueError(f"{args.server} has no price list; give --prices")
+                prices = server_prices
+        if args.tenant is not None and zones is not None:
+            period = period.in_zone(zones.get(args.tenant, "UTC"))
+        invoice = build_invoice(reader, period, prices, args.tenant, zones)
     lines, totals, unpriced = invoice.lines, invoice.totals, invoice.unpriced
+    shown_zones = sorted(invoice.periods)
     meta = _meta(period, source) | {
+        "time zones": ", ".join(shown_zones) + ("" if zones else " (no tenants config: UTC)"),
         "currency": prices.currency, "price list": f"{prices.version} ({prices.source})",
         "rounding": prices.rounding_rule,
         "token types": "input ⊇ cached input; output ⊇ reasoning (parts are not additions)",
         "invoice lines": f"{lines.height:,}"}
     headline = (f"{unpriced.height} line(s) use models the price list does not price: "
                 f"{sorted(set(unpriced['model'].to_list()))}" if unpriced.height else "")
-    shown = [c for c in lines.columns if c not in ("period", "period_start", "period_end", "currency",
-                                                   "price_list_version")]
+    # the page shows what finance reads (the files keep every column): the line's attribution,
+    # requests, billed tokens and money (org_id is the tenant; attempt and outcome breakdowns,
+    # KV token-seconds and the period columns are in the CSV / Parquet)
+    shown = [c for c in HTML_LINE_COLUMNS if c in lines.columns]
     paths = write_report(args.out, f"billing-{period.slug}", lines, title=f"kvmeter invoice lines — {period.label}",
                          meta=meta, formats=formats, headline=headline, headline_ok=not unpriced.height,
                          sections=[HtmlSection("Totals per tenant", totals,
                                                note="total = sum of the lines' rounded costs (adjustments included)"),
                                    HtmlSection("Invoice lines", lines.select(shown),
                                                note="subtotal is exact; cost is rounded once per line.",
-                                               bad_column="priced", bad_values=(False,))])
+                                               bad_column="note", bad_values=("model not in price list",))],
+                         money_places=money_places(prices))
     for path in paths:
         print(path)
-    print(f"{lines.height} invoice lines, {totals.height} tenants, total {invoice.total:f} {prices.currency}",
-          file=sys.stderr)
+    print(f"{lines.height} invoice lines, {totals.height} tenants, "
+          f"total {format_money(invoice.total, money_places(prices))} {prices.currency}", file=sys.stderr)
     if unpriced.height:
         print(f"error: {headline}", file=sys.stderr)
         return EXIT_UNPRICED

@@ -15,6 +15,7 @@ import httpx
 
 from .errors import LedgerError, LedgerUnavailable, PeriodError
 from .period import Period, parse_period
+from .prices import PriceList, parse_price_list
 
 __all__ = ["LedgerHttpClient", "ReadApiError", "read_api_get", "error_fields"]
 
@@ -73,11 +74,11 @@ def _decode(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _wire_period(period: Period) -> str:
-    """How ``period`` travels: its label when the server parses it back to the same interval (so
-    rows that carry the label — invoice lines — read the same as on a local ledger), else the
-    explicit ``START/END`` range."""
+    """How ``period`` travels: its label when the server parses it back (in the period's zone,
+    sent as ``timezone=``) to the same interval (so rows that carry the label — invoice lines —
+    read the same as on a local ledger), else the explicit ``START/END`` range."""
     try:
-        parsed = parse_period(period.label)
+        parsed = parse_period(period.label, period.timezone)
     except PeriodError:
         parsed = None
     if parsed is not None and (parsed.start, parsed.end) == (period.start, period.end):
@@ -119,7 +120,7 @@ class LedgerHttpClient:
         self.close()
 
     def _get(self, name: str, period: Period, tenant_id: str | None, **params: Any) -> list[dict[str, Any]]:
-        query = {"period": _wire_period(period), **params}
+        query = {"period": _wire_period(period), "timezone": period.timezone, **params}
         if tenant_id is not None:
             query["tenant_id"] = tenant_id
         response = read_api_get(self._client, f"{self._prefix}/{name}", query, self._client.base_url)
@@ -155,5 +156,22 @@ class LedgerHttpClient:
         return self._get("timeseries", period, tenant_id, step=step)
 
     def invoice(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        """Invoice lines priced by the server's price list (``/invoice``)."""
+        """Invoice lines priced by the server's price list (``/invoice``), in ``period``'s zone."""
         return self._get("invoice", period, tenant_id)
+
+    def billing_config(self) -> tuple[PriceList | None, dict[str, str]]:
+        """The server's price list (``None`` when it has none) and the tenant → billing time zone
+        map this key may see (``/billing_config``).
+
+        Raises:
+            ReadApiError, LedgerUnavailable: as the other reads; PriceListError: the server's
+            list does not validate here.
+        """
+        response = read_api_get(self._client, f"{self._prefix}/billing_config", {}, self._client.base_url)
+        if response.status_code != 200:
+            message, code = error_fields(response)
+            raise ReadApiError(f"read API refused ({response.status_code}): {message}", response.status_code, code)
+        body = response.json()
+        prices = body.get("prices")
+        source = f"{self._client.base_url}{self._prefix}/billing_config"
+        return (parse_price_list(prices, source) if prices else None), dict(body.get("timezones") or {})

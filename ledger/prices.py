@@ -138,6 +138,19 @@ class PriceList:
         """Human-readable rounding rule, e.g. ``ROUND_HALF_EVEN to 0.01 USD per invoice line``."""
         return f"{self.rounding} to {self.quantum} {self.currency} per invoice line"
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The list in the file format (numbers as exact decimal strings): what
+        :func:`parse_price_list` reads back to an equal list (the read API sends it so
+        ``billing report --server`` prices with the server's list)."""
+        models: dict[str, dict[str, Any]] = {}
+        for alias, price in self.models.items():
+            spec = models.setdefault(price.model, {t: format(price.per_million(t), "f") for t in TOKEN_TYPES})
+            if alias != price.model:
+                spec.setdefault("aliases", []).append(alias)
+        return {"version": self.version, "currency": self.currency,
+                "rounding": {"quantum": format(self.quantum, "f"), "mode": self.rounding},
+                "tiers": {t: format(d, "f") for t, d in self.tier_discounts.items()}, "models": models}
+
     def rows(self) -> list[dict[str, Any]]:
         """(model, token_type, price_per_million) rows for the ``prices`` table."""
         out = []

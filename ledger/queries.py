@@ -18,6 +18,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from clickhouse_connect.driver.client import Client
 
+from kvmeter.billing_calendar import whole_hour_offsets
+
 from .connection import ClientHolder, QueryRunner
 from .period import Period
 from .prices import PriceList
@@ -49,7 +51,8 @@ __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "R
 GROUP_BY_FIELDS: dict[str, str] = {
     "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
     "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint", "outcome": "outcome",
-    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(finish_ts)", "day": "toStartOfDay(finish_ts)",
+    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(finish_ts, {tz:String})",
+    "day": "toStartOfDay(finish_ts, {tz:String})",
 }
 #: The attribution of one invoice line.
 INVOICE_KEYS = ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id", "model", "tier")
@@ -84,7 +87,7 @@ def _tenant_clause(tenant_id: str | None, column: str = "tenant_id") -> str:
 
 
 def _params(period: Period, tenant_id: str | None, **extra: Any) -> dict[str, Any]:
-    params: dict[str, Any] = {"start": period.start, "end": period.end, **extra}
+    params: dict[str, Any] = {"start": period.start, "end": period.end, "tz": period.timezone, **extra}
     if tenant_id is not None:
         if not isinstance(tenant_id, str) or not tenant_id:
             raise ValueError("tenant_id must be a non-empty string or None")
@@ -122,7 +125,9 @@ class LedgerQueries:
         """Usage per group in a period.
 
         Args:
-            period: the half-open UTC interval (events by ``finish_ts``).
+            period: the half-open UTC interval (events by ``finish_ts``); ``hour`` and ``day``
+                groups are local hours and days of its zone (``Period.timezone``, ClickHouse's
+                ``toStartOfDay(ts, zone)``), returned as aware UTC datetimes of their first instant.
             tenant_id: restrict to one tenant, or ``None`` for all.
             group_by: names from :data:`GROUP_BY_FIELDS` (at least one).
         Returns:
@@ -184,6 +189,9 @@ class LedgerQueries:
         out = []
         for row in metrics:
             key = tuple(row[g] for g in group)
+            for g in ("hour", "day"):
+                if g in row:
+                    row[g] = _utc(row[g])
             for name in ("ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s"):
                 row[name] = _nan_to_none(row[name])
             row["attempts"] = attempts.get(key, 0) if attempts is not None else None
@@ -247,23 +255,36 @@ class LedgerQueries:
 
     def usage_timeseries(self, period: Period, tenant_id: str | None = None,
                          step: str = "hour") -> list[dict[str, Any]]:
-        """Per-tenant usage per hour or day, from the hourly rollups (FINAL).
+        """Per-tenant usage per local hour or day of the period's zone (``Period.timezone``).
+
+        Read from the hourly rollups (FINAL) when the zone's offsets in the period are whole
+        hours (a local hour or day is then a union of UTC hours); otherwise (``Asia/Kathmandu``,
+        +05:45) straight from ``usage_events`` FINAL. Buckets are ClickHouse's
+        ``toStartOfHour/Day(ts, zone)``; a local day is 23, 24 or 25 hours long.
 
         Returns:
-            Dicts with ``ts`` (bucket start, UTC datetime), ``tenant_id``, ``requests``,
+            Dicts with ``ts`` (bucket start, aware UTC datetime), ``tenant_id``, ``requests``,
             ``aborted_requests``, ``prompt_tokens``, ``cached_prompt_tokens``,
             ``completion_tokens``, ``kv_token_seconds``.
         """
-        bucket = {"hour": "hour", "day": "toStartOfDay(hour)"}.get(step)
-        if bucket is None:
+        if step not in ("hour", "day"):
             raise ValueError(f"step must be 'hour' or 'day', got {step!r}")
-        rows = self._query(f"""
-            SELECT {bucket} AS ts, tenant_id,
-                sum(requests) AS requests, sum(aborted_requests) AS aborted_requests,
+        fn = "toStartOfHour" if step == "hour" else "toStartOfDay"
+        if whole_hour_offsets(period.start, period.end, period.timezone):
+            source, column = "usage_hourly", "hour"
+            totals = """sum(requests) AS requests, sum(aborted_requests) AS aborted_requests,
                 sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds
-            FROM usage_hourly FINAL
-            WHERE hour >= {_PERIOD} AND hour < {_PERIOD_END}{_tenant_clause(tenant_id)}
+                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
+        else:
+            source, column = "usage_events", "finish_ts"
+            totals = """count() AS requests, countIf(outcome = 'aborted') AS aborted_requests,
+                sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
+                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
+        rows = self._query(f"""
+            SELECT toTimeZone({fn}({column}, {{tz:String}}), 'UTC') AS ts, tenant_id,
+                {totals}
+            FROM {source} FINAL
+            WHERE {column} >= {_PERIOD} AND {column} < {_PERIOD_END}{_tenant_clause(tenant_id)}
             GROUP BY ts, tenant_id
             ORDER BY ts, tenant_id""", _params(period, tenant_id))
         for row in rows:
@@ -469,7 +490,7 @@ class LedgerQueries:
 _ATTEMPT_GROUPS: dict[str, str] = {
     "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
     "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint",
-    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(ts)", "day": "toStartOfDay(ts)",
+    "agent_run_id": "agent_run_id", "hour": "toStartOfHour(ts, {tz:String})", "day": "toStartOfDay(ts, {tz:String})",
 }
 
 _VIEW_INT_FIELDS = (
@@ -489,8 +510,8 @@ def _empty_view(tenant_id: str) -> dict[str, Any]:
 
 
 def _utc(value: Any) -> Any:
-    if isinstance(value, datetime) and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
     return value
 
 

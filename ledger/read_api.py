@@ -9,7 +9,10 @@ injected ``authenticate`` to a :class:`~kvmeter.serving.tenancy.Principal`. A te
 only its own tenant (``Principal.tenant_id``; asking for another tenant is 403); an admin key
 (``Principal.admin``) sees every tenant, or one with ``tenant_id=``.
 
-Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_period`):
+Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_period`, read in the
+billing time zone of the tenant asked for — its org's ``billing_timezone`` — or in UTC for an
+admin's read of every tenant; ``timezone=`` (an IANA name) overrides it. ``/invoice`` of every
+tenant reads each tenant's lines in its own zone):
 
 =================================  ===========================================================
 ``/v1/usage/summary``              :meth:`LedgerQueries.usage_summary` (``group_by=a,b``)
@@ -22,6 +25,9 @@ Routes (all GET, JSON; ``period`` as in :func:`~kvmeter.ledger.period.parse_peri
 ``/v1/usage/agent_runs``           :meth:`AgentRunQueries.runs <kvmeter.ledger.agent_runs.AgentRunQueries.runs>`
                                    (runs active in the period; ``agent_run_id``, ``order=cost|tokens|last_ts``,
                                    ``limit`` 1–1000): when the routes are given ``agent_runs``
+``/v1/usage/billing_config``       no ``period``: ``{"prices": the server's price list (file format,
+                                   exact strings), "timezones": {tenant: zone}}`` (a tenant key:
+                                   its own tenant only)
 =================================  ===========================================================
 
 Errors use the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``: 401 unknown
@@ -38,12 +44,14 @@ import json
 import logging
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvmeter.billing_calendar import UTC, check_zone
+from kvmeter.money import format_money
 from kvmeter.serving.tenancy import AuthError, Principal
 
 from .billing import build_invoice
@@ -61,7 +69,7 @@ def _default(value: Any) -> Any:
     if isinstance(value, Decimal):
         # plain notation, scale kept: Decimal("0E-8") → "0.00000000", like "0.00013500" (str()
         # would write ClickHouse's zero Decimal(18, 8) as "0E-8")
-        return format(value, "f")
+        return format_money(value, None)
     if isinstance(value, datetime):
         return value.isoformat()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
@@ -112,7 +120,8 @@ def presented_key(request: Request) -> str | None:
 
 
 def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Principal], *,
-                prices: PriceList | None = None, prefix: str = "/v1/usage", agent_runs: Any = None) -> list[Route]:
+                prices: PriceList | None = None, prefix: str = "/v1/usage", agent_runs: Any = None,
+                timezones: Callable[[], Mapping[str, str]] | None = None) -> list[Route]:
     """Starlette routes of the read API.
 
     Args:
@@ -123,26 +132,42 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         prefix: URL prefix.
         agent_runs: the per-run reads (:class:`~kvmeter.ledger.agent_runs.AgentRunQueries`, normally
             ``ledger.agent_runs``) for ``/agent_runs``; None: no such route.
+        timezones: returns the current tenant → billing time zone map (normally
+            ``lambda: directory.snapshot.billing_timezones``, so a reload takes effect at once);
+            None: every tenant is billed in UTC.
     Returns:
         Routes to add to the serve app (``routes=[..., *read_routes(...)]`` or ``app.router.routes``).
     """
     price_list = prices or getattr(queries, "prices", None)
 
+    def zones() -> Mapping[str, str]:
+        return timezones() if timezones is not None else {}
+
+    def scope(request: Request) -> tuple[Principal, str | None] | Response:
+        try:
+            principal = authenticate(presented_key(request))
+        except AuthError as exc:
+            return error_response(401, exc.message, exc.code)
+        asked = request.query_params.get("tenant_id") or None
+        if principal.admin:
+            return principal, asked
+        if asked is not None and asked != principal.tenant_id:
+            return error_response(403, "this API key can read only its own tenant's usage", "forbidden_tenant")
+        return principal, principal.tenant_id
+
     def scoped(handler: Callable[[Request, Principal, Any, str | None], Any]) -> Callable[[Request], Response]:
         def endpoint(request: Request) -> Response:
+            scoped_to = scope(request)
+            if isinstance(scoped_to, Response):
+                return scoped_to
+            principal, tenant = scoped_to
+            tz = request.query_params.get("timezone") or None
+            if tz is not None and (problem := check_zone(tz)) is not None:
+                return error_response(400, problem, "invalid_parameter", "timezone")
+            if tz is None:
+                tz = zones().get(tenant, UTC) if tenant is not None else UTC
             try:
-                principal = authenticate(presented_key(request))
-            except AuthError as exc:
-                return error_response(401, exc.message, exc.code)
-            asked = request.query_params.get("tenant_id") or None
-            if principal.admin:
-                tenant = asked
-            elif asked is not None and asked != principal.tenant_id:
-                return error_response(403, "this API key can read only its own tenant's usage", "forbidden_tenant")
-            else:
-                tenant = principal.tenant_id
-            try:
-                period = parse_period(request.query_params.get("period", ""))
+                period = parse_period(request.query_params.get("period", ""), tz)
             except PeriodError as exc:  # names the period and the valid forms or range
                 return error_response(400, str(exc), "invalid_parameter", "period")
             return answer_read(lambda: handler(request, principal, period, tenant), "read API")
@@ -159,7 +184,19 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
     def invoice(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
         if price_list is None:
             raise LedgerUnavailable("no price list configured")
-        return build_invoice(queries, period, price_list, tenant).rows()
+        # every tenant in its own zone, unless the caller fixed one with timezone=
+        per_tenant = None if request.query_params.get("timezone") else zones()
+        return build_invoice(queries, period, price_list, tenant, per_tenant).rows()
+
+    def billing_config(request: Request) -> Response:
+        scoped_to = scope(request)
+        if isinstance(scoped_to, Response):
+            return scoped_to
+        _, tenant = scoped_to
+        known = dict(zones())
+        shown = known if tenant is None else {tenant: known.get(tenant, UTC)}
+        return JsonResponse({"prices": price_list.to_mapping() if price_list is not None else None,
+                             "timezones": shown})
 
     simple = {
         "invoice_usage": lambda r, p, period, t: queries.invoice_usage(period, t),
@@ -171,6 +208,7 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         Route(f"{prefix}/summary", scoped(summary), methods=["GET"]),
         Route(f"{prefix}/timeseries", scoped(timeseries), methods=["GET"]),
         Route(f"{prefix}/invoice", scoped(invoice), methods=["GET"]),
+        Route(f"{prefix}/billing_config", billing_config, methods=["GET"]),
     ]
     routes += [Route(f"{prefix}/{name}", scoped(fn), methods=["GET"]) for name, fn in simple.items()]
     if agent_runs is not None:

@@ -1,8 +1,11 @@
 """Writing billing and reconciliation reports: CSV, Parquet and a readable HTML page.
 
 CSV and Parquet carry the full frame (Decimal money stays exact: Parquet ``decimal(38, s)``,
-CSV decimal text). The HTML page (Jinja2, autoescaped) shows the metadata, the per-tenant
-summary and the detail table.
+CSV decimal text in plain notation). The HTML page (Jinja2, autoescaped) shows the metadata, the
+per-tenant summary and the detail table, laid out for a person reading it in a browser: each
+label beside its value, tables no wider than the page (at most ~1,200 px: long identifiers wrap,
+numbers never do), numbers right-aligned in tabular figures, money written by
+:func:`kvmeter.money.format_money` (never ``0E-18``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from decimal import Decimal
+
 import polars as pl
 from jinja2 import Environment, PackageLoader, select_autoescape
+
+from kvmeter.money import format_money
 
 __all__ = ["HtmlSection", "write_report", "FORMATS"]
 
@@ -42,7 +49,9 @@ def _env() -> Environment:
                        autoescape=select_autoescape(["html", "jinja"]), keep_trailing_newline=True)
 
 
-def _display(value: Any) -> Any:
+def _display(value: Any, money_places: int = 2) -> Any:
+    if isinstance(value, Decimal):
+        return format_money(value, money_places, grouping=True)
     if isinstance(value, float):
         return f"{value:,.6g}" if abs(value) < 1e6 else f"{value:,.0f}"
     if isinstance(value, int) and not isinstance(value, bool):
@@ -52,7 +61,8 @@ def _display(value: Any) -> Any:
 
 def write_report(out_dir: str | Path, basename: str, frame: pl.DataFrame, *, title: str,
                  meta: Mapping[str, Any], sections: Sequence[HtmlSection],
-                 formats: Sequence[str] = FORMATS, headline: str = "", headline_ok: bool = True) -> list[Path]:
+                 formats: Sequence[str] = FORMATS, headline: str = "", headline_ok: bool = True,
+                 money_places: int = 2) -> list[Path]:
     """Write ``frame`` as ``<basename>.csv`` / ``.parquet`` and an HTML page of ``sections``.
 
     Args:
@@ -63,6 +73,8 @@ def write_report(out_dir: str | Path, basename: str, frame: pl.DataFrame, *, tit
         sections: HTML tables.
         formats: subset of :data:`FORMATS`.
         headline, headline_ok: a status sentence shown at the top of the page.
+        money_places: display places of Decimal amounts on the HTML page
+            (:func:`kvmeter.money.money_places`; more only where the exact value needs them).
     Returns:
         The paths written.
     Raises:
@@ -85,11 +97,13 @@ def write_report(out_dir: str | Path, basename: str, frame: pl.DataFrame, *, tit
     if "html" in formats:
         rendered = []
         for s in sections:
-            rows = [{k: _display(v) for k, v in row.items()} for row in s.frame.iter_rows(named=True)]
+            rows = [{k: _display(v, money_places) for k, v in row.items()} for row in s.frame.iter_rows(named=True)]
             text_cols = {c for c, t in s.frame.schema.items() if t in (pl.String, pl.Boolean) or t == pl.Datetime}
             rendered.append({"title": s.title, "note": s.note, "columns": s.frame.columns, "rows": rows,
-                             "text_columns": text_cols, "bad_column": s.bad_column,
-                             "bad_values": [_display(v) for v in s.bad_values]})
+                             "headers": {c: c.replace("_", " ") for c in s.frame.columns},
+                             "text_columns": text_cols, "wrap_columns": {"note", "reason", "status_note"},
+                             "bad_column": s.bad_column,
+                             "bad_values": [_display(v, money_places) for v in s.bad_values]})
         html = _env().get_template("report.html.jinja").render(
             title=title, meta=dict(meta), sections=rendered, headline=headline,
             headline_class="status-ok" if headline_ok else "status-fail")

@@ -353,7 +353,8 @@ class ServeRuntime:
         queries = _LazyQueries(self.recorder)
         self._dashboard_routes = serve_routes(self)
         routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices,
-                                            agent_runs=_LazyQueries(self.recorder, "agent_runs")),
+                                            agent_runs=_LazyQueries(self.recorder, "agent_runs"),
+                                            timezones=lambda: self.directory.snapshot.billing_timezones),
                                *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota, self.agents),
                                *approval_routes(self.gateway, self.approvals)]

@@ -10,6 +10,8 @@ from decimal import Decimal
 import polars as pl
 import streamlit as st
 
+from kvmeter.money import format_money
+
 from .. import charts, schemas
 from ..ui import PageContext
 from .common import chart, secs, si
@@ -26,10 +28,7 @@ def money(text: str | None) -> str:
     """An exact decimal string for display (``—`` when unpriced): at least cents, no float."""
     if text is None:
         return "—"
-    amount = Decimal(text)
-    exponent = amount.normalize().as_tuple().exponent
-    places = max(2, -exponent) if isinstance(exponent, int) else 2
-    return f"{amount.quantize(Decimal(1).scaleb(-places)):,}"
+    return format_money(Decimal(text), 2, grouping=True)
 
 
 def with_labels(runs: pl.DataFrame) -> pl.DataFrame:

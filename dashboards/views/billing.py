@@ -11,6 +11,7 @@ import polars as pl
 import streamlit as st
 
 from kvmeter.ledger.billing import INVOICE_COLUMNS, invoice_totals
+from kvmeter.money import currency_places, format_money
 from kvmeter.ledger.period import Period
 from kvmeter.ledger.reconcile import reconcile
 
@@ -43,12 +44,11 @@ def period_for(choice: str, ctx: PageContext) -> Period:
     return Period(first, end, f"{first:%Y-%m}")
 
 
-def money(amount: Decimal) -> str:
-    """An exact amount without trailing zeros beyond cents, with thousands separators:
-    ``Decimal('136.150000000000000000')`` → ``136.15``, ``Decimal('0.000356')`` → ``0.000356``."""
-    exponent = amount.normalize().as_tuple().exponent
-    places = max(2, -exponent) if isinstance(exponent, int) else 2
-    return f"{amount.quantize(Decimal(1).scaleb(-places)):,}"
+def money(amount: Decimal, currency: str | None = None) -> str:
+    """An exact amount at the currency's display places (more only when the value needs them),
+    with thousands separators: ``Decimal('136.150000000000000000')`` → ``136.15``,
+    ``Decimal('0.000356')`` → ``0.000356`` (:func:`kvmeter.money.format_money`)."""
+    return format_money(amount, currency_places(currency), grouping=True)
 
 
 def invoice_frame(rows: list[dict]) -> pl.DataFrame:

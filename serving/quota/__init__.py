@@ -30,7 +30,8 @@ of any level (org, workspace, project, key) cannot hold a request's reserved cos
 prompt plus ``max_tokens`` at list price), the gateway answers::
 
     HTTP/1.1 402 Payment Required
-    retry-after: 43200                  # seconds to the next UTC day (month) boundary
+    retry-after: 43200                  # seconds to the next day (month) boundary of the tenant's
+                                        # billing_timezone (UTC for global limits)
     x-kvmeter-quota-level: org
     x-kvmeter-quota-dimension: spend_per_day
     {"error": {"type": "insufficient_quota", "code": "spend_exhausted", "level": "org",

@@ -75,6 +75,7 @@ from typing import Any, Callable, Sequence
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.money import format_money
 from kvmeter.serving.quota.base import ActualUsage, QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.headers import rate_item_headers, ratelimit_headers, retry_after_headers
 from kvmeter.serving.quota.memory import MemoryQuotaStore
@@ -412,7 +413,7 @@ class HierarchicalQuota(QuotaGate):
         held = int(res.value or 0)
         asked = src[it.source]
         if it.money and it.dimension not in RUN_DIMENSIONS:
-            retry = period_end_s(wall, it.period)
+            retry = period_end_s(wall, it.period, it.timezone)
             return QuotaRejected(
                 f"{it.dimension} budget at the {it.level} level is exhausted: {_money(held)} of "
                 f"{_money(it.limit)} spent or reserved, this request reserves {_money(asked)}.",
@@ -587,7 +588,7 @@ class HierarchicalQuota(QuotaGate):
 
 
 def _money(units: int) -> str:
-    return f"{from_units(units).normalize():f}"
+    return format_money(from_units(units), 0)
 
 
 def _fmt_limit(it: PlanItem) -> str:

@@ -3,8 +3,10 @@
 A :class:`QuotaPlan` is built once per API key per config version and cached. It holds one
 :class:`PlanItem` per (level, limited dimension) — e.g. 5 levels × 7 counted dimensions = 35 items —
 plus the agent-run items (used when the call carries a run id). Per request only two small lists
-change: the concrete store keys (spend keys carry the UTC day / month; run keys carry the run id)
-and the amounts.
+change: the concrete store keys (spend keys carry the local day / month of the key's billing time
+zone — its org's ``billing_timezone``, UTC for the ``global`` level; run keys carry the run id) and
+the amounts. A spend day is the zone's local day (:mod:`kvmeter.billing_calendar`): 23 or 25 hours
+on a DST change.
 
 Store key layout (``prefix`` is the store's namespace, ``kvq:`` by default)::
 
@@ -17,9 +19,11 @@ Ids cannot contain ``:`` (config validation), and a run id comes last, so keys n
 
 from __future__ import annotations
 
-import datetime as _dt
 import struct
 from dataclasses import dataclass, field
+from datetime import date
+
+from kvmeter.billing_calendar import UTC, day_bounds, local_date, month_bounds
 
 from kvmeter.serving.quota.money import to_units
 from kvmeter.serving.tenancy.directory import KeyEntry
@@ -98,7 +102,8 @@ class PlanItem:
         interval_s: GCRA emission interval ``period_s / limit`` (rate only).
         ttl_s: key lifetime in seconds (0 = none): for counters and deadlines counted from the
             key's creation, for rate keys from each write.
-        period: ``day`` / ``month`` for spend keys (the key carries the UTC period), else ``""``.
+        period: ``day`` / ``month`` for spend keys (the key carries the local period), else ``""``.
+        timezone: the IANA zone of a spend key's day / month (``UTC`` for ``global``).
         money: the limit is money (nano-units); the rejection is a spend rejection.
         desc: the item as the Redis scripts read it (derived; see redis_store).
         big: counter limit ≥ 2**53 (derived).
@@ -115,6 +120,7 @@ class PlanItem:
     ttl_s: int = 0
     period: str = ""
     money: bool = False
+    timezone: str = UTC
     desc: bytes = field(init=False, default=b"", compare=False, repr=False)
     big: bool = field(init=False, default=False, compare=False, repr=False)
 
@@ -152,12 +158,12 @@ def _rate_item(level: str, dimension: str, source: int, limit: int, period_s: fl
 
 
 def _counter_item(level: str, dimension: str, source: int, settle: str, limit: int, ttl_s: int = 0,
-                  period: str = "", money: bool = False) -> PlanItem:
+                  period: str = "", money: bool = False, timezone: str = UTC) -> PlanItem:
     return PlanItem(COUNTER, level, dimension, source, settle, limit, ttl_s=ttl_s, period=period,
-                    money=money)
+                    money=money, timezone=timezone)
 
 
-def _items_for(level: str, limits: Limits, ttl_s: int = 0) -> list[tuple[str, PlanItem]]:
+def _items_for(level: str, limits: Limits, ttl_s: int = 0, timezone: str = UTC) -> list[tuple[str, PlanItem]]:
     """(key code, item) for each limited counted dimension of a node (``ttl_s``: for run keys)."""
     out: list[tuple[str, PlanItem]] = []
     for dim, (code, kind, source, settle, period) in _DIMS.items():
@@ -169,7 +175,7 @@ def _items_for(level: str, limits: Limits, ttl_s: int = 0) -> list[tuple[str, Pl
         elif period:
             out.append((code, _counter_item(level, dim, source, settle, to_units(value),
                                             _DAY_TTL_S if period == "day" else _MONTH_TTL_S,
-                                            period, money=True)))
+                                            period, money=True, timezone=timezone)))
         else:
             out.append((code, _counter_item(level, dim, source, settle, int(value), ttl_s)))
     return out
@@ -198,19 +204,29 @@ class QuotaPlan:
     run_max_context_tokens: int | None
     min_limit: tuple[int | None, ...]
     run_min_limit: tuple[int | None, ...]
-    _key_parts: tuple[tuple[str, str], ...] = ()   # (key without period, period) per item
+    _key_parts: tuple[tuple[str, str, str], ...] = ()   # (key without period, period, zone) per item
     _run_codes: tuple[bytes, ...] = ()
     _run_prefix: str = ""
-    _cache_period: tuple[str, str] = ("", "")
+    _cache_window: tuple[float, float] = (0.0, 0.0)     # [from, until) epoch s the cached keys hold for
     _cache_keys: list[bytes] = field(default_factory=list)
 
     def keys(self, wall_s: float) -> list[bytes]:
-        """Concrete store keys (UTF-8) of :attr:`items` at wall-clock ``wall_s`` (UTC periods)."""
-        day, month = _periods(wall_s)
-        if (day, month) != self._cache_period:
-            self._cache_keys = [(base + (":" + (day if p == "day" else month) if p else "")).encode()
-                                for base, p in self._key_parts]
-            self._cache_period = (day, month)
+        """Concrete store keys (UTF-8) of :attr:`items` at wall-clock ``wall_s``: a spend key
+        carries the local day (``YYYY-MM-DD``) or month (``YYYY-MM``) of its item's zone."""
+        lo, hi = self._cache_window
+        if not lo <= wall_s < hi:
+            keys: list[bytes] = []
+            lo, hi = float("-inf"), float("inf")
+            for base, period, tz in self._key_parts:
+                if not period:
+                    keys.append(base.encode())
+                    continue
+                d = local_date(wall_s, tz)
+                start, end = day_bounds(d, tz)
+                lo, hi = max(lo, start.timestamp()), min(hi, end.timestamp())
+                label = d.isoformat() if period == "day" else d.isoformat()[:7]
+                keys.append(f"{base}:{label}".encode())
+            self._cache_keys, self._cache_window = keys, (lo, hi)
         return self._cache_keys
 
     def run_keys(self, run_id: str) -> list[bytes]:
@@ -223,31 +239,11 @@ class QuotaPlan:
         return (self._run_prefix + run_id + ":tc").encode("utf-8", "surrogatepass")
 
 
-_period_cache: dict[int, tuple[str, str]] = {}
-
-
-def _periods(wall_s: float) -> tuple[str, str]:
-    """(UTC day ``YYYY-MM-DD``, UTC month ``YYYY-MM``) of a wall-clock time, cached per day."""
-    day_no = int(wall_s // 86_400)
-    hit = _period_cache.get(day_no)
-    if hit is None:
-        d = _dt.datetime.fromtimestamp(day_no * 86_400, tz=_dt.timezone.utc)
-        hit = (d.strftime("%Y-%m-%d"), d.strftime("%Y-%m"))
-        if len(_period_cache) > 64:
-            _period_cache.clear()
-        _period_cache[day_no] = hit
-    return hit
-
-
-def period_end_s(wall_s: float, period: str) -> float:
-    """Seconds from ``wall_s`` to the end of its UTC ``day`` or ``month`` (> 0)."""
-    now = _dt.datetime.fromtimestamp(wall_s, tz=_dt.timezone.utc)
-    if period == "day":
-        end = _dt.datetime(now.year, now.month, now.day, tzinfo=_dt.timezone.utc) + _dt.timedelta(days=1)
-    else:
-        y, m = (now.year + 1, 1) if now.month == 12 else (now.year, now.month + 1)
-        end = _dt.datetime(y, m, 1, tzinfo=_dt.timezone.utc)
-    return (end - now).total_seconds()
+def period_end_s(wall_s: float, period: str, timezone: str = UTC) -> float:
+    """Seconds from ``wall_s`` to the end of its local ``day`` or ``month`` in ``timezone`` (> 0)."""
+    d: date = local_date(wall_s, timezone)
+    end = day_bounds(d, timezone)[1] if period == "day" else month_bounds(d.year, d.month, timezone)[1]
+    return end.timestamp() - wall_s
 
 
 def _min_limits(items: tuple[PlanItem, ...]) -> tuple[int | None, ...]:
@@ -263,14 +259,15 @@ def _min_limits(items: tuple[PlanItem, ...]) -> tuple[int | None, ...]:
 def build_plan(entry: KeyEntry, prefix: str) -> QuotaPlan:
     """Compile ``entry``'s chain into a :class:`QuotaPlan` whose keys start with ``prefix``."""
     items: list[PlanItem] = []
-    key_parts: list[tuple[str, str]] = []
+    key_parts: list[tuple[str, str, str]] = []
     ctx: int | None = None
     ctx_level = ""
     for node in entry.chain:
         base = f"{prefix}{LEVEL_CODES[node.level]}:{node.node_id}:"
-        for code, item in _items_for(node.level, node.limits):
+        tz = UTC if node.level == "global" else entry.billing_timezone
+        for code, item in _items_for(node.level, node.limits, timezone=tz):
             items.append(item)
-            key_parts.append((base + code, item.period))
+            key_parts.append((base + code, item.period, item.timezone))
         c = node.limits.max_context_tokens
         if c is not None and (ctx is None or c < ctx):
             ctx, ctx_level = c, node.level

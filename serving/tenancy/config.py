@@ -11,6 +11,7 @@ org → workspace → project → API key, the tiers and the platform-wide (``gl
     orgs:
       acme:                      # ids: letters, digits, '.', '_', '-' (1-128 chars)
         tier: enterprise
+        billing_timezone: America/New_York   # IANA zone of its invoices and spend days (default UTC)
         limits: {spend_per_month: "5000.00"}
         run_budget: {max_model_calls: 100}
         workspaces:
@@ -48,6 +49,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from kvmeter.billing_calendar import check_zone
 from kvmeter.serving.tenancy.limits import NODE_LEVELS
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TIER_FIELDS, tier_field_problem
 from kvmeter.serving.tenancy.toolpolicy import ToolPolicyModel
@@ -271,9 +273,22 @@ class WorkspaceModel(_Node):
 
 
 class OrgModel(_Node):
-    """An organisation (the billed tenant) and its workspaces (id → workspace)."""
+    """An organisation (the billed tenant) and its workspaces (id → workspace).
 
+    ``billing_timezone``: the IANA zone of the tenant's billing calendar (default ``UTC``): its
+    invoice periods, ``spend_per_day`` / ``spend_per_month`` windows and read-API periods are
+    local days and months there (:mod:`kvmeter.billing_calendar`)."""
+
+    billing_timezone: str = "UTC"
     workspaces: dict[str, WorkspaceModel] = Field(default_factory=dict)
+
+    @field_validator("billing_timezone")
+    @classmethod
+    def _zone(cls, v: str) -> str:
+        problem = check_zone(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
 
 class GlobalModel(BaseModel):

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from kvmeter.billing_calendar import UTC
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.tenancy.config import ConfigError, TenancyConfig, TierModel, parse_config
@@ -78,6 +79,8 @@ class KeyEntry:
         run_budget: the budget of each agent run of this key.
         tool_policy: the tools its agent runs may use and their risk classes
             (:class:`~kvmeter.serving.tenancy.toolpolicy.ToolPolicy`, compiled at load).
+        billing_timezone: its org's billing time zone (IANA name; the org, workspace, project
+            and key spend windows are local days and months there; ``global`` stays UTC).
     """
 
     principal: Principal
@@ -85,6 +88,7 @@ class KeyEntry:
     run_limits: Limits
     run_budget: RunBudget
     tool_policy: ToolPolicy = ALLOW_ALL
+    billing_timezone: str = UTC
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,8 @@ class DirectorySnapshot:
         has_spend_limits: True if any node, tier or run budget limits money (admission then needs
             a price function).
         source_sha256: hex SHA-256 of the file bytes it came from (``""`` when not from a file).
+        billing_timezones: tenant (org) id → its billing time zone (IANA name), every org of
+            the config; a tenant not in it is billed in UTC (:meth:`billing_timezone`).
     """
 
     version: int
@@ -109,7 +115,12 @@ class DirectorySnapshot:
     keys: Mapping[str, KeyEntry]
     has_spend_limits: bool
     source_sha256: str = ""
+    billing_timezones: Mapping[str, str] = field(default_factory=dict)
     _by_digest: Mapping[str, tuple[str, str]] = field(default_factory=dict, repr=False)
+
+    def billing_timezone(self, tenant_id: str) -> str:
+        """The billing time zone of ``tenant_id`` (``UTC`` for a tenant the config does not name)."""
+        return self.billing_timezones.get(tenant_id, UTC)
 
     def entry_for_digest(self, digest: str) -> KeyEntry | None:
         """The key whose SHA-256 hex digest is ``digest``, or None (timing-safe re-compare)."""
@@ -214,7 +225,7 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
                              f"orgs.{oid}.workspaces.{wid}.projects.{pid}.api_keys.{kid}")
                     policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes)],
                                                  approvers=[a for n in nodes for a in n.approvers])
-                    keys[kid] = KeyEntry(principal, chain, run_limits, run_budget, policy)
+                    keys[kid] = KeyEntry(principal, chain, run_limits, run_budget, policy, org.billing_timezone)
                     digest = key.digest()
                     by_digest[digest] = (digest, kid)
                     spend = spend or any(_limits_has_spend(n.limits) for n in chain) \
@@ -222,6 +233,7 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
     return DirectorySnapshot(
         version=version, config=cfg, tiers=MappingProxyType(tiers), default_tier=cfg.default_tier,
         keys=MappingProxyType(keys), has_spend_limits=spend, source_sha256=source_sha256,
+        billing_timezones=MappingProxyType({oid: org.billing_timezone for oid, org in cfg.orgs.items()}),
         _by_digest=MappingProxyType(by_digest))
 
 
@@ -311,6 +323,11 @@ class TenantDirectory:
             return self._snapshot.tiers[tier]
         except KeyError:
             raise KeyError(f"unknown tier {tier!r}; known: {', '.join(sorted(self._snapshot.tiers))}") from None
+
+    def billing_timezone(self, tenant_id: str) -> str:
+        """The billing time zone (IANA name) of ``tenant_id`` in the current snapshot (``UTC`` for
+        a tenant the config does not name); follows reloads."""
+        return self._snapshot.billing_timezone(tenant_id)
 
     def can_read_usage(self, principal: Principal, tenant_id: str) -> bool:
         """True if ``principal`` may read ``tenant_id``'s usage (its own tenant, or any if admin)."""

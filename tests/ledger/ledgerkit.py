@@ -71,10 +71,12 @@ async def fill_ledger(ledger: Ledger, n: int = 40, *, keys_per_tenant: int = 2, 
 
 
 @contextmanager
-def read_api_in_thread(ledger: Ledger, keys: dict[str, Any]) -> Iterator[str]:
+def read_api_in_thread(ledger: Ledger, keys: dict[str, Any], timezones: dict[str, str] | None = None,
+                       prices: Any = None) -> Iterator[str]:
     """The ledger's read API (``read_routes``) under uvicorn on a free loopback port, in a thread —
     the tests block their own event loop on CLI subprocesses while it answers. ``keys``: plain API
-    key → :class:`~kvmeter.serving.tenancy.Principal`. Yields the base URL; stops the server after."""
+    key → :class:`~kvmeter.serving.tenancy.Principal`; ``timezones``: tenant → billing zone;
+    ``prices``: the server's price list (default the ledger's). Yields the base URL; stops the server after."""
     import uvicorn
     from starlette.applications import Starlette
 
@@ -91,7 +93,8 @@ def read_api_in_thread(ledger: Ledger, keys: dict[str, Any]) -> Iterator[str]:
         return principal
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(Starlette(routes=read_routes(ledger.queries, authenticate)),
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=read_routes(
+        ledger.queries, authenticate, prices=prices, timezones=(lambda: timezones) if timezones else None)),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
