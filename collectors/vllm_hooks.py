@@ -24,6 +24,7 @@ from typing import Any, Callable
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvmeter.stats import EngineRequestStats, EngineStepStats
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["KvmeterStatLogger", "stat_logger_factory", "step_stats_from_vllm", "request_stats_from_vllm"]
 
@@ -34,7 +35,9 @@ RequestCallback = Callable[[EngineRequestStats], None]
 
 
 def request_stats_from_vllm(finished: Any, wall_ts: float) -> EngineRequestStats:
-    """Convert one vLLM ``FinishedRequestStats`` (``vllm/v1/metrics/stats.py``).
+    """Convert one vLLM ``FinishedRequestStats`` (``vllm/v1/metrics/stats.py``); vLLM's
+    ``num_prompt_tokens`` / ``num_generation_tokens`` become kvmeter's input / output tokens. The
+    stats carry no attribution yet: the engine adapter stamps it (vLLM knows only request ids).
 
     Args:
         finished: the vLLM object (``request_id``, ``finish_reason``, ``num_prompt_tokens``,
@@ -44,12 +47,13 @@ def request_stats_from_vllm(finished: Any, wall_ts: float) -> EngineRequestStats
         wall_ts: wall-clock epoch seconds of the step that reported it.
     """
     reason = getattr(finished, "finish_reason", None)
+    prompt = int(finished.num_prompt_tokens)
+    cached = int(getattr(finished, "num_cached_tokens", 0) or 0)
     return EngineRequestStats(
         request_id=str(finished.request_id),
         finish_reason=str(reason) if reason is not None else "stop",
-        prompt_tokens=int(finished.num_prompt_tokens),
-        generation_tokens=int(finished.num_generation_tokens),
-        cached_prompt_tokens=int(getattr(finished, "num_cached_tokens", 0) or 0),
+        tokens=TokenCounts(input_tokens=prompt, cached_input_tokens=min(cached, prompt),
+                           output_tokens=int(finished.num_generation_tokens)),
         queued_s=float(finished.queued_time),
         prefill_s=float(finished.prefill_time),
         decode_s=float(finished.decode_time),
@@ -85,8 +89,8 @@ def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | Non
             step.batch_size = int(details.num_ctx_requests + details.num_generation_requests)
     if iteration_stats is not None:
         step.num_preempted = int(iteration_stats.num_preempted_reqs)
-        step.prompt_tokens = int(iteration_stats.num_prompt_tokens)
-        step.generation_tokens = int(iteration_stats.num_generation_tokens)
+        step.input_tokens = int(iteration_stats.num_prompt_tokens)
+        step.output_tokens = int(iteration_stats.num_generation_tokens)
         step.ttfts_s = list(iteration_stats.time_to_first_tokens_iter)
         step.itls_s = list(iteration_stats.inter_token_latencies_iter)
         if not step.batch_size:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmeter.attribution import UNATTRIBUTED, Attribution
+from kvmeter.tokens import TokenCounts
+
 __all__ = ["EngineStepStats", "EngineRequestStats", "EngineLoad"]
 
 
@@ -25,12 +28,12 @@ class EngineStepStats:
         num_running: requests in the running batch.
         num_waiting: requests in the engine's own waiting queue.
         num_preempted: requests preempted in this step (delta).
-        prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache this step (delta).
+        prefix_cache_queries_tokens: input tokens looked up in the prefix cache this step (delta).
         prefix_cache_hits_tokens: of those, tokens found cached (delta).
         scheduled_tokens: tokens scheduled this step (prefill + decode), 0 when unknown.
         batch_size: requests that produced output this step.
-        prompt_tokens: prompt tokens computed or hit this step (delta).
-        generation_tokens: output tokens produced this step (delta).
+        input_tokens: input tokens computed or hit this step (delta; vLLM's ``num_prompt_tokens``).
+        output_tokens: output tokens produced this step (delta; vLLM's ``num_generation_tokens``).
         ttfts_s: engine-side time-to-first-token of requests that produced their first token.
         itls_s: engine-side inter-token latencies observed this step (seconds).
     """
@@ -47,8 +50,8 @@ class EngineStepStats:
     prefix_cache_hits_tokens: int = 0
     scheduled_tokens: int = 0
     batch_size: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[float] = field(default_factory=list)
 
@@ -65,7 +68,8 @@ class EngineRequestStats:
     Attributes:
         request_id: kvmeter's request id (vLLM keeps it unchanged).
         finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
-        prompt_tokens, cached_prompt_tokens (⊆ prompt), generation_tokens: engine-true counts.
+        tokens: engine-true counts (input, cached input ⊆ input, output; the engines report no
+            reasoning tokens, so ``reasoning_tokens`` is 0).
         queued_s: time in the engine's waiting queue.
         prefill_s: first schedule → first token.
         decode_s: first token → last token.
@@ -74,13 +78,15 @@ class EngineRequestStats:
         mean_tpot_s: mean time per output token after the first (0 with < 2 tokens).
         preemptions: times preempted.
         wall_ts: wall-clock epoch seconds when recorded.
+        attribution: the request's attribution, stamped by the engine adapter from the
+            :class:`~kvmeter.serving.engines.base.EngineRequest` before it publishes the stats
+            (vLLM's hooks see only request ids); :data:`~kvmeter.attribution.UNATTRIBUTED` for a
+            request the adapter did not receive from the gateway.
     """
 
     request_id: str
     finish_reason: str
-    prompt_tokens: int
-    generation_tokens: int
-    cached_prompt_tokens: int = 0
+    tokens: TokenCounts
     queued_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -89,6 +95,7 @@ class EngineRequestStats:
     mean_tpot_s: float = 0.0
     preemptions: int = 0
     wall_ts: float = 0.0
+    attribution: Attribution = UNATTRIBUTED
 
 
 @dataclass(slots=True)

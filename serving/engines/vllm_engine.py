@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -81,6 +82,8 @@ class VllmEngine(Engine):
         self._load = EngineLoad()
         self._finished: OrderedDict[str, EngineRequestStats] = OrderedDict()
         self._waiters: dict[str, asyncio.Event] = {}
+        # request id → attribution of the requests in flight, stamped on their finished stats
+        self._attributions: dict[str, Attribution] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -138,6 +141,7 @@ class VllmEngine(Engine):
         self._bus.publish(step)
 
     def _on_request(self, stats: EngineRequestStats) -> None:
+        stats.attribution = self._attributions.pop(stats.request_id, UNATTRIBUTED)
         self._finished[stats.request_id] = stats
         while len(self._finished) > _STATS_KEEP:
             self._finished.popitem(last=False)
@@ -181,6 +185,7 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"invalid sampling parameters: {exc}") from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        self._attributions[request.request_id] = request.attribution
         stream = self._llm.generate(prompt, params, request.request_id, priority=request.priority)
         generated = 0
         finished = False
@@ -191,8 +196,8 @@ class VllmEngine(Engine):
                 delta = EngineOutput(
                     new_token_ids=completion.token_ids, new_text=completion.text,
                     num_output_tokens=generated,
-                    num_prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
-                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    num_input_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
+                    num_cached_input_tokens=int(out.num_cached_tokens or 0),
                     finished=out.finished, finish_reason=completion.finish_reason)
                 if out.finished:
                     finished = True
@@ -207,6 +212,7 @@ class VllmEngine(Engine):
                               retryable=True) from exc
         finally:
             self._waiters.pop(request.request_id, None)
+            self._attributions.pop(request.request_id, None)
             if not finished:
                 self._finished.pop(request.request_id, None)
                 # Closing vLLM's generator runs its own abort path (AsyncLLM.generate aborts on

@@ -26,6 +26,7 @@ the engine is touched. A refusal in steps 1–4 is published as a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -39,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
@@ -51,14 +53,14 @@ from kvmeter.serving.gateway.protocol import (ChatCompletionRequest, CompletionR
                                               parse_request, usage_block)
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.gateway.replays import fingerprint, replay_response, stored_headers
-from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
-                                        UsageEstimate)
+from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
 from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision, RequestRefused
+from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint"]
 
@@ -147,8 +149,8 @@ class Gateway:
         ``REFUSAL_ENDPOINTS``)."""
         self.bus.publish(RequestRefused(
             status_code=err.status_code, code=err.code or "", endpoint=endpoint,
-            tenant_id=principal.tenant_id if principal is not None else "",
-            tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
+            attribution=principal.attribution(endpoint=endpoint) if principal is not None else None,
+            wall_ts=self.clock.wall()))
 
 
 class _ClientGone(Exception):
@@ -170,6 +172,7 @@ class _Seen:
     principal: Principal | None = None
     idempotency_key: str = ""
     agent_run_id: str = ""
+    attribution: Attribution | None = None  # built once the run id header is read
     decided: bool = False  # an AdmissionDecision was published (quota or scheduler refusal)
 
 
@@ -315,20 +318,18 @@ class CompletionEndpoint:
         if status is None:  # quota refusals carry their level/dimension; 429s are shedding
             status = "rejected" if err is not None and ("dimension" in err.extra or err.status == 429) else "invalid"
         ident = adm.meter.identity if adm is not None else None
+        attribution = seen.attribution or principal.attribution(
+            model=self.gw.engine.model_name, endpoint=self.endpoint, agent_run_id=seen.agent_run_id)
+        run_id = _bounded(attribution.agent_run_id, MAX_RUN_ID_CHARS)
+        if run_id != attribution.agent_run_id:  # headers as sent: a refused over-long one is kept
+            attribution = dataclasses.replace(attribution, agent_run_id=run_id)  # as a digest (_bounded)
         record = AttemptRecord(
-            tenant_id=principal.tenant_id, request_id=request_id, status=status,
-            ts=self.gw.clock.wall(),
+            attribution=attribution, request_id=request_id, status=status, ts=self.gw.clock.wall(),
             event_id=adm.meter.event_id() if adm is not None else "",
             reason=(err.code or "error") if err is not None else status,
-            status_code=err.status if err is not None else 200, tier=principal.tier,
-            model=self.gw.engine.model_name, endpoint=self.endpoint, org_id=principal.org_id,
-            workspace_id=principal.workspace_id, project_id=principal.project_id,
-            api_key_id=principal.api_key_id,
-            # headers as sent: a refused over-long one is kept as a digest (see _bounded)
-            agent_run_id=_bounded(seen.agent_run_id, MAX_RUN_ID_CHARS),
+            status_code=err.status if err is not None else 200,
             idempotency_key=_bounded(seen.idempotency_key, MAX_KEY_CHARS),
-            reserved_prompt_tokens=adm.reservation.reserved_prompt_tokens if adm and status == "admitted" else 0,
-            reserved_completion_tokens=adm.reservation.reserved_completion_tokens if adm and status == "admitted" else 0,
+            reserved=adm.reservation.reserved if adm and status == "admitted" else NO_TOKENS,
             attempt=ident.attempt if ident is not None else attempt,
             level=err.extra.get("level", "") if err is not None else "",
             dimension=err.extra.get("dimension", "") if err is not None else "")
@@ -347,6 +348,9 @@ class CompletionEndpoint:
                                                     code="invalid_idempotency_key")
         seen.agent_run_id = run_id = single_header(request, "x-agent-run-id", "X-Agent-Run-Id",
                                                    code="invalid_request")
+        # the request's attribution, built once and carried by reference from here on
+        seen.attribution = attribution = principal.attribution(
+            model=gw.engine.model_name, endpoint=self.endpoint, agent_run_id=run_id)
         data = await read_json_object(request, gw.settings.max_body_bytes,
                                       timeout_s=gw.settings.body_read_timeout_s)
         body = parse_request(data, self._kind)
@@ -357,17 +361,12 @@ class CompletionEndpoint:
         prompt_ids = await self._tokenize(body)
         max_tokens = self._output_budget(body, len(prompt_ids), self._context_limit(principal, run_id))
         ticket = await self._idempotency(principal, idem, data)
-        identity = RequestIdentity(
-            request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
-            model=engine.model_name, endpoint=self.endpoint, stream=body.stream,
-            idempotency_key=idem, org_id=principal.org_id, workspace_id=principal.workspace_id,
-            project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id,
-            attempt=ticket.attempt if ticket is not None else 1)
-        meter = RequestMeter(identity, gw.clock, prompt_tokens=len(prompt_ids),
-                             reserved_completion_tokens=max_tokens, arrival=arrival)
-        estimate = UsageEstimate(model=engine.model_name, prompt_tokens=len(prompt_ids),
-                                 max_output_tokens=max_tokens, agent_run_id=run_id,
-                                 request_id=request_id, attempt=identity.attempt)
+        identity = RequestIdentity(request_id=request_id, attribution=attribution, stream=body.stream,
+                                   idempotency_key=idem, attempt=ticket.attempt if ticket is not None else 1)
+        reserved = TokenCounts(input_tokens=len(prompt_ids), output_tokens=max_tokens)
+        meter = RequestMeter(identity, gw.clock, reserved=reserved, arrival=arrival)
+        estimate = UsageEstimate(attribution=attribution, tokens=reserved, request_id=request_id,
+                                 attempt=identity.attempt)
         try:
             reservation = await gw.quota.reserve(principal, estimate)
         except BaseException as exc:
@@ -375,13 +374,13 @@ class CompletionEndpoint:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             if not isinstance(exc, QuotaRejected):
                 raise
-            self._decided(principal, exc)
+            self._decided(attribution, exc)
             seen.decided = True
             raise
         engine_request = EngineRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
-            top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
+            top_p=body.top_p, stop=body.stop_list(), seed=body.seed, attribution=attribution)
         return _Admitted(principal=principal, body=body, engine_request=engine_request, meter=meter,
                          reservation=reservation, ticket=ticket)
 
@@ -433,7 +432,7 @@ class CompletionEndpoint:
         except QuotaRejected:
             return None  # e.g. the key was removed by a reload: reserve() answers it
 
-    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int,
+    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, input_tokens: int,
                        context_limit: int | None = None) -> int:
         """The output ceiling: the request's ``max_tokens``, else what the context window leaves —
         the engine's window or, when tighter, the caller's quota ``max_context_tokens`` (a request
@@ -448,18 +447,18 @@ class CompletionEndpoint:
         requested = body.output_ceiling()
         ceiling_param = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
                          and body.max_completion_tokens is not None else "max_tokens")
-        if prompt_tokens >= window:
+        if input_tokens >= window:
             raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                f"your prompt is {prompt_tokens} tokens, leaving no room for output.",
+                                f"your prompt is {input_tokens} tokens, leaving no room for output.",
                            param="messages" if self.chat else "prompt", code="context_length_exceeded")
         if requested is None:
-            budget = window - prompt_tokens
+            budget = window - input_tokens
             if context_limit is not None and context_limit < window:
-                budget = max(1, context_limit - prompt_tokens)
+                budget = max(1, context_limit - input_tokens)
         else:
-            if prompt_tokens + requested > window:
+            if input_tokens + requested > window:
                 raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                    f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} "
+                                    f"you requested {input_tokens + requested} tokens ({input_tokens} "
                                     f"in the prompt, {requested} in the completion). Please reduce the "
                                     f"prompt or {ceiling_param}.",
                                param=ceiling_param, code="context_length_exceeded")
@@ -469,15 +468,15 @@ class CompletionEndpoint:
                            param="min_tokens", code="invalid_value")
         return budget
 
-    def _decision(self, principal: Principal, admitted: bool, reason: str, level: str = "",
+    def _decision(self, attribution: Attribution, admitted: bool, reason: str, level: str = "",
                   dimension: str = "", status: int = 200) -> None:
         self.gw.bus.publish(AdmissionDecision(
-            tenant_id=principal.tenant_id, tier=principal.tier, admitted=admitted, reason=reason,
+            attribution=attribution, admitted=admitted, reason=reason,
             level=level, dimension=dimension, status_code=status, wall_ts=self.gw.clock.wall()))
 
-    def _decided(self, principal: Principal, refusal: QuotaRejected | SchedulerRejected) -> None:
+    def _decided(self, attribution: Attribution, refusal: QuotaRejected | SchedulerRejected) -> None:
         """Publish the admission decision of a quota or scheduler refusal."""
-        self._decision(principal, False, refusal.code or "", refusal.level, refusal.dimension,
+        self._decision(attribution, False, refusal.code or "", refusal.level, refusal.dimension,
                        refusal.status_code)
 
     # -- step 6 ---------------------------------------------------------------------------------
@@ -487,18 +486,19 @@ class CompletionEndpoint:
         policy = gw.tier_policy(adm.principal.tier)
         # the tier's deadline rule, the one the simulator applies to the same request
         deadline = policy.deadline_s(meter.arrival_mono) if policy is not None else None
-        job = Job(request_id=adm.engine_request.request_id, tenant_id=adm.principal.tenant_id,
-                  tier=adm.principal.tier, prompt_tokens=len(adm.engine_request.prompt_token_ids),
+        attribution = meter.identity.attribution
+        job = Job(request_id=adm.engine_request.request_id, attribution=attribution,
+                  input_tokens=len(adm.engine_request.prompt_token_ids),
                   max_tokens=adm.engine_request.max_tokens, arrival_s=meter.arrival_mono,
                   deadline_s=deadline)
         try:
             gw.scheduler.check_admission(job)
             grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)
         except SchedulerRejected as exc:
-            self._decided(adm.principal, exc)
+            self._decided(attribution, exc)
             raise
         adm.engine_request.priority = grant.priority
-        self._decision(adm.principal, True, "admitted")
+        self._decision(attribution, True, "admitted")
         return grant
 
     @staticmethod
@@ -638,9 +638,7 @@ class CompletionEndpoint:
             await adm.attempt_write  # _attempt never raises (it logs)
         if adm.grant is not None:
             gw.scheduler.release(adm.grant)
-        await gw.quota.reconcile(adm.reservation, ActualUsage(
-            prompt_tokens=event.prompt_tokens, cached_prompt_tokens=event.cached_prompt_tokens,
-            completion_tokens=event.completion_tokens))
+        await gw.quota.reconcile(adm.reservation, event.tokens)
         gw.bus.publish(completion)
         return event
 
@@ -656,7 +654,7 @@ class CompletionEndpoint:
 
     async def _release_unrun(self, adm: _Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
-        await self.gw.quota.reconcile(adm.reservation, ActualUsage())
+        await self.gw.quota.reconcile(adm.reservation, NO_TOKENS)
         await self._settle_idempotency(adm, None)
 
     async def _settle_idempotency(self, adm: _Admitted, stored: StoredResponse | None) -> None:
@@ -676,8 +674,7 @@ class CompletionEndpoint:
 
     # -- response shapes ----------------------------------------------------------------------------
     def _usage(self, event: UsageEvent) -> dict[str, Any]:
-        return usage_block(event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
-                           event.reasoning_tokens)
+        return usage_block(event.tokens)
 
     def _full_response(self, adm: _Admitted, text: str, event: UsageEvent) -> dict[str, Any]:
         rid = adm.engine_request.request_id
@@ -686,10 +683,10 @@ class CompletionEndpoint:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": event.finish_reason, "logprobs": None}
             return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                    "model": event.model, "choices": [choice], "usage": self._usage(event)}
+                    "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
         choice = {"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}
         return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                "model": event.model, "choices": [choice], "usage": self._usage(event)}
+                "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
 
     def _chunk(self, adm: _Admitted, created: int, out: EngineOutput, first: bool,
                include_usage: bool) -> dict[str, Any]:
@@ -715,4 +712,4 @@ class CompletionEndpoint:
         rid = adm.engine_request.request_id
         return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}",
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": created, "model": event.model, "choices": [], "usage": self._usage(event)}
+                "created": created, "model": event.attribution.model, "choices": [], "usage": self._usage(event)}

@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFu
 from pydantic_core import PydanticCustomError
 
 from kvmeter.serving.gateway.errors import ApiError
+from kvmeter.tokens import TokenCounts
 
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "parse_request", "usage_block",
@@ -234,13 +235,14 @@ def _json_type(value: Any) -> str:
         type(value), type(value).__name__)
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                reasoning_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI ``usage`` object. ``cached_tokens`` ⊆ prompt, ``reasoning_tokens`` ⊆ completion."""
+def usage_block(tokens: TokenCounts) -> dict[str, Any]:
+    """OpenAI ``usage`` object of ``tokens`` — the one place kvmeter writes OpenAI's wire names:
+    input → ``prompt_tokens``, cached input → ``prompt_tokens_details.cached_tokens``, output →
+    ``completion_tokens``, reasoning → ``completion_tokens_details.reasoning_tokens``."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "prompt_tokens": tokens.input_tokens,
+        "completion_tokens": tokens.output_tokens,
+        "total_tokens": tokens.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": tokens.cached_input_tokens},
+        "completion_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
     }
