@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmeter.serving.quota.base import ActualUsage, QuotaGate, Reservation, UsageEstimate
+from kvmeter.serving.quota.base import QuotaGate, Reservation, UsageEstimate
 from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 
 from .runs import AgentRuns
 
@@ -37,11 +38,12 @@ class RunGuardedQuota(QuotaGate):
 
     async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
         """Check the run (raises :class:`~kvmeter.serving.agents.ModelCallRefused`), then reserve."""
-        if estimate.agent_run_id and isinstance(principal, Principal):
-            await self.agents.on_model_call(principal, estimate.agent_run_id)
+        run_id = estimate.attribution.agent_run_id
+        if run_id and isinstance(principal, Principal):
+            await self.agents.on_model_call(principal, run_id)
         return await self.inner.reserve(principal, estimate)
 
-    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+    async def reconcile(self, reservation: Reservation, actual: TokenCounts) -> None:
         await self.inner.reconcile(reservation, actual)
 
     def context_limit(self, principal: object, agent_run_id: str = "") -> int | None:

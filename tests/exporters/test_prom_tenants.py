@@ -7,13 +7,19 @@ import random
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, TenantLabels, install_prometheus
 from kvmeter.stats import RequestCompletion
+from kvmeter.tokens import TokenCounts
 
 
 def done(tenant: str, tokens: int, tier: str = "free") -> RequestCompletion:
-    return RequestCompletion(tenant_id=tenant, tier=tier, model="m", outcome="ok",
-                             prompt_tokens=tokens, completion_tokens=0, e2e_s=1.0)
+    return RequestCompletion(
+        attribution=Attribution(tenant, tier=tier, model="m"),
+        tokens=TokenCounts(input_tokens=tokens, output_tokens=0),
+        outcome="ok",
+        e2e_s=1.0,
+    )
 
 
 def tenant_values(registry, metric="kvmeter_requests_total"):
@@ -135,9 +141,15 @@ def test_a_tenant_only_ever_refused_gets_its_own_label_while_slots_are_free(bus,
 
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=20))
     for _ in range(3):
-        bus.publish(AdmissionDecision(tenant_id="hobbyist", tier="free", admitted=False,
-                                      reason="concurrency_limited", status_code=429))
-    bus.publish(AdmissionDecision(tenant_id="initech", tier="batch", admitted=True))
+        bus.publish(
+            AdmissionDecision(
+                attribution=Attribution("hobbyist", tier="free"),
+                admitted=False,
+                reason="concurrency_limited",
+                status_code=429,
+            )
+        )
+    bus.publish(AdmissionDecision(attribution=Attribution('initech', tier='batch'), admitted=True))
     rejected = {s.labels["tenant"]: s.value for fam in registry.collect() for s in fam.samples
                 if s.name == "kvmeter_admission_rejected_requests_total"}
     admitted = {s.labels["tenant"] for fam in registry.collect() for s in fam.samples
