@@ -54,8 +54,28 @@ def _check(what: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise InvalidRecord(f"{what}.{name} must be one of {allowed}, got {value!r}")
 
 
+class _Attributed:
+    """The attribution's part of an agent record: who (``tenant_id``) and which run
+    (``agent_run_id``), read from the one :class:`~kvmeter.attribution.Attribution` it carries."""
+
+    __slots__ = ()
+    attribution: Attribution
+
+    @property
+    def tenant_id(self) -> str:
+        return self.attribution.tenant_id
+
+    @property
+    def agent_run_id(self) -> str:
+        return self.attribution.agent_run_id
+
+    def _check_attribution(self, what: str) -> None:
+        if not isinstance(self.attribution, Attribution):
+            raise InvalidRecord(f"{what}.attribution must be an Attribution, got {self.attribution!r}")
+
+
 @dataclass(frozen=True, slots=True)
-class ToolCallRecord:
+class ToolCallRecord(_Attributed):
     """One decision on one tool call of an agent run.
 
     Attributes:
@@ -96,17 +116,8 @@ class ToolCallRecord:
     status_code: int = 200
     record_id: str = field(default_factory=_new_id)
 
-    @property
-    def tenant_id(self) -> str:
-        return self.attribution.tenant_id
-
-    @property
-    def agent_run_id(self) -> str:
-        return self.attribution.agent_run_id
-
     def __post_init__(self) -> None:
-        if not isinstance(self.attribution, Attribution):
-            raise InvalidRecord(f"ToolCallRecord.attribution must be an Attribution, got {self.attribution!r}")
+        self._check_attribution("ToolCallRecord")
         if not self.tenant_id or (self.source == "reported" and not self.agent_run_id):
             raise InvalidRecord("ToolCallRecord needs a tenant_id (and an agent_run_id when reported)")
         _check("ToolCallRecord", "source", self.source, TOOL_CALL_SOURCES)
@@ -114,7 +125,7 @@ class ToolCallRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ApprovalRecord:
+class ApprovalRecord(_Attributed):
     """One event of an approval (append-only: an approval's history is its events).
 
     Attributes:
@@ -146,17 +157,8 @@ class ApprovalRecord:
     tool_call_id: str = ""
     record_id: str = ""
 
-    @property
-    def tenant_id(self) -> str:
-        return self.attribution.tenant_id
-
-    @property
-    def agent_run_id(self) -> str:
-        return self.attribution.agent_run_id
-
     def __post_init__(self) -> None:
-        if not isinstance(self.attribution, Attribution):
-            raise InvalidRecord(f"ApprovalRecord.attribution must be an Attribution, got {self.attribution!r}")
+        self._check_attribution("ApprovalRecord")
         if not self.approval_id or not self.tenant_id or not self.agent_run_id:
             raise InvalidRecord("ApprovalRecord needs an approval_id, a tenant_id and an agent_run_id")
         _check("ApprovalRecord", "event", self.event, APPROVAL_EVENTS)
@@ -166,7 +168,7 @@ class ApprovalRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class RunStopRecord:
+class RunStopRecord(_Attributed):
     """An agent run stopped by a loop stop.
 
     Attributes:
@@ -187,17 +189,8 @@ class RunStopRecord:
     tool: str = ""
     record_id: str = ""
 
-    @property
-    def tenant_id(self) -> str:
-        return self.attribution.tenant_id
-
-    @property
-    def agent_run_id(self) -> str:
-        return self.attribution.agent_run_id
-
     def __post_init__(self) -> None:
-        if not isinstance(self.attribution, Attribution):
-            raise InvalidRecord(f"RunStopRecord.attribution must be an Attribution, got {self.attribution!r}")
+        self._check_attribution("RunStopRecord")
         if not self.tenant_id or not self.agent_run_id:
             raise InvalidRecord("RunStopRecord needs a tenant_id and an agent_run_id")
         _check("RunStopRecord", "reason", self.reason, RUN_STOP_REASONS)
