@@ -204,7 +204,7 @@ async def test_an_abort_after_the_first_token_keeps_its_cached_prefix(engine):
     await stream.aclose()
     account = await engine.final_stats(request.request_id, EVENT_WAIT_S)
     assert account is not None and account.finish_reason == "abort"
-    assert account.tokens.cached_input_tokens == out.num_cached_tokens == 8 * BLOCK
+    assert account.tokens.cached_input_tokens == out.num_cached_input_tokens == 8 * BLOCK
     assert account.tokens.input_tokens == 1100 and account.tokens.output_tokens >= 3
 
 
