@@ -74,8 +74,8 @@ _GAUGES = {
     "vllm:gpu_prefix_cache_hit_rate": "prefix_cache_hit_rate",  # V0; -1 means disabled
 }
 _COUNTERS = {  # family names as the parser yields them (without "_total")
-    "vllm:prompt_tokens": "prompt_tokens",
-    "vllm:generation_tokens": "generation_tokens",
+    "vllm:prompt_tokens": "input_tokens",
+    "vllm:generation_tokens": "output_tokens",
     "vllm:num_preemptions": "preemptions",
     "vllm:prefix_cache_queries": "prefix_cache_queries_tokens",
     "vllm:prefix_cache_hits": "prefix_cache_hits_tokens",

@@ -67,17 +67,17 @@ What an account counts, per request vLLM freed early (:func:`account_of`):
   processes the aborts queue after ``execute_model``, core.py:678–680), one that arrives between
   steps before the next is scheduled. With asynchronous scheduling a step scheduled ahead is in
   flight on the device and is counted too: the device computes it.
-* ``prompt_tokens`` (billed) — ``min(prompt, peak computed)``: a request still WAITING says 0;
+* ``input_tokens`` (billed) — ``min(prompt, peak computed)``: a request still WAITING says 0;
   a chunked prefill cut after its first 256-token chunk says 256; after a preemption the
   peak before it counts (the client is billed its prompt once, not the recompute).
 * ``preempted_tokens`` — ``num_computed_tokens`` discarded at each preemption, summed (redone by
   the engine, absorbed by the platform, never billed).
-* ``cached_prompt_tokens`` — ``PrefillStats.num_cached_tokens`` as it stood when the request
+* ``cached_input_tokens`` — ``PrefillStats.num_cached_tokens`` as it stood when the request
   was first admitted: vLLM sets it on every admission attempt before allocating KV, never after
   a preemption (``request.num_preemptions <= 0``, scheduler.py:1075), so a lookup followed by a
   failed KV allocation counts once, at the admission that succeeded; tokens a preempted request
   finds in the cache when it is readmitted (its own recomputed prefix) are not cached tokens; 0
-  when the request was never admitted; capped by ``prompt_tokens``. It is the number vLLM puts
+  when the request was never admitted; capped by ``input_tokens``. It is the number vLLM puts
   on the request's outputs (``RequestOutput.num_cached_tokens``).
 """
 
@@ -95,6 +95,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvmeter.stats import EngineRequestStats, EngineStepStats
+from kvmeter.tokens import TokenCounts
 
 __all__ = [
     "KvmeterStatLogger", "KvmeterScheduler", "KvmeterAsyncScheduler", "stat_logger_factory",
@@ -247,7 +248,9 @@ def install_request_accounts(vllm_config: Any) -> str:
 # -- frontend side ---------------------------------------------------------------------------------
 
 def request_stats_from_vllm(finished: Any, wall_ts: float) -> EngineRequestStats:
-    """Convert one vLLM ``FinishedRequestStats`` (``vllm/v1/metrics/stats.py``).
+    """Convert one vLLM ``FinishedRequestStats`` (``vllm/v1/metrics/stats.py``); vLLM's
+    ``num_prompt_tokens`` / ``num_generation_tokens`` become kvmeter's input / output tokens. The
+    stats carry no attribution yet: the engine adapter stamps it (vLLM knows only request ids).
 
     Args:
         finished: the vLLM object (``request_id``, ``finish_reason``, ``num_prompt_tokens``,
@@ -256,16 +259,17 @@ def request_stats_from_vllm(finished: Any, wall_ts: float) -> EngineRequestStats
             ``num_preemptions``; times in seconds).
         wall_ts: wall-clock epoch seconds of the step that reported it.
     Returns:
-        The account, ``cached_prompt_tokens`` capped at ``prompt_tokens``.
+        The account, cached input tokens capped at the input (the engine's own count kept in
+        ``reported_cached_input_tokens`` when it was larger).
     """
     reason = getattr(finished, "finish_reason", None)
     prompt = int(finished.num_prompt_tokens)
+    cached = int(getattr(finished, "num_cached_tokens", 0) or 0)
     return EngineRequestStats(
         request_id=str(finished.request_id),
         finish_reason=str(reason) if reason is not None else "stop",
-        prompt_tokens=prompt,
-        generation_tokens=int(finished.num_generation_tokens),
-        cached_prompt_tokens=min(int(getattr(finished, "num_cached_tokens", 0) or 0), prompt),
+        tokens=TokenCounts(input_tokens=prompt, cached_input_tokens=min(cached, prompt),
+                           output_tokens=int(finished.num_generation_tokens)),
         queued_s=float(finished.queued_time),
         prefill_s=float(finished.prefill_time),
         decode_s=float(finished.decode_time),
@@ -274,6 +278,7 @@ def request_stats_from_vllm(finished: Any, wall_ts: float) -> EngineRequestStats
         mean_tpot_s=float(getattr(finished, "mean_time_per_output_token", 0.0) or 0.0),
         preemptions=int(getattr(finished, "num_preemptions", 0) or 0),
         wall_ts=wall_ts,
+        reported_cached_input_tokens=cached if cached > prompt else None,
     )
 
 
@@ -281,21 +286,24 @@ def request_stats_from_account(account: dict[str, Any], wall_ts: float) -> Engin
     """Convert one account of the scheduler hook (:func:`account_of`'s wire form) into
     :class:`EngineRequestStats` with kvmeter's request id (phase times not measured)."""
     prompt = int(account["prompt"])
+    cached = int(account["cached"])
     return EngineRequestStats(
         request_id=external_request_id(str(account["id"])), finish_reason=str(account["reason"]),
-        prompt_tokens=prompt, generation_tokens=int(account["generated"]),
-        cached_prompt_tokens=max(0, min(int(account["cached"]), prompt)),
+        tokens=TokenCounts(input_tokens=prompt, output_tokens=int(account["generated"]),
+                           cached_input_tokens=max(0, min(cached, prompt))),
         preemptions=int(account["preemptions"]), wall_ts=wall_ts,
         computed_tokens=int(account["computed"]), preempted_tokens=int(account["preempted"]),
-        phase_times_measured=False)
+        phase_times_measured=False, reported_cached_input_tokens=cached if cached > prompt else None)
 
 
 def _merged(finished: EngineRequestStats, account: EngineRequestStats) -> EngineRequestStats:
     """vLLM's finished stats of a request the scheduler also freed early (an error): the
     scheduler's token counts, vLLM's phase times."""
     return dataclasses.replace(
-        finished, prompt_tokens=account.prompt_tokens, generation_tokens=account.generation_tokens,
-        cached_prompt_tokens=min(finished.cached_prompt_tokens, account.prompt_tokens),
+        finished,
+        tokens=TokenCounts(
+            input_tokens=account.tokens.input_tokens, output_tokens=account.tokens.output_tokens,
+            cached_input_tokens=min(finished.tokens.cached_input_tokens, account.tokens.input_tokens)),
         computed_tokens=account.computed_tokens, preempted_tokens=account.preempted_tokens)
 
 
@@ -336,8 +344,8 @@ def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | Non
             step.batch_size = int(details.num_ctx_requests + details.num_generation_requests)
     if iteration_stats is not None:
         step.num_preempted = int(iteration_stats.num_preempted_reqs)
-        step.prompt_tokens = int(iteration_stats.num_prompt_tokens)
-        step.generation_tokens = int(iteration_stats.num_generation_tokens)
+        step.input_tokens = int(iteration_stats.num_prompt_tokens)
+        step.output_tokens = int(iteration_stats.num_generation_tokens)
         step.ttfts_s = list(iteration_stats.time_to_first_tokens_iter)
         step.itls_s = list(iteration_stats.inter_token_latencies_iter)
         if not step.batch_size:

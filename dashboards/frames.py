@@ -94,20 +94,20 @@ def traffic_rates(traffic: pl.DataFrame, window: Window, now: datetime | None = 
     (filled to every bucket).
 
     Adds: ``requests_per_s``, ``input_tokens_per_s``, ``output_tokens_per_s``,
-    ``tokens_per_request`` (mean prompt + output tokens per request, ``None`` without requests),
+    ``tokens_per_request`` (mean input + output tokens per request, ``None`` without requests),
     ``active_kv_tokens`` (mean KV tokens held = ∫KV dt ÷ bucket seconds), ``queue_depth``
     (mean requests waiting = Σ queue wait ÷ bucket seconds, Little's law L = λW).
     """
-    counts = ["requests", "ok_requests", "aborted_requests", "error_requests", "prompt_tokens",
-              "cached_prompt_tokens", "completion_tokens", "kv_token_seconds", "queue_seconds"]
+    counts = ["requests", "ok_requests", "aborted_requests", "error_requests", "input_tokens",
+              "cached_input_tokens", "output_tokens", "kv_token_seconds", "queue_seconds"]
     df = fill_buckets(traffic, window, zero=counts)
     secs = bucket_seconds(window, now)
     return df.with_columns(
         (pl.col("requests") / secs).alias("requests_per_s"),
-        (pl.col("prompt_tokens") / secs).alias("input_tokens_per_s"),
-        (pl.col("completion_tokens") / secs).alias("output_tokens_per_s"),
+        (pl.col("input_tokens") / secs).alias("input_tokens_per_s"),
+        (pl.col("output_tokens") / secs).alias("output_tokens_per_s"),
         pl.when(pl.col("requests") > 0)
-          .then((pl.col("prompt_tokens") + pl.col("completion_tokens")) / pl.col("requests"))
+          .then((pl.col("input_tokens") + pl.col("output_tokens")) / pl.col("requests"))
           .otherwise(None).alias("tokens_per_request"),
         (pl.col("kv_token_seconds") / secs).alias("active_kv_tokens"),
         (pl.col("queue_seconds") / secs).alias("queue_depth"),
@@ -141,13 +141,13 @@ def tier_weights(tiers: Iterable[TierInfo]) -> dict[str, float]:
 
 
 def service(df: pl.DataFrame, tiers: Iterable[TierInfo]) -> pl.DataFrame:
-    """Add ``service_tokens`` = w_p × prompt + w_q × output tokens (VTC's weighted token work,
+    """Add ``service_tokens`` = w_p × input + w_q × output tokens (VTC's weighted token work,
     :data:`INPUT_WEIGHT`, :data:`OUTPUT_WEIGHT`) and ``normalised_service`` = service ÷ the
     tier's weight (1.0 for an unknown tier) — equal normalised service is the fair outcome."""
     weights = tier_weights(tiers)
     weight = pl.col("tier").replace_strict(weights, default=1.0, return_dtype=pl.Float64)
     return df.with_columns(
-        (INPUT_WEIGHT * pl.col("prompt_tokens") + OUTPUT_WEIGHT * pl.col("completion_tokens"))
+        (INPUT_WEIGHT * pl.col("input_tokens") + OUTPUT_WEIGHT * pl.col("output_tokens"))
         .cast(pl.Float64).alias("service_tokens"),
     ).with_columns((pl.col("service_tokens") / weight).alias("normalised_service"))
 
@@ -216,7 +216,7 @@ def tenant_ranking(totals: pl.DataFrame, tiers: Iterable[TierInfo], window: Wind
     if totals.height == 0:
         return totals
     df = service(totals, tiers).with_columns(
-        (pl.col("prompt_tokens") + pl.col("completion_tokens")).alias("total_tokens"))
+        (pl.col("input_tokens") + pl.col("output_tokens")).alias("total_tokens"))
 
     def share(col: str) -> pl.Expr:
         total = pl.col(col).sum()
@@ -284,15 +284,15 @@ def reservation_drift(df: pl.DataFrame) -> pl.DataFrame:
     nothing was reserved) and ``output_use_ratio`` (output used ÷ output reserved).
     """
     return df.with_columns(
-        (pl.col("reserved_prompt_tokens") + pl.col("reserved_completion_tokens")).alias("reserved_tokens"),
-        (pl.col("prompt_tokens") + pl.col("completion_tokens")).alias("actual_tokens"),
+        (pl.col("reserved_input_tokens") + pl.col("reserved_output_tokens")).alias("reserved_tokens"),
+        (pl.col("input_tokens") + pl.col("output_tokens")).alias("actual_tokens"),
     ).with_columns(
         (pl.col("reserved_tokens").cast(pl.Int64) - pl.col("actual_tokens").cast(pl.Int64)).alias("drift_tokens"),
     ).with_columns(
         pl.when(pl.col("reserved_tokens") > 0).then(pl.col("drift_tokens") / pl.col("reserved_tokens"))
           .otherwise(None).alias("drift_ratio"),
-        pl.when(pl.col("reserved_completion_tokens") > 0)
-          .then(pl.col("completion_tokens") / pl.col("reserved_completion_tokens"))
+        pl.when(pl.col("reserved_output_tokens") > 0)
+          .then(pl.col("output_tokens") / pl.col("reserved_output_tokens"))
           .otherwise(None).alias("output_use_ratio"),
     )
 

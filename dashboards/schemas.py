@@ -14,14 +14,14 @@ I, F, S = pl.Int64, pl.Float64, pl.String
 
 TENANTS = {"tenant_id": S, "tier": S}
 TRAFFIC = {"ts": TS, "requests": I, "ok_requests": I, "aborted_requests": I, "error_requests": I,
-           "prompt_tokens": I, "cached_prompt_tokens": I, "completion_tokens": I, "kv_token_seconds": F,
-           "queue_seconds": F, "queue_p50_s": F, "queue_p95_s": F, "ttft_p95_s": F, "max_prompt_tokens": I}
-TRAFFIC_BY_TENANT = {"ts": TS, "tenant_id": S, "tier": S, "requests": I, "prompt_tokens": I,
-                     "completion_tokens": I, "kv_token_seconds": F, "queue_seconds": F, "backlogged": I}
+           "input_tokens": I, "cached_input_tokens": I, "output_tokens": I, "kv_token_seconds": F,
+           "queue_seconds": F, "queue_p50_s": F, "queue_p95_s": F, "ttft_p95_s": F, "max_input_tokens": I}
+TRAFFIC_BY_TENANT = {"ts": TS, "tenant_id": S, "tier": S, "requests": I, "input_tokens": I,
+                     "output_tokens": I, "kv_token_seconds": F, "queue_seconds": F, "backlogged": I}
 TENANT_TOTALS = {"tenant_id": S, "tier": S, "requests": I, "aborted_requests": I, "error_requests": I,
-                 "prompt_tokens": I, "cached_prompt_tokens": I, "completion_tokens": I, "kv_token_seconds": F,
+                 "input_tokens": I, "cached_input_tokens": I, "output_tokens": I, "kv_token_seconds": F,
                  "preemptions": I, "queue_seconds": F, "queued_requests": I, "queue_p95_s": F, "ttft_p95_s": F,
-                 "mean_prompt_tokens": F, "max_prompt_tokens": I, "max_completion_tokens": I}
+                 "mean_input_tokens": F, "max_input_tokens": I, "max_output_tokens": I}
 LATENCY_BY_TIER = {"tier": S, "requests": I,
                    **{f"{m}_{p}_s": F for m in ("ttft", "itl") for p in ("p50", "p90", "p95", "p99")},
                    "e2e_p50_s": F, "e2e_p95_s": F, "queue_mean_s": F, "prefill_mean_s": F, "decode_mean_s": F,
@@ -34,13 +34,13 @@ GOODPUT = {"ts": TS, "tier": S, "requests": I, "good_requests": I, "slo_missed_r
 ATTEMPTS_TIMESERIES = {"ts": TS, "status": S, "reason": S, "attempts": I}
 ATTEMPTS_BY_TENANT = {"tenant_id": S, "tier": S, "status": S, "reason": S, "attempts": I, "status_code": I}
 REJECTIONS_BY_LIMIT = {"level": S, "dimension": S, "reason": S, "attempts": I}
-RESERVATION_BY_TENANT = {"tenant_id": S, "tier": S, "requests": I, "reserved_prompt_tokens": I,
-                         "reserved_completion_tokens": I, "prompt_tokens": I, "completion_tokens": I,
+RESERVATION_BY_TENANT = {"tenant_id": S, "tier": S, "requests": I, "reserved_input_tokens": I,
+                         "reserved_output_tokens": I, "input_tokens": I, "output_tokens": I,
                          "over_reserved_requests": I, "under_reserved_requests": I}
 RESERVATION_TIMESERIES = {"ts": TS, "reserved_tokens": I, "actual_tokens": I}
 OUTPUT_BUDGET_USE = {"bin": I, "requests": I}
 AGENT_RUNS = {"tenant_id": S, "agent_run_id": S, "api_key_id": S, "tier": S, "first_ts": TS, "last_ts": TS,
-              "duration_s": F, "model_calls": I, "refused_model_calls": I, "prompt_tokens": I, "completion_tokens": I,
+              "duration_s": F, "model_calls": I, "refused_model_calls": I, "input_tokens": I, "output_tokens": I,
               "tool_calls": I, "read_only_calls": I, "side_effect_calls": I, "high_risk_calls": I, "tools": S,
               "refused_tool_calls": I, "replayed_tool_calls": I, "refusals": I, "approvals_requested": I,
               "approvals_approved": I, "approvals_rejected": I, "loop_stops": I, "stop_reason": S, "subtotal": S,

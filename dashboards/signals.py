@@ -24,7 +24,7 @@ ENGINE = {
     "kv_used_blocks": series("kvmeter_engine_kv_used_blocks"),          # blocks
     "running": series("kvmeter_engine_running_requests"),               # requests in the batch
     "waiting": series("kvmeter_engine_waiting_requests"),               # requests in the engine queue
-    "generation_rate": rate_series("kvmeter_engine_generation_tokens_total"),
+    "output_rate": rate_series("kvmeter_engine_output_tokens_total"),
     "preemption_rate": rate_series("kvmeter_engine_preemptions_total"),
 }
 #: Scheduler-wide gauges, no labels.

@@ -119,26 +119,28 @@ class OtelExporter:
     def on_completion(self, c: RequestCompletion) -> None:
         """Record one finished request as metric points and one span."""
         attrs = {_OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER,
-                 _REQUEST_MODEL: c.model, "kvmeter.tier": c.tier}
+                 _REQUEST_MODEL: c.attribution.model, "kvmeter.tier": c.attribution.tier}
         ok = c.outcome == "ok"
         error_type = None if ok else ("aborted" if c.outcome == "aborted" else "error")
-        self._tokens.record(c.prompt_tokens, {**attrs, _TOKEN_TYPE: "input"})
-        self._tokens.record(c.completion_tokens, {**attrs, _TOKEN_TYPE: "output"})
+        output = c.tokens.output_tokens
+        self._tokens.record(c.tokens.input_tokens, {**attrs, _TOKEN_TYPE: "input"})
+        self._tokens.record(output, {**attrs, _TOKEN_TYPE: "output"})
         if c.ttft_s is not None and ok:
             self._ttft.record(c.ttft_s, attrs)
-        if ok and c.ttft_s is not None and c.completion_tokens >= 2:
-            self._tpot.record(max(0.0, c.e2e_s - c.ttft_s) / (c.completion_tokens - 1), attrs)
+        if ok and c.ttft_s is not None and output >= 2:
+            self._tpot.record(max(0.0, c.e2e_s - c.ttft_s) / (output - 1), attrs)
         self._duration.record(c.e2e_s, attrs if ok else {**attrs, _ERROR_TYPE: error_type})
         self._span(c, error_type)
 
     def _span(self, c: RequestCompletion, error_type: str | None) -> None:
         end_ns = int(c.wall_ts * _NS)
         start_ns = end_ns - int(max(c.e2e_s, 0.0) * _NS)
+        a, tokens = c.attribution, c.tokens
         span_attrs = {
-            _OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER, _REQUEST_MODEL: c.model,
-            _USAGE_INPUT: c.prompt_tokens, _USAGE_OUTPUT: c.completion_tokens,
-            _USAGE_CACHED: c.cached_prompt_tokens,
-            "kvmeter.tenant.id": c.tenant_id, "kvmeter.tier": c.tier, "kvmeter.outcome": c.outcome,
+            _OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER, _REQUEST_MODEL: a.model,
+            _USAGE_INPUT: tokens.input_tokens, _USAGE_OUTPUT: tokens.output_tokens,
+            _USAGE_CACHED: tokens.cached_input_tokens,
+            "kvmeter.tenant.id": a.tenant_id, "kvmeter.tier": a.tier, "kvmeter.outcome": c.outcome,
             "kvmeter.queue_s": c.queue_s,
         }
         if c.ttft_s is not None:
@@ -147,7 +149,7 @@ class OtelExporter:
             span_attrs["kvmeter.slo_met"] = c.slo_met
         if error_type is not None:
             span_attrs[_ERROR_TYPE] = error_type
-        span = self._tracer.start_span(f"{self.operation} {c.model}", kind=SpanKind.SERVER,
+        span = self._tracer.start_span(f"{self.operation} {a.model}", kind=SpanKind.SERVER,
                                        attributes=span_attrs, start_time=start_ns)
         if error_type is not None:
             span.set_status(Status(StatusCode.ERROR, c.outcome))

@@ -19,8 +19,8 @@ interval since the previous sample on the injected clock's monotonic reading):
   and :class:`RemoteEngineStats` per scraped one: ``kvmeter_engine_kv_watermark_ratio``,
   ``kvmeter_engine_kv_used_blocks``, ``kvmeter_engine_running_requests``,
   ``kvmeter_engine_waiting_requests``; summed over the interval (local engines):
-  ``kvmeter_engine_generation_tokens_per_second``, ``kvmeter_engine_preemptions_per_second``,
-  ``kvmeter_engine_prefix_cache_hit_ratio`` (hit / queried prompt tokens, when any were queried);
+  ``kvmeter_engine_output_tokens_per_second``, ``kvmeter_engine_preemptions_per_second``,
+  ``kvmeter_engine_prefix_cache_hit_ratio`` (hit / queried input tokens, when any were queried);
 * scheduler, no labels — latest :class:`SchedulerStats`: ``kvmeter_scheduler_queued_requests``,
   ``kvmeter_scheduler_running_requests``, ``kvmeter_scheduler_pressure_level``,
   ``kvmeter_scheduler_jain_index_ratio``, ``kvmeter_scheduler_max_service_gap_tokens``;
@@ -88,7 +88,7 @@ _KV_WATERMARK = series("kvmeter_engine_kv_watermark_ratio")
 _KV_USED = series("kvmeter_engine_kv_used_blocks")
 _ENGINE_RUNNING = series("kvmeter_engine_running_requests")
 _ENGINE_WAITING = series("kvmeter_engine_waiting_requests")
-_GENERATION_RATE = rate_series("kvmeter_engine_generation_tokens_total")
+_OUTPUT_RATE = rate_series("kvmeter_engine_output_tokens_total")
 _PREEMPTION_RATE = rate_series("kvmeter_engine_preemptions_total")
 _PREFIX_HIT = series("kvmeter_engine_prefix_cache_hit_ratio")
 _QUEUED = series("kvmeter_scheduler_queued_requests")
@@ -187,7 +187,7 @@ class SignalSampler:
         self._config = config or SignalSamplerConfig.from_env()
         self._lock = threading.Lock()
         self._engines: dict[str, tuple[dict[str, str], EngineStepStats]] = {}
-        # engine → [generation tokens, preemptions, prefix-cache queried tokens, hit tokens]
+        # engine → [output tokens, preemptions, prefix-cache queried tokens, hit tokens]
         self._engine_counts: dict[str, list[int]] = {}
         self._remote: dict[str, tuple[float, RemoteEngineStats]] = {}
         self._scheduler: SchedulerStats | None = None
@@ -215,7 +215,7 @@ class SignalSampler:
         with self._lock:
             self._engines[key] = ({"engine": key, "model": self._model}, s)
             counts = self._engine_counts.setdefault(key, [0, 0, 0, 0])
-            counts[0] += s.generation_tokens
+            counts[0] += s.output_tokens
             counts[1] += s.num_preempted
             counts[2] += s.prefix_cache_queries_tokens
             counts[3] += s.prefix_cache_hits_tokens
@@ -230,16 +230,17 @@ class SignalSampler:
 
     def _on_completion(self, c: RequestCompletion) -> None:
         with self._lock:
-            w = self._tiers.get(c.tier or "unknown")
+            tier = c.attribution.tier or "unknown"
+            w = self._tiers.get(tier)
             if w is None:
-                w = self._tiers[c.tier or "unknown"] = _TierWindow()
+                w = self._tiers[tier] = _TierWindow()
             outcome = c.outcome if c.outcome in _OUTCOMES else "error"
             w.requests[outcome] += 1
-            w.input += c.prompt_tokens
-            w.output += c.completion_tokens
+            w.input += c.tokens.input_tokens
+            w.output += c.tokens.output_tokens
             if outcome == "ok" and c.slo_met is not False:  # as kvmeter_goodput_tokens_total
-                w.good_input += c.prompt_tokens
-                w.good_output += c.completion_tokens
+                w.good_input += c.tokens.input_tokens
+                w.good_output += c.tokens.output_tokens
 
     def _on_gpu(self, s: GpuSample) -> None:
         with self._lock:
@@ -314,9 +315,9 @@ class SignalSampler:
             return
         busy = {k for k, c in counts.items() if c[0] or c[1] or c[2]}
         for key in busy | (self._busy_engines & engines.keys()):
-            gen, pre, queried, hit = counts.get(key, (0, 0, 0, 0))
+            out, pre, queried, hit = counts.get(key, (0, 0, 0, 0))
             labels = engines[key][0]
-            add(_GENERATION_RATE, gen / elapsed, labels)
+            add(_OUTPUT_RATE, out / elapsed, labels)
             add(_PREEMPTION_RATE, pre / elapsed, labels)
             if queried > 0:
                 add(_PREFIX_HIT, hit / queried, labels)

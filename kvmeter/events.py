@@ -6,11 +6,13 @@ it). It is a plain, frozen dataclass with no behaviour beyond validation and (de
 
 Metering rules it encodes (see docs/ARCHITECTURE.md, "Metering rules"):
 
-* Token counts are engine-true: ``prompt_tokens`` is what the engine prefilled or took from its
-  prefix cache, ``completion_tokens`` what the engine generated — for an aborted stream, what the
-  engine had generated when it was aborted, not what reached the client.
-* ``cached_prompt_tokens`` is a *part of* ``prompt_tokens`` (0 ≤ cached ≤ prompt), never an addition;
-  ``reasoning_tokens`` is a part of ``completion_tokens``.
+* Token counts (:class:`~kvmeter.tokens.TokenCounts`, which checks them) are engine-true:
+  ``input_tokens`` is what the engine prefilled or took from its prefix cache, ``output_tokens``
+  what the engine generated — for an aborted stream, what the engine had generated when it was
+  aborted, not what reached the client. ``cached_input_tokens`` is a *part of* ``input_tokens``,
+  never an addition; ``reasoning_tokens`` is a part of ``output_tokens``.
+* The attribution (:class:`~kvmeter.attribution.Attribution`) is the request's, built once at
+  admission and carried here by reference.
 * ``event_id`` is deterministic: derived from the tenant and the logical request key (the client's
   ``Idempotency-Key`` when given, else the gateway's request id), so a replay of the same logical
   request yields the same id and the ledger keeps one billable record.
@@ -23,6 +25,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvmeter.attribution import Attribution
+from kvmeter.tokens import NO_TOKENS, TokenCounts
+
 __all__ = [
     "UsageEvent",
     "Outcome",
@@ -34,8 +39,9 @@ __all__ = [
 #: Namespace for the UUIDv5 event ids; never change it (ids in existing ledgers depend on it).
 EVENT_NAMESPACE = uuid.UUID("6f1d3c2e-9b7a-5e44-8a61-2b0c4d9e7f10")
 
-#: Version of the event's field set, carried in each serialised event.
-SCHEMA_VERSION = 1
+#: Version of the event's field set, carried in each serialised event: 1 spelled the tokens
+#: prompt/completion and carried ``org_id``; 2 is the input/output vocabulary with one tenant id.
+SCHEMA_VERSION = 2
 
 Outcome = Literal["ok", "aborted", "error"]
 _OUTCOMES = ("ok", "aborted", "error")
@@ -64,26 +70,20 @@ class UsageEvent:
 
     Identity and attribution:
         event_id: deterministic UUIDv5 (see :func:`event_id_for`).
-        tenant_id: the billed tenant (the organisation).
         request_id: kvmeter's engine request id of the attempt that did the work.
+        attribution: the request's :class:`~kvmeter.attribution.Attribution` (tenant, key path,
+            tier, agent run, model, endpoint); :attr:`tenant_id` is its tenant.
         idempotency_key: the client's ``Idempotency-Key`` header, or ``""``.
-        org_id, workspace_id, project_id, api_key_id: the principal path; ``api_key_id`` is the key's
-            public id (never the secret).
-        agent_run_id: the agent run this call belongs to, or ``""``.
-        tier: the tenant's tier (``enterprise``, ``paid_interactive``, ``batch``, ``free``, ...).
-        model: the served model name the client asked for.
-        endpoint: ``chat.completions`` or ``completions``.
     Outcome:
         outcome: ``ok`` (finished: stop or length), ``aborted`` (client went away or cancelled),
             ``error`` (failed after admission).
         finish_reason: ``stop``, ``length``, ``abort`` or ``error``.
         status_code: the HTTP status the client got (200 for a stream that started).
         stream: whether the response was streamed.
-    Tokens (engine-true, counts ≥ 0):
-        prompt_tokens, cached_prompt_tokens (⊆ prompt), completion_tokens,
-        reasoning_tokens (⊆ completion).
-        reserved_prompt_tokens, reserved_completion_tokens: what admission reserved, for
-            reservation-vs-actual drift.
+    Tokens:
+        tokens: engine-true :class:`~kvmeter.tokens.TokenCounts`.
+        reserved: what admission reserved (``input_tokens`` and ``output_tokens``; the parts are
+            0), for reservation-vs-actual drift.
     Times (seconds; ``arrival_ts``/``finish_ts`` are wall-clock Unix epoch, the rest durations
     measured on a monotonic clock; ``None`` when the request never reached that phase):
         queue_s: gateway arrival → engine dispatch (kvmeter's queue) plus the engine's own queue.
@@ -92,7 +92,7 @@ class UsageEvent:
         e2e_s: gateway arrival → last token / abort / error.
         itl_mean_s: mean inter-token latency over the stream (``None`` with < 2 tokens).
         kv_token_seconds: ∫ tokens held in KV cache dt over the request's life in the engine
-            (prompt tokens from dispatch, plus each output token from when it was generated).
+            (input tokens from dispatch, plus each output token from when it was generated).
     Provenance:
         token_source: ``engine_hooks`` (the engine's own account: vLLM's FinishedRequestStats,
             or for a request that ended early the scheduler hook's computed-token account) or
@@ -100,30 +100,22 @@ class UsageEvent:
             no account: the remote engine).
         attempt: 1 for the first attempt of this logical request; retries that did work count up.
         preemptions: times the engine preempted this request.
+    Raises:
+        ValueError: an empty event id or tenant, an unknown outcome, a bad attempt or preemption
+            count (token counts are checked by :class:`~kvmeter.tokens.TokenCounts`).
+        TypeError: ``attribution``, ``tokens`` or ``reserved`` of the wrong type.
     """
 
     event_id: str
-    tenant_id: str
     request_id: str
-    tier: str
-    model: str
-    endpoint: str
+    attribution: Attribution
     outcome: Outcome
     finish_reason: str
     arrival_ts: float
     finish_ts: float
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
-    reasoning_tokens: int = 0
-    reserved_prompt_tokens: int = 0
-    reserved_completion_tokens: int = 0
+    tokens: TokenCounts
+    reserved: TokenCounts = NO_TOKENS
     idempotency_key: str = ""
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    agent_run_id: str = ""
     status_code: int = 200
     stream: bool = False
     queue_s: float | None = None
@@ -139,31 +131,27 @@ class UsageEvent:
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
-        if not self.event_id or not self.tenant_id:
+        if type(self.attribution) is not Attribution:
+            raise TypeError(f"UsageEvent.attribution must be an Attribution, got {self.attribution!r}")
+        if type(self.tokens) is not TokenCounts or type(self.reserved) is not TokenCounts:
+            raise TypeError("UsageEvent.tokens and UsageEvent.reserved must be TokenCounts")
+        if not self.event_id or not self.attribution.tenant_id:
             raise ValueError("UsageEvent needs event_id and tenant_id")
         if self.outcome not in _OUTCOMES:
             raise ValueError(f"UsageEvent.outcome must be one of {_OUTCOMES}, got {self.outcome!r}")
-        for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "reasoning_tokens",
-                     "reserved_prompt_tokens", "reserved_completion_tokens", "attempt", "preemptions"):
+        for name in ("attempt", "preemptions"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if type(value) is not int or value < 0:
                 raise ValueError(f"UsageEvent.{name} must be an int >= 0, got {value!r}")
-        if self.cached_prompt_tokens > self.prompt_tokens:
-            raise ValueError(
-                f"cached_prompt_tokens ({self.cached_prompt_tokens}) is part of prompt_tokens "
-                f"({self.prompt_tokens}) and cannot exceed it")
-        if self.reasoning_tokens > self.completion_tokens:
-            raise ValueError(
-                f"reasoning_tokens ({self.reasoning_tokens}) is part of completion_tokens "
-                f"({self.completion_tokens}) and cannot exceed it")
 
     @property
-    def total_tokens(self) -> int:
-        """prompt + completion (cached and reasoning tokens are already inside those)."""
-        return self.prompt_tokens + self.completion_tokens
+    def tenant_id(self) -> str:
+        """The billed tenant (``attribution.tenant_id``)."""
+        return self.attribution.tenant_id
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field (JSON-serialisable)."""
+        """Plain dict of every field, ``attribution``, ``tokens`` and ``reserved`` as nested
+        dicts (JSON-serialisable)."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -174,9 +162,10 @@ class UsageEvent:
             TypeError / ValueError: on missing required fields or invalid values.
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    @staticmethod
-    def field_names() -> tuple[str, ...]:
-        """Field names in declaration order (the ledger's column order)."""
-        return tuple(f.name for f in dataclasses.fields(UsageEvent))
+        values = {k: v for k, v in data.items() if k in names}
+        if isinstance(values.get("attribution"), dict):
+            values["attribution"] = Attribution(**values["attribution"])
+        for name in ("tokens", "reserved"):
+            if isinstance(values.get(name), dict):
+                values[name] = TokenCounts(**values[name])
+        return cls(**values)

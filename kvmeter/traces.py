@@ -7,8 +7,8 @@ Supported (provenance and licences: ``data/SOURCES.md``):
   fractional digits, ``ContextTokens``, ``GeneratedTokens``), ~1 h each.
 * ``mooncake`` — Mooncake conversation trace (JSONL: ``timestamp`` in ms, ``input_length``,
   ``output_length``, ``hash_ids`` of 512-token prefix blocks).
-* kvmeter's own CSV: ``arrival_s, prompt_tokens, output_tokens`` (``input_tokens`` is accepted for
-  ``prompt_tokens``) and optional ``tenant_id``, ``tier``, ``deadline_s`` (seconds from the trace
+* kvmeter's own CSV: ``arrival_s, input_tokens, output_tokens`` (``prompt_tokens``, the name
+  kvmeter wrote before, is read as ``input_tokens``) and optional ``tenant_id``, ``tier``, ``deadline_s`` (seconds from the trace
   start) — what a tenant-attributed workload is written in.
 * any path to a file in one of those formats.
 
@@ -150,7 +150,7 @@ def _load_csv(path: Path, limit: int | None) -> list[TraceRequest]:
         return _load_kvmeter_csv(path, limit, columns)
     raise TraceError(f"{path}: unknown CSV trace columns {columns}; expected the Azure format "
                      "(TIMESTAMP, ContextTokens, GeneratedTokens) or kvmeter's (arrival_s, "
-                     "prompt_tokens, output_tokens[, tenant_id, tier, deadline_s])")
+                     "input_tokens, output_tokens[, tenant_id, tier, deadline_s])")
 
 
 def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
@@ -172,13 +172,13 @@ def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
 def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list[TraceRequest]:
     import polars as pl
 
-    prompt_col = "prompt_tokens" if "prompt_tokens" in columns else "input_tokens"
-    for col in (prompt_col, "output_tokens"):
+    input_col = "prompt_tokens" if "prompt_tokens" in columns and "input_tokens" not in columns else "input_tokens"
+    for col in (input_col, "output_tokens"):
         if col not in columns:
             raise TraceError(f"{path}: kvmeter CSV trace needs column {col!r}, has {columns}")
     try:
         frame = pl.read_csv(path, n_rows=limit, schema_overrides={
-            "arrival_s": pl.Float64, prompt_col: pl.Int64, "output_tokens": pl.Int64,
+            "arrival_s": pl.Float64, input_col: pl.Int64, "output_tokens": pl.Int64,
             **{c: pl.Utf8 for c in ("tenant_id", "tier") if c in columns},
             **({"deadline_s": pl.Float64} if "deadline_s" in columns else {})})
     except Exception as exc:  # noqa: BLE001
@@ -191,7 +191,7 @@ def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list
     tiers = frame["tier"].to_list() if "tier" in columns else [None] * n
     deadlines = frame["deadline_s"].to_list() if "deadline_s" in columns else [None] * n
     out = []
-    for t, i, o, tenant, tier, dl in zip(frame["arrival_s"], frame[prompt_col], frame["output_tokens"],
+    for t, i, o, tenant, tier, dl in zip(frame["arrival_s"], frame[input_col], frame["output_tokens"],
                                          tenants, tiers, deadlines):
         if t is None or i is None or o is None:
             raise TraceError(f"{path}: empty arrival_s / token count in a row")

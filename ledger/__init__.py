@@ -5,7 +5,7 @@ Where a token is billed: the gateway hands each finished request's
 fsynced in the spool (:mod:`.spool`); a writer thread (:mod:`.drain`) inserts it into ClickHouse
 exactly once (:mod:`.schema` for the tables); :mod:`.queries` reads it back deduplicated per
 period and :mod:`.window_queries` per time bucket (the dashboards' reads), both through
-:class:`~.connection.QueryRunner`; :mod:`.billing` prices it (:mod:`.prices`) into the invoice
+:class:`~.connection.QueryRunner`; :mod:`.billing` prices it with the one price function (:meth:`.prices.PriceList.cost`) into the invoice
 (:func:`~.billing.build_invoice`, the one assembly); :mod:`.reconcile` compares the engine,
 gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
 reads it from another process; :mod:`.cli` is ``kvmeter billing``. Agent runs: :mod:`.agent_records`
@@ -17,7 +17,7 @@ from .agent_records import ApprovalRecord, RunStopRecord, ToolCallRecord
 from .agent_runs import AgentRunQueries
 from .config import LedgerConfig
 from .errors import (ConfigError, InvalidRecord, LedgerError, LedgerLocked, LedgerUnavailable, MigrationError,
-                     PeriodError, PriceListError, SpoolWriteError)
+                     PeriodError, PriceListError, SpoolWriteError, UnpricedModel)
 from .ledger import Ledger
 from .period import Period, parse_period
 from .prices import PriceList, load_price_list
@@ -49,5 +49,6 @@ __all__ = [
     "MigrationError",
     "PeriodError",
     "PriceListError",
+    "UnpricedModel",
     "ConfigError",
 ]

@@ -1,6 +1,7 @@
 """The ledger's records of agent runs: every tool-call decision, every approval event and every
 run stopped as a loop — append-only, durable in the spool before the gateway answers, drained into
-ClickHouse (``tool_calls``, ``approval_events``, ``agent_run_stops``; migration 0004).
+ClickHouse (``tool_calls``, ``approval_events``, ``agent_run_stops``; migration 0004, ``org_id``
+dropped by 0005).
 
 * :class:`ToolCallRecord` — one decision on one tool call (reported, emitted by the model, or
   declared in a request): permitted, replayed, pending approval, refused and why.
@@ -8,13 +9,16 @@ ClickHouse (``tool_calls``, ``approval_events``, ``agent_run_stops``; migration 
   ``consumed``. The approval's state at any time is its events in order; nothing is updated.
 * :class:`RunStopRecord` — a run stopped by a loop stop, with the reason (once per run).
 
-Each record has a deterministic or unique ``record_id`` (the tables deduplicate re-drained blocks
-on it) and is validated before it reaches the spool (see :mod:`kvmeter.ledger.records`).
+Each record carries the calling key's :class:`~kvmeter.attribution.Attribution` (its tenant,
+workspace, project, key, tier and the run id; flattened into columns by
+:func:`~kvmeter.ledger.records.column_getter`), has a deterministic or unique ``record_id`` (the
+tables deduplicate re-drained blocks on it) and is validated before it reaches the spool (see
+:mod:`kvmeter.ledger.records`). Spool blocks of stream schema 1 carry ``org_id``, which
+:meth:`~kvmeter.ledger.records.StreamSpec.decode` drops.
 """
 
 from __future__ import annotations
 
-import operator
 import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable
@@ -22,10 +26,11 @@ from typing import Annotated, Any, Callable
 import msgspec
 from msgspec import Meta
 
+from kvmeter.attribution import Attribution
 from kvmeter.stats import APPROVAL_EVENTS, RUN_STOP_REASONS, TOOL_CALL_DECISIONS, TOOL_CALL_SOURCES
 
 from .errors import InvalidRecord
-from .records import StreamSpec, _convert, _encoder
+from .records import StreamSpec, _convert, _encoder, column_getter
 
 __all__ = ["ToolCallRecord", "ApprovalRecord", "RunStopRecord", "AgentRecord", "TOOL_CALL_STREAM",
            "APPROVAL_STREAM", "RUN_STOP_STREAM", "AGENT_STREAMS", "encode_agent_record"]
@@ -49,13 +54,34 @@ def _check(what: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise InvalidRecord(f"{what}.{name} must be one of {allowed}, got {value!r}")
 
 
+class _Attributed:
+    """The attribution's part of an agent record: who (``tenant_id``) and which run
+    (``agent_run_id``), read from the one :class:`~kvmeter.attribution.Attribution` it carries."""
+
+    __slots__ = ()
+    attribution: Attribution
+
+    @property
+    def tenant_id(self) -> str:
+        return self.attribution.tenant_id
+
+    @property
+    def agent_run_id(self) -> str:
+        return self.attribution.agent_run_id
+
+    def _check_attribution(self, what: str) -> None:
+        if not isinstance(self.attribution, Attribution):
+            raise InvalidRecord(f"{what}.attribution must be an Attribution, got {self.attribution!r}")
+
+
 @dataclass(frozen=True, slots=True)
-class ToolCallRecord:
+class ToolCallRecord(_Attributed):
     """One decision on one tool call of an agent run.
 
     Attributes:
-        tenant_id, org_id, workspace_id, project_id, api_key_id, tier: the calling key.
-        agent_run_id: the run (``""`` for a call emitted or declared outside one).
+        attribution: the calling key's (tenant, workspace, project, key, tier) and the run
+            (``agent_run_id``: ``""`` for a call emitted or declared outside one);
+            :attr:`tenant_id` and :attr:`agent_run_id` are its.
         source: ``reported``, ``emitted`` or ``declared`` (:data:`~kvmeter.stats.TOOL_CALL_SOURCES`).
         tool, risk_class: the tool and its class under the key's policy.
         decision: one of :data:`~kvmeter.stats.TOOL_CALL_DECISIONS`.
@@ -73,18 +99,12 @@ class ToolCallRecord:
             without a run id.
     """
 
-    tenant_id: str
-    agent_run_id: str
+    attribution: Attribution
     source: str
     tool: str
     risk_class: str
     decision: str
     ts: float
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    tier: str = ""
     tool_call_id: str = ""
     call_id: str = ""
     arguments_sha256: str = ""
@@ -97,6 +117,7 @@ class ToolCallRecord:
     record_id: str = field(default_factory=_new_id)
 
     def __post_init__(self) -> None:
+        self._check_attribution("ToolCallRecord")
         if not self.tenant_id or (self.source == "reported" and not self.agent_run_id):
             raise InvalidRecord("ToolCallRecord needs a tenant_id (and an agent_run_id when reported)")
         _check("ToolCallRecord", "source", self.source, TOOL_CALL_SOURCES)
@@ -104,13 +125,14 @@ class ToolCallRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ApprovalRecord:
+class ApprovalRecord(_Attributed):
     """One event of an approval (append-only: an approval's history is its events).
 
     Attributes:
         approval_id: the approval; event: ``requested``, ``approved``, ``rejected`` or ``consumed``.
-        tenant_id, org_id, workspace_id, project_id, api_key_id, tier: the requesting key.
-        agent_run_id, tool, risk_class, arguments_sha256, policy_version: what it is bound to.
+        attribution: the requesting key's (tenant, workspace, project, key, tier) and the run it
+            is bound to; :attr:`tenant_id` and :attr:`agent_run_id` are its.
+        tool, risk_class, arguments_sha256, policy_version: what else it is bound to.
         expires_ts: when it expires (wall-clock epoch seconds).
         ts: when the event happened.
         actor_key_id: the deciding key (``approved`` / ``rejected``), else "".
@@ -123,16 +145,10 @@ class ApprovalRecord:
 
     approval_id: str
     event: str
-    tenant_id: str
-    agent_run_id: str
+    attribution: Attribution
     tool: str
     ts: float
     expires_ts: float
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    tier: str = ""
     risk_class: str = "high_risk"
     arguments_sha256: str = ""
     policy_version: str = ""
@@ -142,6 +158,7 @@ class ApprovalRecord:
     record_id: str = ""
 
     def __post_init__(self) -> None:
+        self._check_attribution("ApprovalRecord")
         if not self.approval_id or not self.tenant_id or not self.agent_run_id:
             raise InvalidRecord("ApprovalRecord needs an approval_id, a tenant_id and an agent_run_id")
         _check("ApprovalRecord", "event", self.event, APPROVAL_EVENTS)
@@ -151,12 +168,12 @@ class ApprovalRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class RunStopRecord:
+class RunStopRecord(_Attributed):
     """An agent run stopped by a loop stop.
 
     Attributes:
-        tenant_id, org_id, workspace_id, project_id, api_key_id, tier: the key whose call stopped it.
-        agent_run_id: the run; reason: one of :data:`~kvmeter.stats.RUN_STOP_REASONS`.
+        attribution: the key whose call stopped it and the run (:attr:`tenant_id`,
+            :attr:`agent_run_id`); reason: one of :data:`~kvmeter.stats.RUN_STOP_REASONS`.
         detail: one sentence (which tool, which threshold); tool: the tool of the last call ("" for
             a repeated prompt).
         ts: wall-clock epoch seconds.
@@ -165,20 +182,15 @@ class RunStopRecord:
         InvalidRecord: an unknown reason, or an empty tenant / run id.
     """
 
-    tenant_id: str
-    agent_run_id: str
+    attribution: Attribution
     reason: str
     detail: str
     ts: float
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    tier: str = ""
     tool: str = ""
     record_id: str = ""
 
     def __post_init__(self) -> None:
+        self._check_attribution("RunStopRecord")
         if not self.tenant_id or not self.agent_run_id:
             raise InvalidRecord("RunStopRecord needs a tenant_id and an agent_run_id")
         _check("RunStopRecord", "reason", self.reason, RUN_STOP_REASONS)
@@ -193,7 +205,6 @@ AgentRecord = ToolCallRecord | ApprovalRecord | RunStopRecord
 class _ToolCallRow(msgspec.Struct, array_like=True, gc=False):
     record_id: uuid.UUID
     tenant_id: _Str
-    org_id: _Str
     workspace_id: _Str
     project_id: _Str
     api_key_id: _Str
@@ -220,7 +231,6 @@ class _ApprovalRow(msgspec.Struct, array_like=True, gc=False):
     approval_id: _Str
     event: _Str
     tenant_id: _Str
-    org_id: _Str
     workspace_id: _Str
     project_id: _Str
     api_key_id: _Str
@@ -240,7 +250,6 @@ class _ApprovalRow(msgspec.Struct, array_like=True, gc=False):
 class _RunStopRow(msgspec.Struct, array_like=True, gc=False):
     record_id: uuid.UUID
     tenant_id: _Str
-    org_id: _Str
     workspace_id: _Str
     project_id: _Str
     api_key_id: _Str
@@ -256,16 +265,22 @@ TOOL_CALL_COLUMNS = tuple(_ToolCallRow.__struct_fields__)
 APPROVAL_COLUMNS = tuple(_ApprovalRow.__struct_fields__)
 RUN_STOP_COLUMNS = tuple(_RunStopRow.__struct_fields__)
 
-TOOL_CALL_STREAM = StreamSpec("tool_calls", "tool_calls", 1, {1: TOOL_CALL_COLUMNS})
-APPROVAL_STREAM = StreamSpec("approvals", "approval_events", 1, {1: APPROVAL_COLUMNS})
-RUN_STOP_STREAM = StreamSpec("run_stops", "agent_run_stops", 1, {1: RUN_STOP_COLUMNS})
+# Schema 1 (before the one tenant id) carried ``org_id`` after ``tenant_id``; decode drops it.
+def _with_org_id(columns: tuple[str, ...]) -> tuple[str, ...]:
+    i = columns.index("tenant_id") + 1
+    return columns[:i] + ("org_id",) + columns[i:]
+
+
+TOOL_CALL_STREAM = StreamSpec("tool_calls", "tool_calls", 2, {1: _with_org_id(TOOL_CALL_COLUMNS), 2: TOOL_CALL_COLUMNS})
+APPROVAL_STREAM = StreamSpec("approvals", "approval_events", 2, {1: _with_org_id(APPROVAL_COLUMNS), 2: APPROVAL_COLUMNS})
+RUN_STOP_STREAM = StreamSpec("run_stops", "agent_run_stops", 2, {1: _with_org_id(RUN_STOP_COLUMNS), 2: RUN_STOP_COLUMNS})
 #: The agent streams (the ledger's spool opens them beside the usage, attempt and engine streams).
 AGENT_STREAMS = (TOOL_CALL_STREAM, APPROVAL_STREAM, RUN_STOP_STREAM)
 
 _ENCODERS: dict[type, tuple[StreamSpec, type, Callable[[Any], tuple[Any, ...]], str]] = {
-    ToolCallRecord: (TOOL_CALL_STREAM, _ToolCallRow, operator.attrgetter(*TOOL_CALL_COLUMNS), "ToolCallRecord"),
-    ApprovalRecord: (APPROVAL_STREAM, _ApprovalRow, operator.attrgetter(*APPROVAL_COLUMNS), "ApprovalRecord"),
-    RunStopRecord: (RUN_STOP_STREAM, _RunStopRow, operator.attrgetter(*RUN_STOP_COLUMNS), "RunStopRecord"),
+    ToolCallRecord: (TOOL_CALL_STREAM, _ToolCallRow, column_getter(TOOL_CALL_COLUMNS), "ToolCallRecord"),
+    ApprovalRecord: (APPROVAL_STREAM, _ApprovalRow, column_getter(APPROVAL_COLUMNS), "ApprovalRecord"),
+    RunStopRecord: (RUN_STOP_STREAM, _RunStopRow, column_getter(RUN_STOP_COLUMNS), "RunStopRecord"),
 }
 
 
@@ -282,4 +297,4 @@ def encode_agent_record(record: AgentRecord) -> tuple[str, bytes]:
         raise InvalidRecord(f"record_agent() takes a ToolCallRecord, ApprovalRecord or RunStopRecord, "
                             f"got {type(record).__name__}")
     spec, row, values, what = found
-    return spec.name, _encoder.encode(_convert(values(record), row, spec.columns_for(1), what))
+    return spec.name, _encoder.encode(_convert(values(record), row, spec.columns_for(spec.schema), what))

@@ -1,14 +1,14 @@
 """Agent runs as first-class data: the per-run rollup in ClickHouse and the reads over it.
 
-**The rollup** (``agent_runs``, migration 0004) holds one row per (tenant, run id): model calls
+**The rollup** (``agent_runs``, migration 0004; tokens named input/output since 0005) holds one row per (tenant, run id): model calls
 (billed usage events carrying the run id, and the run's refused attempts), tokens per model, tool
 calls (permits) by tool and by risk class, refused and replayed tool calls, approvals by event, the
 loop stop. Like ``usage_hourly`` it is derived data, recomputed — never incremented — from the
 deduplicated tables (``FINAL``) for every run with rows ingested since the last computation (minus
 :data:`~kvmeter.ledger.rollups.ROLLUP_MARGIN_S`); the ledger's writer refreshes it with the hourly
 rollups. Money is not stored: a run's ``cost`` is priced when it is read, with the reader's price
-list, by the invoice's rule (:func:`~kvmeter.ledger.billing.usage_subtotal`): ``subtotal`` exact, ``cost``
-rounded once per run.
+list, by the one price function (:meth:`~kvmeter.ledger.prices.PriceList.cost`, per model):
+``subtotal`` exact, ``cost`` rounded once per run.
 
 **The reads** (:class:`AgentRunQueries`), each over a time range (``start``, ``end``: a
 :class:`~kvmeter.ledger.period.Period` or a dashboard window) and a tenant filter (``None`` = all;
@@ -29,8 +29,8 @@ from typing import Any, Callable, Protocol, Sequence
 from clickhouse_connect.driver.client import Client
 
 from kvmeter.money import format_money
+from kvmeter.tokens import TOKEN_FIELDS, TokenCounts
 
-from .billing import usage_subtotal
 from .connection import ClientHolder, QueryRunner
 from .prices import PriceList
 
@@ -57,18 +57,17 @@ INSERT INTO agent_runs
 WITH dirty AS ({dirty})
 SELECT
     d.tenant_id AS tenant_id, d.agent_run_id AS agent_run_id,
-    if(u.u_org != '', u.u_org, if(t.t_org != '', t.t_org, if(p.p_org != '', p.p_org, s.s_org))) AS org_id,
-    if(u.u_org != '', u.u_ws, if(t.t_org != '', t.t_ws, if(p.p_org != '', p.p_ws, s.s_ws))) AS workspace_id,
-    if(u.u_org != '', u.u_proj, if(t.t_org != '', t.t_proj, if(p.p_org != '', p.p_proj, s.s_proj))) AS project_id,
-    if(u.u_org != '', u.u_key, if(t.t_org != '', t.t_key, if(p.p_org != '', p.p_key, s.s_key))) AS api_key_id,
-    if(u.u_org != '', u.u_tier, if(t.t_org != '', t.t_tier, if(p.p_org != '', p.p_tier, s.s_tier))) AS tier,
+    if(u.u_key != '', u.u_ws, if(t.t_key != '', t.t_ws, if(p.p_key != '', p.p_ws, s.s_ws))) AS workspace_id,
+    if(u.u_key != '', u.u_proj, if(t.t_key != '', t.t_proj, if(p.p_key != '', p.p_proj, s.s_proj))) AS project_id,
+    if(u.u_key != '', u.u_key, if(t.t_key != '', t.t_key, if(p.p_key != '', p.p_key, s.s_key))) AS api_key_id,
+    if(u.u_key != '', u.u_tier, if(t.t_key != '', t.t_tier, if(p.p_key != '', p.p_tier, s.s_tier))) AS tier,
     arrayMin(arrayFilter(x -> x > toDateTime64(0, 6, 'UTC'),
                          [u.u_first, a.a_first, t.t_first, p.p_first, s.s_first, toDateTime64('2299-01-01', 6, 'UTC')]))
         AS first_ts,
     arrayMax([u.u_last, a.a_last, t.t_last, p.p_last, s.s_first]) AS last_ts,
     u.model_calls AS model_calls, u.ok_model_calls AS ok_model_calls, a.refused AS refused_model_calls,
-    u.prompt_m AS prompt_tokens_by_model, u.cached_m AS cached_prompt_tokens_by_model,
-    u.completion_m AS completion_tokens_by_model, u.reasoning_m AS reasoning_tokens_by_model,
+    u.input_m AS input_tokens_by_model, u.cached_m AS cached_input_tokens_by_model,
+    u.output_m AS output_tokens_by_model, u.reasoning_m AS reasoning_tokens_by_model,
     t.permits AS tool_calls, t.by_tool AS tool_calls_by_tool, t.by_risk AS tool_calls_by_risk_class,
     t.refused AS refused_tool_calls, t.replayed AS replayed_tool_calls,
     p.requested AS approvals_requested, p.approved AS approvals_approved, p.rejected AS approvals_rejected,
@@ -77,12 +76,12 @@ SELECT
     now64(3) AS computed_at
 FROM (SELECT tenant_id, agent_run_id FROM dirty) AS d
 LEFT JOIN (
-    SELECT tenant_id, agent_run_id, any(org_id) AS u_org, any(workspace_id) AS u_ws, any(project_id) AS u_proj,
+    SELECT tenant_id, agent_run_id, any(workspace_id) AS u_ws, any(project_id) AS u_proj,
            any(api_key_id) AS u_key, argMax(tier, finish_ts) AS u_tier, min(arrival_ts) AS u_first,
            max(finish_ts) AS u_last, count() AS model_calls, countIf(outcome = 'ok') AS ok_model_calls,
-           sumMap(map(model, toUInt64(prompt_tokens))) AS prompt_m,
-           sumMap(map(model, toUInt64(cached_prompt_tokens))) AS cached_m,
-           sumMap(map(model, toUInt64(completion_tokens))) AS completion_m,
+           sumMap(map(model, toUInt64(input_tokens))) AS input_m,
+           sumMap(map(model, toUInt64(cached_input_tokens))) AS cached_m,
+           sumMap(map(model, toUInt64(output_tokens))) AS output_m,
            sumMap(map(model, toUInt64(reasoning_tokens))) AS reasoning_m
     FROM usage_events FINAL
     WHERE agent_run_id != '' AND (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)
@@ -94,7 +93,7 @@ LEFT JOIN (
     WHERE agent_run_id != '' AND (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)
     GROUP BY tenant_id, agent_run_id) AS a ON a.tenant_id = d.tenant_id AND a.agent_run_id = d.agent_run_id
 LEFT JOIN (
-    SELECT tenant_id, agent_run_id, any(org_id) AS t_org, any(workspace_id) AS t_ws, any(project_id) AS t_proj,
+    SELECT tenant_id, agent_run_id, any(workspace_id) AS t_ws, any(project_id) AS t_proj,
            any(api_key_id) AS t_key, any(tier) AS t_tier, min(ts) AS t_first, max(ts) AS t_last,
            countIf(decision = 'allowed' AND source = 'reported') AS permits,
            sumMapIf(map(toString(tool), toUInt64(1)), decision = 'allowed' AND source = 'reported') AS by_tool,
@@ -105,7 +104,7 @@ LEFT JOIN (
     WHERE (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)
     GROUP BY tenant_id, agent_run_id) AS t ON t.tenant_id = d.tenant_id AND t.agent_run_id = d.agent_run_id
 LEFT JOIN (
-    SELECT tenant_id, agent_run_id, any(org_id) AS p_org, any(workspace_id) AS p_ws, any(project_id) AS p_proj,
+    SELECT tenant_id, agent_run_id, any(workspace_id) AS p_ws, any(project_id) AS p_proj,
            any(api_key_id) AS p_key, any(tier) AS p_tier, min(ts) AS p_first, max(ts) AS p_last,
            countIf(event = 'requested') AS requested, countIf(event = 'approved') AS approved,
            countIf(event = 'rejected') AS rejected, countIf(event = 'consumed') AS consumed,
@@ -114,7 +113,7 @@ LEFT JOIN (
     WHERE (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)
     GROUP BY tenant_id, agent_run_id) AS p ON p.tenant_id = d.tenant_id AND p.agent_run_id = d.agent_run_id
 LEFT JOIN (
-    SELECT tenant_id, agent_run_id, any(org_id) AS s_org, any(workspace_id) AS s_ws, any(project_id) AS s_proj,
+    SELECT tenant_id, agent_run_id, any(workspace_id) AS s_ws, any(project_id) AS s_proj,
            any(api_key_id) AS s_key, any(tier) AS s_tier, min(ts) AS s_first, count() AS stops,
            any(reason) AS reason, any(detail) AS detail
     FROM agent_run_stops FINAL
@@ -209,18 +208,20 @@ class AgentRunQueries:
         return where, params
 
     def subtotal(self, row: dict[str, Any]) -> Decimal | None:
-        """A rollup row's exact cost: Σ over its models of :func:`usage_subtotal` (the invoice's
-        rule); ``None`` when one of its models has no price. Round it once with
-        :meth:`PriceList.round` (the row's ``cost``)."""
+        """A rollup row's exact cost: Σ over its models of the one price function
+        (:meth:`PriceList.cost <kvmeter.ledger.prices.PriceList.cost>` of the model's token sums);
+        ``None`` when one of its models has no price. Round it once with :meth:`PriceList.round`
+        (the row's ``cost``)."""
         total = Decimal(0)
-        prompts = row.get("prompt_tokens_by_model") or {}
-        cached = row.get("cached_prompt_tokens_by_model") or {}
-        completions = row.get("completion_tokens_by_model") or {}
+        inputs = row.get("input_tokens_by_model") or {}
+        cached = row.get("cached_input_tokens_by_model") or {}
+        outputs = row.get("output_tokens_by_model") or {}
         reasoning = row.get("reasoning_tokens_by_model") or {}
-        for model in set(prompts) | set(completions):
-            sub = usage_subtotal(self.prices, model, row.get("tier", ""), int(prompts.get(model, 0)),
-                                 int(cached.get(model, 0)), int(completions.get(model, 0)),
-                                 int(reasoning.get(model, 0)))
+        for model in set(inputs) | set(outputs):
+            tokens = TokenCounts(input_tokens=int(inputs.get(model, 0)), cached_input_tokens=int(cached.get(model, 0)),
+                                 output_tokens=int(outputs.get(model, 0)),
+                                 reasoning_tokens=int(reasoning.get(model, 0)))
+            sub = self.prices.cost_if_priced(model, row.get("tier", ""), tokens)
             if sub is None:
                 return None
             total += sub
@@ -230,8 +231,8 @@ class AgentRunQueries:
         subtotal = self.subtotal(row)
         cost = self.prices.round(subtotal) if subtotal is not None else None
         out = {k: v for k, v in row.items() if not k.endswith("_by_model")}
-        out["models"] = sorted(set(row.get("prompt_tokens_by_model") or {}) | set(row.get("completion_tokens_by_model") or {}))
-        for kind in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "reasoning_tokens"):
+        out["models"] = sorted(set(row.get("input_tokens_by_model") or {}) | set(row.get("output_tokens_by_model") or {}))
+        for kind in TOKEN_FIELDS:
             out[kind] = int(sum((row.get(f"{kind}_by_model") or {}).values()))
         out["tool_calls_by_tool"] = {k: int(v) for k, v in (row.get("tool_calls_by_tool") or {}).items()}
         out["tool_calls_by_risk_class"] = {k: int(v) for k, v in (row.get("tool_calls_by_risk_class") or {}).items()}
@@ -252,8 +253,8 @@ class AgentRunQueries:
         Returns:
             One dict per run: the rollup's columns (``tenant_id``, ``agent_run_id``, attribution,
             ``first_ts``, ``last_ts``, ``duration_s``, ``model_calls``, ``ok_model_calls``,
-            ``refused_model_calls``, ``prompt_tokens``, ``cached_prompt_tokens``,
-            ``completion_tokens``, ``reasoning_tokens``, ``models``, ``tool_calls``,
+            ``refused_model_calls``, ``input_tokens``, ``cached_input_tokens``,
+            ``output_tokens``, ``reasoning_tokens``, ``models``, ``tool_calls``,
             ``tool_calls_by_tool``, ``tool_calls_by_risk_class``, ``refused_tool_calls``,
             ``replayed_tool_calls``, ``refusals``, ``approvals_requested`` / ``_approved`` /
             ``_rejected`` / ``_consumed``, ``loop_stops``, ``stop_reason``, ``stop_detail``) plus
@@ -267,8 +268,8 @@ class AgentRunQueries:
         if agent_run_id is not None:
             where += " AND agent_run_id = {run:String}"
             params["run"] = agent_run_id
-        sort = "last_ts" if order == "last_ts" else "arraySum(mapValues(prompt_tokens_by_model)) + " \
-                                                     "arraySum(mapValues(completion_tokens_by_model))"
+        sort = "last_ts" if order == "last_ts" else "arraySum(mapValues(input_tokens_by_model)) + " \
+                                                     "arraySum(mapValues(output_tokens_by_model))"
         rows = self._rows(
             "SELECT * FROM agent_runs FINAL WHERE first_ts < " + _END + " AND last_ts >= " + _START + where
             + f" ORDER BY {sort} DESC, tenant_id, agent_run_id LIMIT {_SCAN if order == 'cost' else limit}",

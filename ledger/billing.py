@@ -1,11 +1,11 @@
-"""Invoices: deduplicated usage × price list, computed with polars in exact decimals.
+"""Invoices: deduplicated usage × price list, in exact decimals (the lines are a polars frame).
 
 :func:`build_invoice` is the one place an invoice is assembled — ``kvmeter billing report``, the
 read API's ``/v1/usage/invoice`` and the dashboards' billing page all call it: it reads the
 period's usage, attempts and adjustments through a
 :class:`~kvmeter.ledger.queries.UsageReader` and prices them with :func:`invoice_lines`.
 
-One usage line per (period, tenant, org, workspace, project, API key, model, tier) — the
+One usage line per (period, tenant, workspace, project, API key, model, tier) — the
 attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus one line per adjustment.
 
 Time zones: each tenant is billed in its own zone (its org's ``billing_timezone``; see
@@ -14,13 +14,13 @@ label once per zone (``2026-11`` in ``America/New_York`` is ``2026-11-01T04:00Z 
 2026-12-01T05:00Z``) and keeps each tenant's rows from its own zone's read; every line carries its
 ``timezone``, ``period_start`` and ``period_end`` (UTC instants).
 
-Token columns follow the metering rules: ``input_tokens`` are all prompt tokens, of which
+Token columns follow the metering rules: ``input_tokens`` are all input tokens, of which
 ``cached_input_tokens`` were served from the prefix cache (a part, not an addition);
 ``output_tokens`` are all generated tokens, of which ``reasoning_tokens`` were reasoning.
 Money (see :mod:`kvmeter.ledger.prices` for the rule):
 
-* ``subtotal`` — exact: Σ tokens × unit price, ``Decimal(38, 18)`` in polars (a product of an
-  integer and an 18-place decimal is exact; sums are exact).
+* ``subtotal`` — exact: the price function :meth:`~kvmeter.ledger.prices.PriceList.cost` of the
+  line's token sums (Σ tokens × unit price), ``Decimal(38, 18)`` in polars.
 * ``cost`` — ``subtotal`` rounded once, by the price list's rule (Python ``Decimal.quantize``).
 * a tenant's total is the sum of its lines' ``cost``.
 
@@ -36,22 +36,20 @@ from typing import Any, Iterable, Mapping
 import polars as pl
 
 from kvmeter.billing_calendar import UTC
+from kvmeter.tokens import TOKEN_FIELDS, TokenCounts
 
 from .period import Period
 from .prices import PriceList
 from .queries import INVOICE_KEYS, UsageReader
 
-__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "usage_subtotal", "INVOICE_COLUMNS",
-           "MONEY"]
+__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
 
 #: polars dtype of exact money and unit prices.
 MONEY = pl.Decimal(38, 18)
 
-_USAGE_INTS = ("requests", "aborted_requests", "error_requests", "prompt_tokens", "cached_prompt_tokens",
-               "completion_tokens", "reasoning_tokens")
+_USAGE_INTS = ("requests", "aborted_requests", "error_requests", "input_tokens", "cached_input_tokens",
+               "output_tokens", "reasoning_tokens")
 _ATTEMPT_INTS = ("attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts")
-_TYPES = (("input", "uncached"), ("cached_input", "cached_prompt_tokens"), ("output", "nonreasoning"),
-          ("reasoning", "reasoning_tokens"))
 
 #: Column order of the invoice line frame (and of the CSV / Parquet files).
 INVOICE_COLUMNS = (
@@ -62,23 +60,6 @@ INVOICE_COLUMNS = (
 )
 
 
-def usage_subtotal(prices: PriceList, model: str, tier: str, prompt_tokens: int, cached_prompt_tokens: int,
-                   completion_tokens: int, reasoning_tokens: int = 0) -> Decimal | None:
-    """The exact (unrounded) price of some usage of one model, by the invoice's rule: uncached
-    prompt × ``input`` + cached × ``cached_input`` + non-reasoning output × ``output`` + reasoning ×
-    ``reasoning`` (unit prices after the tier's discount); ``None`` for a model the list does not
-    price. Round a total once with :meth:`PriceList.round`."""
-    counts = {"uncached": prompt_tokens - cached_prompt_tokens, "cached_prompt_tokens": cached_prompt_tokens,
-              "nonreasoning": completion_tokens - reasoning_tokens, "reasoning_tokens": reasoning_tokens}
-    total = Decimal(0)
-    for token_type, column in _TYPES:
-        unit = prices.unit_price(model, tier, token_type)
-        if unit is None:
-            return None
-        total += counts[column] * unit
-    return total
-
-
 def _frame(rows: Iterable[dict[str, Any]], ints: tuple[str, ...], extra: dict[str, Any]) -> pl.DataFrame:
     schema: dict[str, Any] = {k: pl.String for k in INVOICE_KEYS}
     schema.update({k: pl.Int64 for k in ints})
@@ -87,17 +68,6 @@ def _frame(rows: Iterable[dict[str, Any]], ints: tuple[str, ...], extra: dict[st
     if not rows:
         return pl.DataFrame(schema=schema)
     return pl.DataFrame([{k: r.get(k) for k in schema} for r in rows], schema=schema)
-
-
-def _unit_prices(pairs: pl.DataFrame, prices: PriceList) -> pl.DataFrame:
-    records = []
-    for model, tier in pairs.iter_rows():
-        row: dict[str, Any] = {"model": model, "tier": tier}
-        for token_type, _ in _TYPES:
-            row[f"unit_{token_type}"] = prices.unit_price(model, tier, token_type)
-        records.append(row)
-    schema = {"model": pl.String, "tier": pl.String, **{f"unit_{t}": MONEY for t, _ in _TYPES}}
-    return pl.DataFrame(records, schema=schema) if records else pl.DataFrame(schema=schema)
 
 
 def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, Any]],
@@ -121,17 +91,11 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
         [pl.lit(0, pl.Int64).alias(c) for c in _ATTEMPT_INTS])
     df = df.with_columns([pl.col(c).fill_null(0) for c in _USAGE_INTS + _ATTEMPT_INTS]
                          + [pl.col("kv_token_seconds").fill_null(0.0)])
-    df = df.with_columns(
-        (pl.col("prompt_tokens") - pl.col("cached_prompt_tokens")).alias("uncached"),
-        (pl.col("completion_tokens") - pl.col("reasoning_tokens")).alias("nonreasoning"),
-    )
-    units = _unit_prices(df.select("model", "tier").unique(), prices)
-    df = df.join(units, on=["model", "tier"], how="left")
-    subtotal = None
-    for token_type, column in _TYPES:
-        term = pl.col(column).cast(pl.Decimal(38, 0)) * pl.col(f"unit_{token_type}")
-        subtotal = term if subtotal is None else subtotal + term
-    df = df.with_columns(subtotal.cast(MONEY).alias("subtotal")).sort(keys)
+    df = df.sort(keys)
+    # each line's subtotal: the one price function over the line's token sums (exact)
+    subtotals = [prices.cost_if_priced(model, tier, TokenCounts(*counts))
+                 for model, tier, *counts in df.select("model", "tier", *TOKEN_FIELDS).iter_rows()]
+    df = df.with_columns(pl.Series("subtotal", subtotals, dtype=MONEY))
     places = max(0, -int(prices.quantum.normalize().as_tuple().exponent))
     cost_dtype = pl.Decimal(38, places)
     costs = [prices.round(v) if v is not None else None for v in df["subtotal"].to_list()]
@@ -139,9 +103,6 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
         pl.Series("cost", costs, dtype=cost_dtype),
         pl.col("subtotal").is_not_null().alias("priced"),
         pl.lit("usage").alias("line_type"),
-        pl.col("prompt_tokens").alias("input_tokens"),
-        pl.col("cached_prompt_tokens").alias("cached_input_tokens"),
-        pl.col("completion_tokens").alias("output_tokens"),
         pl.when(pl.col("subtotal").is_null()).then(pl.lit("model not in price list")).otherwise(pl.lit(""))
           .alias("note"),
     )
@@ -149,7 +110,7 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
     for r in adjustments:
         amount = Decimal(r["amount"])
         adj_rows.append({
-            **{k: r.get(k, "") or "" for k in ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id")},
+            **{k: r.get(k, "") or "" for k in ("tenant_id", "workspace_id", "project_id", "api_key_id")},
             "model": "", "tier": "", "subtotal": amount, "cost": prices.round(amount),
             "note": f"adjustment {r.get('adjustment_id', '')}: {r.get('reason', '')}".strip(),
         })

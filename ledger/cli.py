@@ -303,7 +303,7 @@ def _reconcile(args: argparse.Namespace) -> int:
         sections=[
             HtmlSection("The three views", frame.select(views_cols), bad_column="status", bad_values=("drift",),
                         note="engine = the engine's own per-request counters (hooks); gateway = HTTP attempts; "
-                             "ledger = deduplicated usage events. Tokens = prompt + output."),
+                             "ledger = deduplicated usage events. Tokens = input + output."),
             HtmlSection("Explained differences", frame.select(explained),
                         note="aborted: aborts without an engine record (an engine without hooks), billed from "
                              "the frontend's counts; superseded: engine work of an attempt whose logical request was "

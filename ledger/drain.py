@@ -219,34 +219,38 @@ class Writer:
             settings["distributed_foreground_insert"] = 1
         return settings
 
-    def _raw_insert(self, client: Client, spec: StreamSpec, schema: int, payload: bytes | BatchPayload,
-                    token: str) -> None:
+    def _raw_insert(self, client: Client, spec: StreamSpec, columns: tuple[str, ...],
+                    payload: bytes | BatchPayload, token: str) -> None:
         if isinstance(payload, BatchPayload):
             # chDB copies a readable block into its input file view by view; a server gets one
             # buffer, which its HTTP client can resend on a retry
             payload = payload if self._config.embedded else payload.tobytes()
-        client.raw_insert(spec.table, column_names=list(spec.columns_for(schema)), insert_block=payload,
+        client.raw_insert(spec.table, column_names=list(columns), insert_block=payload,
                           fmt="JSONCompactEachRow", settings=self._settings(token))
         self.insert_batches_total += 1
 
     def _insert_batch(self, client: Client, stream: SpoolStream, batch: DrainBatch, payload: BatchPayload) -> None:
+        # a block an older kvmeter wrote is mapped to today's columns here (StreamSpec.decode);
+        # the current schema passes through untouched
+        columns, rows = stream.spec.decode(batch.schema, payload)
         try:
-            self._raw_insert(client, stream.spec, batch.schema, payload, batch.token)
+            self._raw_insert(client, stream.spec, columns, rows, batch.token)
             return
         except Exception as exc:  # noqa: BLE001
             if not is_data_error(exc):
                 raise
             log.error("ledger writer: ClickHouse refused %s batch %s as data (%s); isolating the bad records",
                       stream.name, batch.token, describe_error(exc))
-        lines = payload.tobytes().rstrip(b"\n").split(b"\n")
-        rejected = self._bisect(client, stream.spec, batch.schema, lines, batch.token)
+        data = rows if isinstance(rows, bytes) else rows.tobytes()
+        lines = data.rstrip(b"\n").split(b"\n")
+        rejected = self._bisect(client, stream.spec, columns, lines, batch.token)
         if rejected:
             self._dead_letter(stream, batch, rejected)
 
-    def _bisect(self, client: Client, spec: StreamSpec, schema: int, lines: list[bytes],
+    def _bisect(self, client: Client, spec: StreamSpec, columns: tuple[str, ...], lines: list[bytes],
                 token: str) -> list[tuple[bytes, str]]:
         try:
-            self._raw_insert(client, spec, schema, b"\n".join(lines) + b"\n", token)
+            self._raw_insert(client, spec, columns, b"\n".join(lines) + b"\n", token)
             return []
         except Exception as exc:  # noqa: BLE001
             if not is_data_error(exc):
@@ -254,8 +258,8 @@ class Writer:
             if len(lines) == 1:
                 return [(lines[0], describe_error(exc))]
         mid = len(lines) // 2
-        return (self._bisect(client, spec, schema, lines[:mid], token + ":L")
-                + self._bisect(client, spec, schema, lines[mid:], token + ":R"))
+        return (self._bisect(client, spec, columns, lines[:mid], token + ":L")
+                + self._bisect(client, spec, columns, lines[mid:], token + ":R"))
 
     def _dead_letter(self, stream: SpoolStream, batch: DrainBatch, rejected: list[tuple[bytes, str]]) -> None:
         path = stream.dir / "rejected.ndjson"

@@ -16,6 +16,7 @@ __all__ = [
     "MigrationError",
     "PeriodError",
     "PriceListError",
+    "UnpricedModel",
     "ConfigError",
 ]
 
@@ -63,6 +64,22 @@ class PeriodError(LedgerError, ValueError):
 
 class PriceListError(LedgerError, ValueError):
     """A price list file that does not validate (unknown key, non-decimal price, bad discount)."""
+
+
+class UnpricedModel(LedgerError, KeyError):
+    """:meth:`~kvmeter.ledger.prices.PriceList.cost` of a model the price list does not price
+    (the quota answers it with 400 ``unpriced_model``; billing marks the line ``priced`` false).
+
+    Attributes:
+        model: the model name.
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model {model!r} has no price in the price list")
+        self.model = model
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
 
 
 class ConfigError(LedgerError, ValueError):

@@ -40,7 +40,7 @@ from .errors import InvalidRecord, LedgerError, LedgerUnavailable
 from .prices import PriceList, load_price_list
 from .queries import LedgerQueries
 from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adjustment, AttemptRecord,
-                      SignalSample, encode_attempt, encode_engine, encode_usage)
+                      SignalSample, column_getter, encode_attempt, encode_engine, encode_usage)
 from .rollups import refresh_rollups
 from .schema import migrate
 from .spool import CommitTicket, Spool
@@ -51,8 +51,10 @@ log = logging.getLogger(__name__)
 
 #: Event ids remembered to classify a re-recorded event as ``duplicate`` in the stats.
 RECENT_EVENT_IDS = 100_000
-#: Admitted requests remembered (per generation) to attribute their engine records to a tenant.
-ATTRIBUTED_REQUESTS = 200_000
+#: Columns of the ``adjustments`` table an :class:`Adjustment` holds (then ``ts`` and ``currency``).
+_ADJUSTMENT_COLUMNS = ("adjustment_id", "tenant_id", "workspace_id", "project_id", "api_key_id", "amount",
+                       "reason", "reference", "created_by")
+_adjustment_values = column_getter(_ADJUSTMENT_COLUMNS)
 
 
 def sync_prices(client: Client, prices: PriceList) -> None:
@@ -100,10 +102,6 @@ class Ledger:
         self._recent: set[tuple[str, str]] = set()
         self._recent_old: set[tuple[str, str]] = set()
         self._late_after_s = config.late_after_s
-        # request id → tenant of admitted attempts, to attribute engine records (two generations,
-        # bounded: entries of requests the engine never reports, e.g. on a remote engine, age out)
-        self._request_tenants: dict[str, str] = {}
-        self._request_tenants_old: dict[str, str] = {}
         self._engine_invalid = 0
         self._unsubscribe = None
         self._closed = False
@@ -207,13 +205,7 @@ class Ledger:
         self._submit_usage(event).wait(timeout_s)
 
     def _submit_attempt(self, attempt: AttemptRecord) -> CommitTicket:
-        line = encode_attempt(attempt)
-        if attempt.status == "admitted":  # the engine record of this request will carry its tenant
-            tenants = self._request_tenants
-            if len(tenants) >= ATTRIBUTED_REQUESTS:
-                self._request_tenants_old, self._request_tenants = tenants, {}
-            self._request_tenants[attempt.request_id] = attempt.tenant_id
-        return self._attempts.submit(line)
+        return self._attempts.submit(encode_attempt(attempt))
 
     async def record_attempt(self, attempt: AttemptRecord) -> None:
         """Make one HTTP attempt record durable (same contract as :meth:`record`)."""
@@ -235,12 +227,10 @@ class Ledger:
         await self._spool.streams[stream].submit(line).wait_async()
 
     def _on_engine_stats(self, stats: EngineRequestStats) -> None:
-        """Bus callback: spool the engine's account of a request (cheap, never blocks), with the
-        tenant of the request's admitted attempt recorded earlier by this ledger ("" if none)."""
-        tenant = self._request_tenants.pop(stats.request_id, None) or \
-            self._request_tenants_old.pop(stats.request_id, "")
+        """Bus callback: spool the engine's account of a request (cheap, never blocks), under the
+        tenant the engine stamped on it (``""`` when unattributed)."""
         try:
-            line = encode_engine(stats, self._clock.wall(), tenant)
+            line = encode_engine(stats, self._clock.wall())
         except InvalidRecord as exc:
             self._engine_invalid += 1
             log.warning("ledger: engine stats not stored: %s", exc)
@@ -269,15 +259,12 @@ class Ledger:
         """
         if type(adjustment) is not Adjustment:
             raise InvalidRecord(f"adjust() takes an Adjustment, got {type(adjustment).__name__}")
-        row = [adjustment.adjustment_id, adjustment.tenant_id, adjustment.org_id, adjustment.workspace_id,
-               adjustment.project_id, adjustment.api_key_id, datetime.fromtimestamp(adjustment.ts, tz=timezone.utc),
-               adjustment.amount, self.prices.currency, adjustment.reason, adjustment.reference, adjustment.created_by]
+        row = [*_adjustment_values(adjustment), datetime.fromtimestamp(adjustment.ts, tz=timezone.utc),
+               self.prices.currency]
         client = self._query_holder.get()
         try:
-            client.insert("adjustments", [row], column_names=[
-                "adjustment_id", "tenant_id", "org_id", "workspace_id", "project_id", "api_key_id", "ts",
-                "amount", "currency", "reason", "reference", "created_by"],
-                settings={"insert_deduplication_token": f"kvmeter:adjustment:{adjustment.adjustment_id}"})
+            client.insert("adjustments", [row], column_names=[*_ADJUSTMENT_COLUMNS, "ts", "currency"],
+                          settings={"insert_deduplication_token": f"kvmeter:adjustment:{adjustment.adjustment_id}"})
         except Exception as exc:  # noqa: BLE001
             self._query_holder.reset()
             raise LedgerUnavailable(f"adjustment not stored: {describe_error(exc)}") from None

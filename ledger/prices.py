@@ -4,14 +4,30 @@ The file format is documented in the packaged ``prices.yaml``. Numbers are parse
 into :class:`~decimal.Decimal` from their YAML text (a float is never formed), so ``0.30``
 means exactly 0.30.
 
-Pricing rule (exact arithmetic, rounding once per invoice line)::
+The price function — :meth:`PriceList.cost`, the one formula kvmeter prices tokens with: the
+quota's spend estimate and its reconciliation, billing's invoice lines, the usage summary's cost
+column (and so the read API and the dashboards) all call it::
 
+    tokens[type]      = the four disjoint parts of TokenCounts, by type:       (TokenCounts.parts)
+                          input        = input_tokens − cached_input_tokens
+                          cached_input = cached_input_tokens
+                          output       = output_tokens − reasoning_tokens
+                          reasoning    = reasoning_tokens
     unit_price[type]  = price_per_million[type] / 1,000,000 × (1 − tier_discount)
-    line_subtotal     = Σ_type tokens[type] × unit_price[type]          (exact, scale ≤ 18)
-    line_cost         = line_subtotal.quantize(quantum, rounding=mode)  (once, per line)
+    cost              = Σ_type tokens[type] × unit_price[type]            (exact, scale ≤ 18)
+
+Reasoning tokens have a price of their own: ``reasoning`` in the list, defaulting to the model's
+``output`` price where the list gives none.
+
+**The rounding point.** ``cost`` is exact and never rounded; the only rounding is
+:meth:`PriceList.round`, applied once to each invoice line's subtotal (the cost of the line's
+token sums), to the list's ``quantum`` with its rounding mode; a total is the sum of rounded
+lines. The quota holds exact costs too (the store counts nano-units, rounded up:
+:mod:`kvmeter.serving.quota.money`).
 
 Price per million ≤ 6 decimal places and discount ≤ 6 places keep every unit price within
-18 decimal places, so ``Decimal(38, 18)`` (ClickHouse and polars) holds it exactly.
+18 decimal places, so ``Decimal(38, 18)`` (ClickHouse and polars) holds it exactly; the products
+and sums are computed in a 60-digit context that traps any inexact step.
 """
 
 from __future__ import annotations
@@ -25,13 +41,20 @@ from typing import Any, Mapping
 
 import yaml
 
-from .errors import PriceListError
+from kvmeter.tokens import PRICED_PARTS, TokenCounts
+
+from .errors import PriceListError, UnpricedModel
 
 __all__ = ["TOKEN_TYPES", "ModelPrice", "PriceList", "load_price_list", "parse_price_list"]
 
-#: Billed token types, in invoice order (see the module docstring).
-TOKEN_TYPES = ("input", "cached_input", "output", "reasoning")
+#: Billed token types, in invoice order: the disjoint parts of
+#: :meth:`kvmeter.tokens.TokenCounts.parts` (see the module docstring).
+TOKEN_TYPES = PRICED_PARTS
 _MILLION = Decimal(1_000_000)
+#: Exact arithmetic: every step fits 60 digits for any count below 10^40 tokens; an inexact step
+#: would raise instead of rounding silently.
+_EXACT = decimal.Context(prec=60, rounding=decimal.ROUND_HALF_EVEN,
+                         traps=[decimal.Inexact, decimal.InvalidOperation, decimal.Overflow])
 _MAX_PLACES = 6
 _ROUNDING_MODES = {name for name in dir(decimal) if name.startswith("ROUND_")}
 
@@ -107,6 +130,9 @@ class PriceList:
     models: Mapping[str, ModelPrice]
     tier_discounts: Mapping[str, Decimal] = field(default_factory=dict)
     source: str = ""
+    # (model, tier) → the four unit prices in TOKEN_TYPES order (the list never changes)
+    _units: dict[tuple[str, str], tuple[Decimal, ...]] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
 
     def price_for(self, model: str) -> ModelPrice | None:
         """The model's prices, or ``None`` if the list does not price it."""
@@ -124,13 +150,49 @@ class PriceList:
         """
         if token_type not in TOKEN_TYPES:
             raise KeyError(f"unknown token type {token_type!r}; expected one of {TOKEN_TYPES}")
-        price = self.models.get(model)
-        if price is None:
-            return None
-        return price.per_million(token_type) / _MILLION * (1 - self.discount(tier))
+        units = self._unit_prices(model, tier)
+        return None if units is None else units[TOKEN_TYPES.index(token_type)]
+
+    def _unit_prices(self, model: str, tier: str) -> tuple[Decimal, ...] | None:
+        units = self._units.get((model, tier))
+        if units is None:
+            price = self.models.get(model)
+            if price is None:
+                return None
+            keep = _EXACT.subtract(1, self.discount(tier))
+            units = tuple(_EXACT.multiply(_EXACT.divide(price.per_million(t), _MILLION), keep)
+                          for t in TOKEN_TYPES)
+            self._units[(model, tier)] = units
+        return units
+
+    def cost(self, model: str, tier: str, tokens: TokenCounts) -> Decimal:
+        """The exact price of ``tokens`` of ``model`` at ``tier``: the one price function (the
+        rule and its rounding point are in the module docstring).
+
+        Args:
+            model: the served model name (or an alias the list names).
+            tier: the tier whose discount applies (a tier the list does not name pays list price).
+            tokens: the counts to price (one request's, or the sums of an invoice line).
+        Returns:
+            A ``Decimal`` ≥ 0, exact (unrounded), in the list's currency.
+        Raises:
+            UnpricedModel: the list does not price ``model``.
+        """
+        units = self._unit_prices(model, tier)
+        if units is None:
+            raise UnpricedModel(model)
+        total = Decimal(0)
+        for count, unit in zip(tokens.parts(), units):  # zero counts too: the sum keeps the units' scale
+            total = _EXACT.add(total, _EXACT.multiply(unit, count))
+        return total
+
+    def cost_if_priced(self, model: str, tier: str, tokens: TokenCounts) -> Decimal | None:
+        """:meth:`cost`, or ``None`` for a model the list does not price (an invoice line or a
+        summary row that cannot be priced)."""
+        return self.cost(model, tier, tokens) if model in self.models else None
 
     def round(self, amount: Decimal) -> Decimal:
-        """Round one invoice line's exact subtotal by the list's rule."""
+        """Round one invoice line's exact subtotal by the list's rule (the only rounding of a price)."""
         return amount.quantize(self.quantum, rounding=self.rounding)
 
     @property

@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 from clickhouse_connect.driver.client import Client
 
 from kvmeter.billing_calendar import whole_hour_offsets
+from kvmeter.tokens import TokenCounts
 
 from .connection import ClientHolder, QueryRunner
 from .period import Period
@@ -30,9 +31,9 @@ from .prices import PriceList
 USAGE_TOTALS_SQL = """count() AS requests,
     countIf(outcome = 'aborted') AS aborted_requests,
     countIf(outcome = 'error') AS error_requests,
-    sum(prompt_tokens) AS prompt_tokens,
-    sum(cached_prompt_tokens) AS cached_prompt_tokens,
-    sum(completion_tokens) AS completion_tokens"""
+    sum(input_tokens) AS input_tokens,
+    sum(cached_input_tokens) AS cached_input_tokens,
+    sum(output_tokens) AS output_tokens"""
 
 #: :data:`USAGE_TOTALS_SQL` plus the other billable quantities (reasoning tokens, KV token-seconds).
 BILLABLE_TOTALS_SQL = USAGE_TOTALS_SQL + """,
@@ -49,13 +50,13 @@ __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "R
 
 #: Allowed ``group_by`` names → SQL expression over usage_events.
 GROUP_BY_FIELDS: dict[str, str] = {
-    "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
+    "tenant_id": "tenant_id", "workspace_id": "workspace_id", "project_id": "project_id",
     "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint", "outcome": "outcome",
     "agent_run_id": "agent_run_id", "hour": "toStartOfHour(finish_ts, {tz:String})",
     "day": "toStartOfDay(finish_ts, {tz:String})",
 }
 #: The attribution of one invoice line.
-INVOICE_KEYS = ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id", "model", "tier")
+INVOICE_KEYS = ("tenant_id", "workspace_id", "project_id", "api_key_id", "model", "tier")
 #: Engine and gateway records this close outside the period are read too, so a request that
 #: finished at 23:59:59.9 is matched with its engine record stamped 00:00:00.1.
 RECONCILE_SLACK_S = 600
@@ -132,8 +133,8 @@ class LedgerQueries:
             group_by: names from :data:`GROUP_BY_FIELDS` (at least one).
         Returns:
             One dict per group, ordered by the group keys: the group keys, then ``requests``,
-            ``aborted_requests``, ``error_requests``, ``prompt_tokens``, ``cached_prompt_tokens``
-            (⊆ prompt), ``completion_tokens``, ``reasoning_tokens`` (⊆ completion),
+            ``aborted_requests``, ``error_requests``, ``input_tokens``, ``cached_input_tokens``
+            (⊆ input), ``output_tokens``, ``reasoning_tokens`` (⊆ output),
             ``kv_token_seconds`` (float), ``ttft_p50_s``, ``ttft_p95_s``, ``itl_p50_s``,
             ``itl_p95_s`` (exact percentiles with linear interpolation, over requests that have
             the value; ITL is each request's mean ITL; ``None`` when no request has it),
@@ -165,9 +166,9 @@ class LedgerQueries:
         priced_keys = list(dict.fromkeys(group + ["model", "tier"]))
         token_rows = self._query(f"""
             SELECT {", ".join(f"{GROUP_BY_FIELDS[g]} AS {g}" for g in priced_keys)},
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
+                sum(input_tokens) AS input_tokens,
+                sum(cached_input_tokens) AS cached_input_tokens,
+                sum(output_tokens) AS output_tokens,
                 sum(reasoning_tokens) AS reasoning_tokens
             FROM usage_events FINAL
             WHERE {where}
@@ -175,7 +176,7 @@ class LedgerQueries:
         costs: dict[tuple, Decimal | None] = {}
         for row in token_rows:
             key = tuple(row[g] for g in group)
-            line = _line_cost(self.prices, row)
+            line = self.prices.cost_if_priced(row["model"], row["tier"], TokenCounts.from_row(row))
             prev = costs.get(key, Decimal(0))
             costs[key] = None if (line is None or prev is None) else prev + line
         attempts: dict[tuple, int] | None = None
@@ -205,7 +206,7 @@ class LedgerQueries:
 
         Returns:
             One dict per line: the keys, ``requests``, ``aborted_requests``, ``error_requests``,
-            ``prompt_tokens``, ``cached_prompt_tokens``, ``completion_tokens``,
+            ``input_tokens``, ``cached_input_tokens``, ``output_tokens``,
             ``reasoning_tokens`` (ints) and ``kv_token_seconds`` (float). Deduplicated (FINAL).
         """
         return self._per_line_key(BILLABLE_TOTALS_SQL, "usage_events", "finish_ts", period, tenant_id)
@@ -238,12 +239,12 @@ class LedgerQueries:
         """Signed adjustments effective in the period.
 
         Returns:
-            One dict per adjustment: ``adjustment_id`` (str), ``tenant_id``, ``org_id``,
+            One dict per adjustment: ``adjustment_id`` (str), ``tenant_id``,
             ``workspace_id``, ``project_id``, ``api_key_id``, ``ts`` (UTC datetime),
             ``amount`` (exact Decimal), ``currency``, ``reason``, ``reference``, ``created_by``.
         """
         rows = self._query(f"""
-            SELECT toString(adjustment_id) AS adjustment_id, tenant_id, org_id, workspace_id, project_id,
+            SELECT toString(adjustment_id) AS adjustment_id, tenant_id, workspace_id, project_id,
                    api_key_id, ts, amount, currency, reason, reference, created_by
             FROM adjustments FINAL
             WHERE ts >= {_PERIOD} AND ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
@@ -264,8 +265,8 @@ class LedgerQueries:
 
         Returns:
             Dicts with ``ts`` (bucket start, aware UTC datetime), ``tenant_id``, ``requests``,
-            ``aborted_requests``, ``prompt_tokens``, ``cached_prompt_tokens``,
-            ``completion_tokens``, ``kv_token_seconds``.
+            ``aborted_requests``, ``input_tokens``, ``cached_input_tokens``,
+            ``output_tokens``, ``kv_token_seconds``.
         """
         if step not in ("hour", "day"):
             raise ValueError(f"step must be 'hour' or 'day', got {step!r}")
@@ -273,13 +274,13 @@ class LedgerQueries:
         if whole_hour_offsets(period.start, period.end, period.timezone):
             source, column = "usage_hourly", "hour"
             totals = """sum(requests) AS requests, sum(aborted_requests) AS aborted_requests,
-                sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
+                sum(input_tokens) AS input_tokens, sum(cached_input_tokens) AS cached_input_tokens,
+                sum(output_tokens) AS output_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
         else:
             source, column = "usage_events", "finish_ts"
             totals = """count() AS requests, countIf(outcome = 'aborted') AS aborted_requests,
-                sum(prompt_tokens) AS prompt_tokens, sum(cached_prompt_tokens) AS cached_prompt_tokens,
-                sum(completion_tokens) AS completion_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
+                sum(input_tokens) AS input_tokens, sum(cached_input_tokens) AS cached_input_tokens,
+                sum(output_tokens) AS output_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
         rows = self._query(f"""
             SELECT toTimeZone({fn}({column}, {{tz:String}}), 'UTC') AS ts, tenant_id,
                 {totals}
@@ -314,9 +315,9 @@ class LedgerQueries:
 
         Returns:
             One dict per tenant with ints (see :func:`kvmeter.ledger.reconcile.reconcile` for
-            the meaning of each): ``ledger_requests``, ``ledger_rows``, ``ledger_prompt_tokens``,
-            ``ledger_completion_tokens``, ``reserved_tokens``, ``actual_tokens``,
-            ``engine_requests``, ``engine_prompt_tokens``, ``engine_generation_tokens``,
+            the meaning of each): ``ledger_requests``, ``ledger_rows``, ``ledger_input_tokens``,
+            ``ledger_output_tokens``, ``reserved_tokens``, ``actual_tokens``,
+            ``engine_requests``, ``engine_input_tokens``, ``engine_output_tokens``,
             ``gateway_admitted``, ``matched_requests``, ``mismatched_requests``,
             ``matched_token_drift``, ``aborted_requests``, ``aborted_tokens``,
             ``frontend_only_requests``, ``frontend_only_tokens``, ``ledger_only_requests``,
@@ -332,26 +333,26 @@ class LedgerQueries:
         ledger = {r["tenant_id"]: r for r in self._query(f"""
             SELECT tenant_id,
                 count() AS ledger_requests,
-                sum(prompt_tokens) AS ledger_prompt_tokens,
-                sum(completion_tokens) AS ledger_completion_tokens,
-                sum(toUInt64(reserved_prompt_tokens) + reserved_completion_tokens) AS reserved_tokens,
-                sum(toUInt64(prompt_tokens) + completion_tokens) AS actual_tokens,
+                sum(input_tokens) AS ledger_input_tokens,
+                sum(output_tokens) AS ledger_output_tokens,
+                sum(toUInt64(reserved_input_tokens) + reserved_output_tokens) AS reserved_tokens,
+                sum(toUInt64(input_tokens) + output_tokens) AS actual_tokens,
                 countIf(outcome = 'aborted') AS aborted_requests,
-                sumIf(toUInt64(prompt_tokens) + completion_tokens, outcome = 'aborted') AS aborted_tokens,
+                sumIf(toUInt64(input_tokens) + output_tokens, outcome = 'aborted') AS aborted_tokens,
                 countIf(outcome != 'aborted' AND token_source != 'engine_hooks') AS frontend_only_requests,
-                sumIf(toUInt64(prompt_tokens) + completion_tokens,
+                sumIf(toUInt64(input_tokens) + output_tokens,
                       outcome != 'aborted' AND token_source != 'engine_hooks') AS frontend_only_tokens,
                 countIf(outcome != 'aborted' AND token_source = 'engine_hooks') AS hooks_requests,
-                sumWithOverflowIf(cityHash64(request_id, prompt_tokens, completion_tokens),
+                sumWithOverflowIf(cityHash64(request_id, input_tokens, output_tokens),
                                   outcome != 'aborted' AND token_source = 'engine_hooks') AS hooks_sum,
                 sumWithOverflow(request_key) AS request_sum
             FROM usage_events FINAL
             WHERE finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{t_filter}
             GROUP BY tenant_id""", params)}
         engine = {r["tenant_id"]: r for r in self._query(f"""
-            SELECT tenant_id, count() AS engine_requests, sum(prompt_tokens) AS engine_prompt_tokens,
-                sum(generation_tokens) AS engine_generation_tokens,
-                sumWithOverflow(cityHash64(request_id, prompt_tokens, generation_tokens)) AS engine_sum
+            SELECT tenant_id, count() AS engine_requests, sum(input_tokens) AS engine_input_tokens,
+                sum(output_tokens) AS engine_output_tokens,
+                sumWithOverflow(cityHash64(request_id, input_tokens, output_tokens)) AS engine_sum
             FROM engine_requests FINAL
             WHERE wall_ts >= {_PERIOD} AND wall_ts < {_PERIOD_END}{t_filter}
             GROUP BY tenant_id""", params)}
@@ -378,15 +379,15 @@ class LedgerQueries:
             if (int(l["hooks_requests"]), int(l["hooks_sum"])) == (e_count, e_sum) and \
                     (int(l["ledger_requests"]), int(l["request_sum"])) == (g_count, g_sum):
                 row = _empty_view(tenant)
-                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_prompt_tokens",
-                                                   "ledger_completion_tokens", "reserved_tokens", "actual_tokens",
+                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_input_tokens",
+                                                   "ledger_output_tokens", "reserved_tokens", "actual_tokens",
                                                    "aborted_requests", "aborted_tokens", "frontend_only_requests",
                                                    "frontend_only_tokens")})
                 row["ledger_rows"] = row["ledger_requests"]
                 row["matched_requests"] = e_count
                 if e:
-                    row.update({k: int(e[k]) for k in ("engine_requests", "engine_prompt_tokens",
-                                                       "engine_generation_tokens")})
+                    row.update({k: int(e[k]) for k in ("engine_requests", "engine_input_tokens",
+                                                       "engine_output_tokens")})
                 row["gateway_admitted"] = g_count
                 row["checked"] = "sets"
                 consistent[tenant] = row
@@ -414,29 +415,29 @@ class LedgerQueries:
                 tenant AS tenant_id,
                 countIf(l_rows > 0) AS ledger_requests,
                 sum(l_rows) AS ledger_rows,
-                sum(l_prompt) AS ledger_prompt_tokens,
-                sum(l_completion) AS ledger_completion_tokens,
+                sum(l_input) AS ledger_input_tokens,
+                sum(l_output) AS ledger_output_tokens,
                 sumIf(l_reserved, l_rows > 0) AS reserved_tokens,
-                sumIf(l_prompt + l_completion, l_rows > 0) AS actual_tokens,
+                sumIf(l_input + l_output, l_rows > 0) AS actual_tokens,
                 countIf(in_engine) AS engine_requests,
-                sumIf(e_prompt, in_engine) AS engine_prompt_tokens,
-                sumIf(e_gen, in_engine) AS engine_generation_tokens,
+                sumIf(e_input, in_engine) AS engine_input_tokens,
+                sumIf(e_output, in_engine) AS engine_output_tokens,
                 countIf(in_gateway) AS gateway_admitted,
                 countIf(l_rows = 1 AND in_engine) AS matched_requests,
-                countIf(l_rows = 1 AND in_engine AND (l_prompt != e_prompt OR l_completion != e_gen)) AS mismatched_requests,
-                sumIf(abs(toInt64(l_prompt) - e_prompt) + abs(toInt64(l_completion) - e_gen), l_rows = 1 AND in_engine) AS matched_token_drift,
+                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output)) AS mismatched_requests,
+                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine) AS matched_token_drift,
                 countIf(l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_requests,
-                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_requests,
-                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_requests,
-                sumIf(l_prompt + l_completion, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
                 countIf(l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_requests,
-                sumIf(e_prompt + e_gen, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
+                sumIf(e_input + e_output, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
                 countIf(l_rows = 0 AND in_engine AND superseded) AS superseded_requests,
-                sumIf(e_prompt + e_gen, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
+                sumIf(e_input + e_output, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
                 countIf(l_rows > 1) AS duplicate_billed_requests,
-                sumIf(l_prompt + l_completion - intDivOrZero(l_prompt + l_completion, l_rows), l_rows > 1) AS duplicate_billed_tokens,
+                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1) AS duplicate_billed_tokens,
                 countIf(in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finishes,
                 sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finish_reserved_tokens
             FROM (
@@ -446,30 +447,30 @@ class LedgerQueries:
                     countIf(src = 1) AS l_rows,
                     countIf(src = 2) > 0 AS in_engine,
                     countIf(src = 3 AND flag) > 0 AS in_gateway,
-                    sumIf(p, src = 1) AS l_prompt,
-                    sumIf(c, src = 1) AS l_completion,
+                    sumIf(p, src = 1) AS l_input,
+                    sumIf(c, src = 1) AS l_output,
                     sumIf(r, src = 1) AS l_reserved,
                     maxIf(r, src = 3 AND flag) AS a_reserved,
-                    maxIf(p, src = 2) AS e_prompt,
-                    maxIf(c, src = 2) AS e_gen,
+                    maxIf(p, src = 2) AS e_input,
+                    maxIf(c, src = 2) AS e_output,
                     maxIf(flag, src = 1) AS l_aborted,
                     minIf(hooks, src = 1) AS l_hooks,
                     maxIf(retried, src = 3) AS superseded,
                     if(l_rows > 0, minIf(ts, src = 1), if(in_engine, minIf(ts, src = 2), min(ts))) AS anchor
                 FROM (
-                    SELECT 1 AS src, request_key, tenant_id, prompt_tokens AS p, completion_tokens AS c,
-                           toUInt64(reserved_prompt_tokens) + reserved_completion_tokens AS r,
+                    SELECT 1 AS src, request_key, tenant_id, input_tokens AS p, output_tokens AS c,
+                           toUInt64(reserved_input_tokens) + reserved_output_tokens AS r,
                            outcome = 'aborted' AS flag, token_source = 'engine_hooks' AS hooks,
                            0 AS retried, finish_ts AS ts
                     FROM usage_events FINAL
                     WHERE finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}
                     UNION ALL
-                    SELECT 2, request_key, tenant_id, prompt_tokens, generation_tokens, 0, 0, 0, 0, wall_ts
+                    SELECT 2, request_key, tenant_id, input_tokens, output_tokens, 0, 0, 0, 0, wall_ts
                     FROM engine_requests
                     WHERE wall_ts >= {w_start} AND wall_ts < {w_end}{in_set}
                     UNION ALL
                     SELECT 3, request_key, tenant_id, 0, 0,
-                           toUInt64(reserved_prompt_tokens) + reserved_completion_tokens, status = 'admitted', 0,
+                           toUInt64(reserved_input_tokens) + reserved_output_tokens, status = 'admitted', 0,
                            event_key IN (SELECT event_key FROM usage_events
                                          WHERE finish_ts >= {w_start} AND finish_ts < {w_end}{in_set}),
                            ts
@@ -488,14 +489,14 @@ class LedgerQueries:
 
 #: group-by names that exist on the attempts table (same meaning).
 _ATTEMPT_GROUPS: dict[str, str] = {
-    "tenant_id": "tenant_id", "org_id": "org_id", "workspace_id": "workspace_id", "project_id": "project_id",
+    "tenant_id": "tenant_id", "workspace_id": "workspace_id", "project_id": "project_id",
     "api_key_id": "api_key_id", "model": "model", "tier": "tier", "endpoint": "endpoint",
     "agent_run_id": "agent_run_id", "hour": "toStartOfHour(ts, {tz:String})", "day": "toStartOfDay(ts, {tz:String})",
 }
 
 _VIEW_INT_FIELDS = (
-    "ledger_requests", "ledger_rows", "ledger_prompt_tokens", "ledger_completion_tokens", "reserved_tokens",
-    "actual_tokens", "engine_requests", "engine_prompt_tokens", "engine_generation_tokens", "gateway_admitted",
+    "ledger_requests", "ledger_rows", "ledger_input_tokens", "ledger_output_tokens", "reserved_tokens",
+    "actual_tokens", "engine_requests", "engine_input_tokens", "engine_output_tokens", "gateway_admitted",
     "matched_requests", "mismatched_requests", "matched_token_drift", "aborted_requests", "aborted_tokens",
     "frontend_only_requests", "frontend_only_tokens", "ledger_only_requests", "ledger_only_tokens",
     "engine_unbilled_requests", "engine_unbilled_tokens", "superseded_requests", "superseded_tokens",
@@ -513,21 +514,3 @@ def _utc(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
     return value
-
-
-def _line_cost(prices: PriceList, row: dict[str, Any]) -> Decimal | None:
-    """Exact (unrounded) cost of one (model, tier)'s token sums; ``None`` if the model is unpriced.
-
-    ``row`` holds ``model``, ``tier``, ``prompt_tokens``, ``cached_prompt_tokens``,
-    ``completion_tokens`` and ``reasoning_tokens``; see :mod:`kvmeter.ledger.prices` for the rule.
-    """
-    cached = int(row["cached_prompt_tokens"])
-    reasoning = int(row["reasoning_tokens"])
-    total = Decimal(0)
-    for token_type, tokens in (("input", int(row["prompt_tokens"]) - cached), ("cached_input", cached),
-                               ("output", int(row["completion_tokens"]) - reasoning), ("reasoning", reasoning)):
-        unit = prices.unit_price(row["model"], row["tier"], token_type)
-        if unit is None:
-            return None
-        total += unit * tokens
-    return total

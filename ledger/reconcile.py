@@ -99,9 +99,9 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
         raise ValueError(f"threshold_ratio must be >= 0, got {threshold_ratio}")
     rows = list(views)
     base = pl.DataFrame(rows) if rows else pl.DataFrame({"tenant_id": []}, schema={"tenant_id": pl.String})
-    needed = ("engine_requests", "engine_prompt_tokens", "engine_generation_tokens", "attempts", "gateway_admitted",
-              "rejected_attempts", "replayed_attempts", "ledger_requests", "ledger_prompt_tokens",
-              "ledger_completion_tokens", "matched_requests", "aborted_requests", "aborted_tokens",
+    needed = ("engine_requests", "engine_input_tokens", "engine_output_tokens", "attempts", "gateway_admitted",
+              "rejected_attempts", "replayed_attempts", "ledger_requests", "ledger_input_tokens",
+              "ledger_output_tokens", "matched_requests", "aborted_requests", "aborted_tokens",
               "frontend_only_requests", "frontend_only_tokens", "superseded_requests", "superseded_tokens",
               "stored_rows", "mismatched_requests", "matched_token_drift", "ledger_only_requests", "ledger_only_tokens",
               "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests",
@@ -111,9 +111,9 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
                               for c in needed])
     df = base.with_columns(
         pl.when(pl.col("tenant_id") == "").then(pl.lit(UNATTRIBUTED)).otherwise(pl.col("tenant_id")).alias("tenant_id"),
-        (pl.col("engine_prompt_tokens") + pl.col("engine_generation_tokens")).alias("engine_tokens"),
+        (pl.col("engine_input_tokens") + pl.col("engine_output_tokens")).alias("engine_tokens"),
         pl.col("attempts").alias("gateway_attempts"),
-        (pl.col("ledger_prompt_tokens") + pl.col("ledger_completion_tokens")).alias("ledger_tokens"),
+        (pl.col("ledger_input_tokens") + pl.col("ledger_output_tokens")).alias("ledger_tokens"),
         (pl.col("stored_rows") - pl.col("ledger_requests")).clip(lower_bound=0).alias("duplicate_rows"),
         (pl.col("mismatched_requests") + pl.col("ledger_only_requests") + pl.col("engine_unbilled_requests")
          + pl.col("duplicate_billed_requests") + pl.col("missing_finishes")).alias("unexplained_requests"),

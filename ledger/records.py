@@ -10,6 +10,18 @@ A spool line is a JSON array in the stream's column order (ClickHouse ``JSONComp
 so the drain hands the spool bytes to ClickHouse without re-parsing them in Python. Every
 encoder validates first: anything that reaches the spool is insertable, so one bad record can
 never block the drain (see :class:`~kvmeter.ledger.errors.InvalidRecord`).
+
+Two boundaries live here, one each:
+
+* **Records → columns.** A record carries its :class:`~kvmeter.attribution.Attribution` and its
+  :class:`~kvmeter.tokens.TokenCounts` by reference; :func:`column_getter` is the one function that
+  flattens them into the ledger's columns (``tenant_id``, ..., ``input_tokens``, ...), used by every
+  row encoder and by :meth:`~kvmeter.ledger.Ledger.adjust`.
+* **Old spool lines → columns.** Blocks written by an earlier kvmeter carry an older column list
+  (their schema version, kept in :class:`StreamSpec`); :meth:`StreamSpec.decode` is the one place
+  that maps them to today's columns: the token columns of the prompt/completion vocabulary are
+  renamed by :data:`LEGACY_COLUMN_NAMES` and ``org_id`` (the tenant's second id) is dropped
+  (:data:`LEGACY_DROPPED_COLUMNS`), so a spool written before an upgrade still drains after it.
 """
 
 from __future__ import annotations
@@ -24,8 +36,10 @@ from typing import Annotated, Any, Callable, Literal, Mapping
 import msgspec
 from msgspec import Meta
 
+from kvmeter.attribution import ATTRIBUTION_FIELDS, Attribution
 from kvmeter.events import UsageEvent
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import NO_TOKENS, TOKEN_FIELDS, TokenCounts
 
 from .errors import InvalidRecord
 
@@ -40,6 +54,9 @@ __all__ = [
     "ENGINE_STREAM",
     "STREAMS",
     "attempt_id_for",
+    "column_getter",
+    "LEGACY_COLUMN_NAMES",
+    "LEGACY_DROPPED_COLUMNS",
     "encode_usage",
     "encode_attempt",
     "encode_engine",
@@ -62,6 +79,9 @@ _MAX_U32 = 2**32 - 1
 _MAX_STR = 4096
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder()
+#: A block's JSON-array lines: bytes, or a spool view with ``tobytes()``.
+_Payload = Any
 
 
 def attempt_id_for(tenant_id: str, request_id: str) -> str:
@@ -81,7 +101,9 @@ class AttemptRecord:
     """One HTTP attempt at the gateway, recorded when admission decides it.
 
     Attributes:
-        tenant_id: the tenant (org) the key belongs to.
+        attribution: the request's :class:`~kvmeter.attribution.Attribution` (for a request
+            refused before admission: the caller's principal with the served model and the
+            endpoint); :attr:`tenant_id` is its tenant.
         request_id: kvmeter's request id of this attempt (the engine sees the same id).
         status: ``admitted`` (sent to the scheduler/engine), ``rejected`` (429/402/400 by quota
             or scheduler: see ``reason``), ``replayed`` (an idempotent replay served from the
@@ -91,49 +113,47 @@ class AttemptRecord:
         event_id: the logical request's event id (:func:`kvmeter.events.event_id_for`), or ``""``.
         reason: ``admitted`` or the rejection/shed reason (``rate_limited``, ``queue_full``...).
         status_code: HTTP status sent (200 when admitted and the response started).
-        tier, model, endpoint, org_id, workspace_id, project_id, api_key_id, agent_run_id,
-            idempotency_key: attribution, as in :class:`~kvmeter.events.UsageEvent`.
-        reserved_prompt_tokens, reserved_completion_tokens: what admission reserved (0 if none).
+        idempotency_key: the client's ``Idempotency-Key``, or ``""``.
+        reserved: what admission reserved (``input_tokens``, ``output_tokens``; zero if none).
         attempt: 1 for the logical request's first attempt, counting up on retries.
         level, dimension: for a quota rejection, the principal level and limit dimension that
             refused it (``project`` / ``input_tokens_per_minute``); ``""`` otherwise.
         attempt_id: deterministic id; empty → :func:`attempt_id_for` (tenant, request id).
     Raises:
-        InvalidRecord: on an unknown status or empty tenant/request id.
+        InvalidRecord: on an unknown status, an empty tenant or request id, or an attribution or
+            reservation of the wrong type.
     """
 
-    tenant_id: str
+    attribution: Attribution
     request_id: str
     status: AttemptStatus
     ts: float
     event_id: str = ""
     reason: str = "admitted"
     status_code: int = 200
-    tier: str = ""
-    model: str = ""
-    endpoint: str = ""
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    agent_run_id: str = ""
     idempotency_key: str = ""
-    reserved_prompt_tokens: int = 0
-    reserved_completion_tokens: int = 0
+    reserved: TokenCounts = NO_TOKENS
     attempt: int = 1
     attempt_id: str = ""
     level: str = ""
     dimension: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tenant_id, str) or not self.tenant_id:
-            raise InvalidRecord("AttemptRecord.tenant_id must be a non-empty string")
+        if type(self.attribution) is not Attribution or not self.attribution.tenant_id:
+            raise InvalidRecord("AttemptRecord.attribution must be an Attribution with a tenant_id")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidRecord("AttemptRecord.request_id must be a non-empty string")
         if self.status not in _ATTEMPT_STATUSES:
             raise InvalidRecord(f"AttemptRecord.status must be one of {_ATTEMPT_STATUSES}, got {self.status!r}")
+        if type(self.reserved) is not TokenCounts:
+            raise InvalidRecord(f"AttemptRecord.reserved must be TokenCounts, got {self.reserved!r}")
         if not self.attempt_id:
             object.__setattr__(self, "attempt_id", attempt_id_for(self.tenant_id, self.request_id))
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant (``attribution.tenant_id``)."""
+        return self.attribution.tenant_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +161,14 @@ class Adjustment:
     """A signed money correction on a tenant's bill.
 
     Attributes:
-        tenant_id: the tenant (org) billed.
+        attribution: the tenant billed, optionally narrowed to a workspace, project or API key
+            (``Attribution("acme")`` for the whole tenant; the per-request fields stay empty);
+            :attr:`tenant_id` is its tenant.
         amount: Decimal in the price list's currency; negative = credit, positive = debit.
             At most 18 decimal places (ClickHouse ``Decimal(38, 18)``).
         ts: wall-clock epoch seconds at which it takes effect (decides the billing period).
         reason: free text shown on the invoice (≤ 4096 characters).
         reference: an external reference (ticket, event id), part of the deterministic id.
-        org_id, workspace_id, project_id, api_key_id: optional narrower attribution.
         created_by: who issued it.
         adjustment_id: deterministic id; empty → UUIDv5(tenant, reference, ts, amount), so
             issuing the same correction twice stores it once.
@@ -155,21 +176,17 @@ class Adjustment:
         InvalidRecord: on a non-Decimal amount, too many decimal places or an empty tenant.
     """
 
-    tenant_id: str
+    attribution: Attribution
     amount: Decimal
     ts: float
     reason: str
     reference: str = ""
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
     created_by: str = ""
     adjustment_id: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tenant_id, str) or not self.tenant_id:
-            raise InvalidRecord("Adjustment.tenant_id must be a non-empty string")
+        if type(self.attribution) is not Attribution or not self.attribution.tenant_id:
+            raise InvalidRecord("Adjustment.attribution must be an Attribution with a tenant_id")
         if isinstance(self.amount, float) or not isinstance(self.amount, (Decimal, int, str)):
             raise InvalidRecord(f"Adjustment.amount must be a Decimal (never a float), got {self.amount!r}")
         try:
@@ -188,6 +205,11 @@ class Adjustment:
         if not self.adjustment_id:
             key = f"{self.tenant_id}\x1f{self.reference}\x1f{self.ts!r}\x1f{amount}"
             object.__setattr__(self, "adjustment_id", str(uuid.uuid5(ADJUSTMENT_NAMESPACE, key)))
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant billed (``attribution.tenant_id``)."""
+        return self.attribution.tenant_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +249,49 @@ def _check_ts(name: str, value: object) -> None:
         raise InvalidRecord(f"{name} must be wall-clock epoch seconds in 2000..2200, got {value!r}")
 
 
+# --------------------------------------------------------------------------- records → columns
+
+#: Column name → attribute path, for the columns a record holds in a nested type: the
+#: attribution's fields, the token counts' and the reservation's. Every other column is the
+#: record's attribute of the same name.
+_NESTED_COLUMNS: dict[str, str] = {
+    **{name: f"attribution.{name}" for name in ATTRIBUTION_FIELDS},
+    **{name: f"tokens.{name}" for name in TOKEN_FIELDS},
+    "reserved_input_tokens": "reserved.input_tokens",
+    "reserved_output_tokens": "reserved.output_tokens",
+}
+
+
+def column_getter(columns: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """The one flattening of a record into ledger columns.
+
+    Args:
+        columns: ledger column names; ``tenant_id`` … ``endpoint`` are read from the record's
+            ``attribution``, ``input_tokens`` … ``reasoning_tokens`` from its ``tokens``,
+            ``reserved_input_tokens`` / ``reserved_output_tokens`` from its ``reserved``, any
+            other name from the attribute of that name.
+    Returns:
+        ``f(record) -> tuple`` of the values in ``columns`` order (an ``operator.attrgetter``:
+        one C call per record, so the record path stays at its measured rate).
+    """
+    return operator.attrgetter(*(_NESTED_COLUMNS.get(c, c) for c in columns))
+
+
 # --------------------------------------------------------------------------- spool streams
+
+#: Old column name → today's, for spool blocks written before the input/output vocabulary
+#: (usage schema 1, attempts 1–2, engine 1–2). The one place the old names survive.
+LEGACY_COLUMN_NAMES: Mapping[str, str] = {
+    "prompt_tokens": "input_tokens",
+    "cached_prompt_tokens": "cached_input_tokens",
+    "completion_tokens": "output_tokens",
+    "generation_tokens": "output_tokens",
+    "reserved_prompt_tokens": "reserved_input_tokens",
+    "reserved_completion_tokens": "reserved_output_tokens",
+}
+#: Columns old blocks carry that no longer exist: ``org_id`` was the tenant's second id (always
+#: equal to ``tenant_id``).
+LEGACY_DROPPED_COLUMNS: frozenset[str] = frozenset({"org_id"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +301,9 @@ class StreamSpec:
     Attributes:
         name: directory name under the spool dir (``usage``, ``attempts``, ``engine``).
         table: target table.
-        schema: version of the column list written in each spool block.
-        columns: column order of the JSON arrays, per schema version.
+        schema: version of the column list written in each new spool block.
+        columns: column order of the JSON arrays, per schema version, as that version wrote them
+            (old versions with their old names; see :meth:`decode`).
     """
 
     name: str
@@ -247,29 +312,84 @@ class StreamSpec:
     columns: Mapping[int, tuple[str, ...]]
 
     def columns_for(self, schema: int) -> tuple[str, ...]:
-        """Column list of a block written with ``schema`` (KeyError if unknown)."""
+        """Column list of a block written with ``schema``, as written (KeyError if unknown)."""
         return self.columns[schema]
 
+    def decode(self, schema: int, payload: _Payload) -> tuple[tuple[str, ...], _Payload]:
+        """The columns (today's names) and the rows to insert for a block written with ``schema``.
 
-USAGE_COLUMNS: tuple[str, ...] = UsageEvent.field_names()
-#: Attempt columns; schema 2 added the refusing limit's ``level`` and ``dimension``.
+        A block of the current schema passes through untouched (the drain's fast path). An older
+        block has its old column names mapped by :data:`LEGACY_COLUMN_NAMES`; if it carries a
+        column in :data:`LEGACY_DROPPED_COLUMNS`, its rows are re-encoded without it (old blocks
+        are what one upgrade left in the spool: a bounded, one-off cost).
+
+        Args:
+            schema: the block's schema version.
+            payload: its JSON-array lines (bytes, or anything with ``tobytes()``).
+        Raises:
+            KeyError: an unknown schema version.
+        """
+        written = self.columns[schema]
+        if schema == self.schema:
+            return written, payload
+        names = tuple(LEGACY_COLUMN_NAMES.get(c, c) for c in written)
+        keep = [i for i, c in enumerate(written) if c not in LEGACY_DROPPED_COLUMNS]
+        if len(keep) == len(written):
+            return names, payload
+        data = payload if isinstance(payload, bytes) else payload.tobytes()
+        rows = [_decoder.decode(line) for line in data.split(b"\n") if line.strip()]
+        out = b"".join(_encoder.encode([row[i] for i in keep]) + b"\n" for row in rows)
+        return tuple(names[i] for i in keep), out
+
+
+#: Usage columns: the UsageEvent's fields flattened (see :func:`column_getter`). Schema 1 spelled
+#: the tokens prompt/completion and carried ``org_id`` after ``idempotency_key``.
+USAGE_COLUMNS: tuple[str, ...] = (
+    "event_id", "tenant_id", "request_id", "tier", "model", "endpoint", "outcome", "finish_reason",
+    "arrival_ts", "finish_ts", "input_tokens", "output_tokens", "cached_input_tokens", "reasoning_tokens",
+    "reserved_input_tokens", "reserved_output_tokens", "idempotency_key", "workspace_id", "project_id",
+    "api_key_id", "agent_run_id", "status_code", "stream", "queue_s", "ttft_s", "prefill_s", "decode_s",
+    "e2e_s", "itl_mean_s", "kv_token_seconds", "token_source", "attempt", "preemptions", "schema_version",
+)
+_USAGE_COLUMNS_V1: tuple[str, ...] = (
+    "event_id", "tenant_id", "request_id", "tier", "model", "endpoint", "outcome", "finish_reason",
+    "arrival_ts", "finish_ts", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "reasoning_tokens",
+    "reserved_prompt_tokens", "reserved_completion_tokens", "idempotency_key", "org_id", "workspace_id",
+    "project_id", "api_key_id", "agent_run_id", "status_code", "stream", "queue_s", "ttft_s", "prefill_s",
+    "decode_s", "e2e_s", "itl_mean_s", "kv_token_seconds", "token_source", "attempt", "preemptions",
+    "schema_version",
+)
+#: Attempt columns; schema 2 added the refusing limit's ``level`` and ``dimension``, schema 3 the
+#: input/output names without ``org_id``.
 _ATTEMPT_COLUMNS_V1: tuple[str, ...] = (
     "attempt_id", "event_id", "tenant_id", "request_id", "status", "reason", "status_code", "ts",
     "tier", "model", "endpoint", "org_id", "workspace_id", "project_id", "api_key_id", "agent_run_id",
     "idempotency_key", "reserved_prompt_tokens", "reserved_completion_tokens", "attempt",
 )
-ATTEMPT_COLUMNS: tuple[str, ...] = _ATTEMPT_COLUMNS_V1 + ("level", "dimension")
-#: Engine record columns: EngineRequestStats' fields, then the tenant the ledger attributed the
-#: request to from its admitted attempt ("" when unknown). Schema 1 lacked the tenant.
-_ENGINE_STATS_COLUMNS: tuple[str, ...] = (
+ATTEMPT_COLUMNS: tuple[str, ...] = (
+    "attempt_id", "event_id", "tenant_id", "request_id", "status", "reason", "status_code", "ts",
+    "tier", "model", "endpoint", "workspace_id", "project_id", "api_key_id", "agent_run_id",
+    "idempotency_key", "reserved_input_tokens", "reserved_output_tokens", "attempt", "level", "dimension",
+)
+#: Engine record columns: EngineRequestStats' fields, then the tenant the engine stamped on it
+#: ("" when unattributed). Schema 1 lacked the tenant; 1 and 2 spelled the tokens prompt/generation.
+_ENGINE_COLUMNS_V1: tuple[str, ...] = (
     "request_id", "finish_reason", "prompt_tokens", "generation_tokens", "cached_prompt_tokens",
     "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "mean_tpot_s", "preemptions", "wall_ts",
 )
-ENGINE_COLUMNS: tuple[str, ...] = _ENGINE_STATS_COLUMNS + ("tenant_id",)
+ENGINE_COLUMNS: tuple[str, ...] = (
+    "request_id", "finish_reason", "input_tokens", "output_tokens", "cached_input_tokens",
+    "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "mean_tpot_s", "preemptions", "wall_ts",
+    "tenant_id",
+)
 
-USAGE_STREAM = StreamSpec("usage", "usage_events", 1, {1: USAGE_COLUMNS})
-ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 2, {1: _ATTEMPT_COLUMNS_V1, 2: ATTEMPT_COLUMNS})
-ENGINE_STREAM = StreamSpec("engine", "engine_requests", 2, {1: _ENGINE_STATS_COLUMNS, 2: ENGINE_COLUMNS})
+USAGE_STREAM = StreamSpec("usage", "usage_events", 2, {1: _USAGE_COLUMNS_V1, 2: USAGE_COLUMNS})
+ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 3, {1: _ATTEMPT_COLUMNS_V1,
+                                                        2: _ATTEMPT_COLUMNS_V1 + ("level", "dimension"),
+                                                        3: ATTEMPT_COLUMNS})
+ENGINE_STREAM = StreamSpec("engine", "engine_requests", 3, {1: _ENGINE_COLUMNS_V1,
+                                                            2: _ENGINE_COLUMNS_V1 + ("tenant_id",),
+                                                            3: ENGINE_COLUMNS})
 STREAMS: tuple[StreamSpec, ...] = (USAGE_STREAM, ATTEMPT_STREAM, ENGINE_STREAM)
 
 # Row shapes (scalar fields only, so untracked by the cycle collector: gc=False), validated in C by msgspec.convert (about 2 µs per usage event, against ~6 µs for the
@@ -293,14 +413,13 @@ class _UsageRow(msgspec.Struct, array_like=True, gc=False):
     finish_reason: _Str
     arrival_ts: _Ts
     finish_ts: _Ts
-    prompt_tokens: _U32
-    completion_tokens: _U32
-    cached_prompt_tokens: _U32
+    input_tokens: _U32
+    output_tokens: _U32
+    cached_input_tokens: _U32
     reasoning_tokens: _U32
-    reserved_prompt_tokens: _U32
-    reserved_completion_tokens: _U32
+    reserved_input_tokens: _U32
+    reserved_output_tokens: _U32
     idempotency_key: _Str
-    org_id: _Str
     workspace_id: _Str
     project_id: _Str
     api_key_id: _Str
@@ -332,14 +451,13 @@ class _AttemptRow(msgspec.Struct, array_like=True, gc=False):
     tier: _Str
     model: _Str
     endpoint: _Str
-    org_id: _Str
     workspace_id: _Str
     project_id: _Str
     api_key_id: _Str
     agent_run_id: _Str
     idempotency_key: _Str
-    reserved_prompt_tokens: _U32
-    reserved_completion_tokens: _U32
+    reserved_input_tokens: _U32
+    reserved_output_tokens: _U32
     attempt: _U32
     level: _Str
     dimension: _Str
@@ -348,9 +466,9 @@ class _AttemptRow(msgspec.Struct, array_like=True, gc=False):
 class _EngineRow(msgspec.Struct, array_like=True, gc=False):
     request_id: Annotated[str, Meta(min_length=1, max_length=_MAX_STR)]
     finish_reason: _Str
-    prompt_tokens: _U32
-    generation_tokens: _U32
-    cached_prompt_tokens: _U32
+    input_tokens: _U32
+    output_tokens: _U32
+    cached_input_tokens: _U32
     queued_s: _Dur
     prefill_s: _Dur
     decode_s: _Dur
@@ -364,6 +482,9 @@ class _EngineRow(msgspec.Struct, array_like=True, gc=False):
 
 for _row, _cols in ((_UsageRow, USAGE_COLUMNS), (_AttemptRow, ATTEMPT_COLUMNS), (_EngineRow, ENGINE_COLUMNS)):
     assert tuple(_row.__struct_fields__) == _cols, f"{_row.__name__} out of step with its column list"
+for _spec in STREAMS:
+    for _old in _spec.columns.values():
+        assert set(LEGACY_COLUMN_NAMES.get(c, c) for c in _old) - LEGACY_DROPPED_COLUMNS <= set(_spec.columns[_spec.schema])
 
 _INDEX = re.compile(r"\$\[(\d+)\]")
 
@@ -379,7 +500,7 @@ def _convert(values: tuple[Any, ...], row: type, columns: tuple[str, ...], what:
         raise InvalidRecord(f"{what}.{name} = {value!r}: {text.split(' - at ')[0]}") from None
 
 
-_usage_values: Callable[[UsageEvent], tuple[Any, ...]] = operator.attrgetter(*USAGE_COLUMNS)
+_usage_values = column_getter(USAGE_COLUMNS)
 
 
 def encode_usage(event: UsageEvent) -> bytes:
@@ -399,7 +520,7 @@ def encode_usage(event: UsageEvent) -> bytes:
     return _encoder.encode(row)
 
 
-_attempt_values: Callable[[AttemptRecord], tuple[Any, ...]] = operator.attrgetter(*ATTEMPT_COLUMNS)
+_attempt_values = column_getter(ATTEMPT_COLUMNS)
 
 
 def encode_attempt(attempt: AttemptRecord) -> bytes:
@@ -417,23 +538,25 @@ def encode_attempt(attempt: AttemptRecord) -> bytes:
     return _encoder.encode(_convert(values, _AttemptRow, ATTEMPT_COLUMNS, "AttemptRecord"))
 
 
-_engine_values: Callable[[EngineRequestStats], tuple[Any, ...]] = operator.attrgetter(*_ENGINE_STATS_COLUMNS)
+_engine_values = column_getter(ENGINE_COLUMNS)
+_ENGINE_WALL_TS = ENGINE_COLUMNS.index("wall_ts")
 
 
-def encode_engine(stats: EngineRequestStats, now_wall: float, tenant_id: str = "") -> bytes:
+def encode_engine(stats: EngineRequestStats, now_wall: float) -> bytes:
     """Validate the engine's account of one finished request and encode it as a JSON array.
 
     Args:
-        stats: from the engine hooks (published on the bus).
+        stats: from the engine (published on the bus), with the attribution the engine adapter
+            stamped on it (its tenant is stored; ``""`` when unattributed).
         now_wall: wall-clock epoch seconds used when ``stats.wall_ts`` is 0 (unset).
-        tenant_id: the tenant whose admitted attempt carried this request id, or ``""``.
     Raises:
         InvalidRecord: naming the field and value.
     """
     if type(stats) is not EngineRequestStats:
         raise InvalidRecord(f"expected EngineRequestStats, got {type(stats).__name__}")
+    if type(stats.tokens) is not TokenCounts or type(stats.attribution) is not Attribution:
+        raise InvalidRecord("EngineRequestStats.tokens must be TokenCounts and .attribution an Attribution")
     values = _engine_values(stats)
     if not stats.wall_ts:
-        values = values[:-1] + (now_wall,)
-    values = values + (tenant_id,)
+        values = values[:_ENGINE_WALL_TS] + (now_wall,) + values[_ENGINE_WALL_TS + 1:]
     return _encoder.encode(_convert(values, _EngineRow, ENGINE_COLUMNS, "EngineRequestStats"))

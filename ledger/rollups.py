@@ -41,14 +41,14 @@ _RECOMPUTE = """
 INSERT INTO usage_hourly
 SELECT
     toStartOfHour(finish_ts) AS hour,
-    tenant_id, org_id, workspace_id, project_id, api_key_id, model, tier,
+    tenant_id, workspace_id, project_id, api_key_id, model, tier,
     """ + BILLABLE_TOTALS_SQL + """,
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
     now64(3) AS computed_at
 FROM usage_events FINAL
 WHERE toStartOfHour(finish_ts) IN {hours:Array(DateTime('UTC'))}
-GROUP BY hour, tenant_id, org_id, workspace_id, project_id, api_key_id, model, tier
+GROUP BY hour, tenant_id, workspace_id, project_id, api_key_id, model, tier
 """
 
 

@@ -19,8 +19,8 @@ variable           single node (default)                 cluster mode (``LedgerC
 plain MergeTree (measured on chDB 26.9: without it the token is ignored).
 
 Applied versions are kept in ``schema_migrations`` with the SHA-256 of their file(s); every
-statement is ``CREATE ... IF NOT EXISTS``, so a migration interrupted half-way is simply run
-again. A changed file for an applied version is an error (fix it with a new version).
+statement is idempotent (``CREATE ... IF NOT EXISTS``, ``RENAME COLUMN IF EXISTS``, ``DROP ... IF
+EXISTS``), so a migration interrupted half-way is simply run again. A changed file for an applied version is an error (fix it with a new version).
 """
 
 from __future__ import annotations
@@ -133,12 +133,14 @@ def applied_versions(client: Client) -> dict[int, str]:
     return {int(v): str(c) for v, c in rows}
 
 
-def migrate(client: Client, cluster: str | None = None) -> list[int]:
-    """Bring the client's database to the newest schema.
+def migrate(client: Client, cluster: str | None = None, *, up_to: int | None = None) -> list[int]:
+    """Bring the client's database to the newest schema (or to version ``up_to``).
 
     Args:
         client: a client whose default database is the ledger's.
         cluster: cluster name for the Replicated/Distributed DDL, or ``None``.
+        up_to: apply the versions up to this one only (the schema an older kvmeter created, e.g.
+            to test an upgrade); ``None``: all.
     Returns:
         The versions applied by this call (empty when already current).
     Raises:
@@ -152,6 +154,8 @@ def migrate(client: Client, cluster: str | None = None) -> list[int]:
         raise MigrationError(f"cannot read or create schema_migrations: {exc}") from exc
     done = []
     for migration in load_migrations(cluster):
+        if up_to is not None and migration.version > up_to:
+            break
         known = applied.get(migration.version)
         if known is not None:
             if known != migration.checksum:

@@ -39,7 +39,7 @@ SIGNAL_AGGS: dict[str, str] = {"avg": "avg(value)", "max": "max(value)", "min": 
                                "last": "argMax(value, ts)"}
 #: Most label keys a signal read may group by.
 MAX_LABEL_KEYS = 4
-#: Bins of the output-budget use histogram: completion / reserved completion tokens, in tenths.
+#: Bins of the output-budget use histogram: output / reserved output tokens, in tenths.
 OUTPUT_USE_BINS = 10
 
 #: A tier's latency promises for :meth:`WindowQueries.goodput`: ``(tier, ttft_slo_s, itl_slo_s)``,
@@ -47,7 +47,7 @@ OUTPUT_USE_BINS = 10
 TierSlo = tuple[str, float | None, float | None]
 
 #: Per-query settings: a column name inside an aggregate means the column, not a same-named
-#: alias (``sum(prompt_tokens) AS prompt_tokens`` beside ``max(prompt_tokens)``).
+#: alias (``sum(input_tokens) AS input_tokens`` beside ``max(input_tokens)``).
 _SETTINGS = {"prefer_column_name_to_alias": 1}
 #: Result columns of the signal reads (a label key may not use these names).
 _RESERVED_COLUMNS = frozenset({"ts", "value", "samples"})
@@ -150,12 +150,12 @@ class WindowQueries:
 
         Returns:
             Per bucket ``ts`` (UTC start): ``requests``, ``ok_requests``, ``aborted_requests``,
-            ``error_requests`` (requests that *finished* in the bucket); ``prompt_tokens``,
-            ``cached_prompt_tokens`` (⊆ prompt), ``completion_tokens``; ``kv_token_seconds``
+            ``error_requests`` (requests that *finished* in the bucket); ``input_tokens``,
+            ``cached_input_tokens`` (⊆ input), ``output_tokens``; ``kv_token_seconds``
             (∫ KV tokens held dt of those requests — ÷ step = mean active KV tokens, exact when
             requests are shorter than a bucket); ``queue_seconds`` (Σ queue wait — ÷ step =
             mean queue depth, Little's law); ``queue_p50_s``, ``queue_p95_s``, ``ttft_p95_s``
-            (exact percentiles, ``None`` when no request has the value); ``max_prompt_tokens``.
+            (exact percentiles, ``None`` when no request has the value); ``max_input_tokens``.
         """
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket,
@@ -166,21 +166,21 @@ class WindowQueries:
                 quantileExactInclusive(0.5)(queue_s) AS queue_p50_s,
                 quantileExactInclusive(0.95)(queue_s) AS queue_p95_s,
                 quantileExactInclusive(0.95)(ttft_s) AS ttft_p95_s,
-                max(prompt_tokens) AS max_prompt_tokens
+                max(input_tokens) AS max_input_tokens
             FROM usage_events FINAL
             WHERE {self._usage_where(tenants)}
             GROUP BY bucket ORDER BY bucket""", self._params(window, tenants))
 
     def traffic_by_tenant(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Per bucket and tenant: ``ts``, ``tenant_id``, ``tier``, ``requests``,
-        ``prompt_tokens``, ``completion_tokens``, ``kv_token_seconds``, ``queue_seconds`` (as in
+        ``input_tokens``, ``output_tokens``, ``kv_token_seconds``, ``queue_seconds`` (as in
         :meth:`traffic`), and ``backlogged`` (1 if a request of the tenant waited ≥
         :data:`BACKLOG_QUEUE_S` in the queue in that bucket, else 0)."""
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket, tenant_id, any(tier) AS tier,
                 count() AS requests,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
+                sum(input_tokens) AS input_tokens,
+                sum(output_tokens) AS output_tokens,
                 sum(kv_token_seconds) AS kv_token_seconds,
                 sum(ifNull(queue_s, 0)) AS queue_seconds,
                 toUInt8(countIf(ifNull(queue_s, 0) >= {{backlog:Float64}}) > 0) AS backlogged
@@ -191,10 +191,10 @@ class WindowQueries:
 
     def tenant_totals(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Per tenant over the window: ``tenant_id``, ``tier``, ``requests``, ``aborted_requests``,
-        ``error_requests``, ``prompt_tokens``, ``cached_prompt_tokens``, ``completion_tokens``,
+        ``error_requests``, ``input_tokens``, ``cached_input_tokens``, ``output_tokens``,
         ``kv_token_seconds``, ``preemptions``, ``queue_seconds``, ``queued_requests`` (waited ≥
         :data:`BACKLOG_QUEUE_S` in the queue), ``queue_p95_s``, ``ttft_p95_s``,
-        ``mean_prompt_tokens``, ``max_prompt_tokens``, ``max_completion_tokens``."""
+        ``mean_input_tokens``, ``max_input_tokens``, ``max_output_tokens``."""
         return self._query(f"""
             SELECT tenant_id, any(tier) AS tier,
                 {USAGE_TOTALS_SQL},
@@ -204,9 +204,9 @@ class WindowQueries:
                 countIf(ifNull(queue_s, 0) >= {{backlog:Float64}}) AS queued_requests,
                 quantileExactInclusive(0.95)(queue_s) AS queue_p95_s,
                 quantileExactInclusive(0.95)(ttft_s) AS ttft_p95_s,
-                avg(prompt_tokens) AS mean_prompt_tokens,
-                max(prompt_tokens) AS max_prompt_tokens,
-                max(completion_tokens) AS max_completion_tokens
+                avg(input_tokens) AS mean_input_tokens,
+                max(input_tokens) AS max_input_tokens,
+                max(output_tokens) AS max_output_tokens
             FROM usage_events FINAL
             WHERE {self._usage_where(tenants)}
             GROUP BY tenant_id ORDER BY tenant_id""", self._params(window, tenants, backlog=BACKLOG_QUEUE_S))
@@ -287,14 +287,14 @@ class WindowQueries:
                 count() AS requests,
                 countIf(good) AS good_requests,
                 countIf(outcome = 'ok' AND NOT good) AS slo_missed_requests,
-                sum(prompt_tokens) AS input_tokens,
-                sum(completion_tokens) AS output_tokens,
-                sumIf(prompt_tokens, good) AS good_input_tokens,
-                sumIf(completion_tokens, good) AS good_output_tokens,
-                sumIf(toUInt64(prompt_tokens) + completion_tokens, outcome = 'aborted') AS aborted_tokens,
-                sumIf(toUInt64(prompt_tokens) + completion_tokens, outcome = 'error') AS error_tokens
+                sum(input_tokens) AS input_tokens,
+                sum(output_tokens) AS output_tokens,
+                sumIf(input_tokens, good) AS good_input_tokens,
+                sumIf(output_tokens, good) AS good_output_tokens,
+                sumIf(toUInt64(input_tokens) + output_tokens, outcome = 'aborted') AS aborted_tokens,
+                sumIf(toUInt64(input_tokens) + output_tokens, outcome = 'error') AS error_tokens
             FROM (
-                SELECT {_bucket('finish_ts')} AS bucket, tier, outcome, prompt_tokens, completion_tokens,
+                SELECT {_bucket('finish_ts')} AS bucket, tier, outcome, input_tokens, output_tokens,
                     transform(tier, {{slo_tiers:Array(String)}}, {{slo_ttft:Array(Float64)}}, inf) AS ttft_slo,
                     transform(tier, {{slo_tiers:Array(String)}}, {{slo_itl:Array(Float64)}}, inf) AS itl_slo,
                     outcome = 'ok' AND (
@@ -356,44 +356,44 @@ class WindowQueries:
 
     def reservation_by_tenant(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Reservation vs actual per tenant: ``tenant_id``, ``tier``, ``requests``,
-        ``reserved_prompt_tokens``, ``reserved_completion_tokens``, ``prompt_tokens``,
-        ``completion_tokens``, ``over_reserved_requests`` (reserved > used),
+        ``reserved_input_tokens``, ``reserved_output_tokens``, ``input_tokens``,
+        ``output_tokens``, ``over_reserved_requests`` (reserved > used),
         ``under_reserved_requests`` (used > reserved)."""
         return self._query(f"""
             SELECT tenant_id, any(tier) AS tier, count() AS requests,
-                sum(reserved_prompt_tokens) AS reserved_prompt_tokens,
-                sum(reserved_completion_tokens) AS reserved_completion_tokens,
-                sum(prompt_tokens) AS prompt_tokens,
-                sum(completion_tokens) AS completion_tokens,
-                countIf(toUInt64(reserved_prompt_tokens) + reserved_completion_tokens
-                        > toUInt64(prompt_tokens) + completion_tokens) AS over_reserved_requests,
-                countIf(toUInt64(reserved_prompt_tokens) + reserved_completion_tokens
-                        < toUInt64(prompt_tokens) + completion_tokens) AS under_reserved_requests
+                sum(reserved_input_tokens) AS reserved_input_tokens,
+                sum(reserved_output_tokens) AS reserved_output_tokens,
+                sum(input_tokens) AS input_tokens,
+                sum(output_tokens) AS output_tokens,
+                countIf(toUInt64(reserved_input_tokens) + reserved_output_tokens
+                        > toUInt64(input_tokens) + output_tokens) AS over_reserved_requests,
+                countIf(toUInt64(reserved_input_tokens) + reserved_output_tokens
+                        < toUInt64(input_tokens) + output_tokens) AS under_reserved_requests
             FROM usage_events FINAL
             WHERE {self._usage_where(tenants)}
             GROUP BY tenant_id ORDER BY tenant_id""", self._params(window, tenants))
 
     def reservation_timeseries(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per bucket: ``ts``, ``reserved_tokens`` (prompt + output reserved at admission),
-        ``actual_tokens`` (engine-true prompt + output)."""
+        """Per bucket: ``ts``, ``reserved_tokens`` (input + output reserved at admission),
+        ``actual_tokens`` (engine-true input + output)."""
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket,
-                sum(toUInt64(reserved_prompt_tokens) + reserved_completion_tokens) AS reserved_tokens,
-                sum(toUInt64(prompt_tokens) + completion_tokens) AS actual_tokens
+                sum(toUInt64(reserved_input_tokens) + reserved_output_tokens) AS reserved_tokens,
+                sum(toUInt64(input_tokens) + output_tokens) AS actual_tokens
             FROM usage_events FINAL
             WHERE {self._usage_where(tenants)}
             GROUP BY bucket ORDER BY bucket""", self._params(window, tenants))
 
     def output_budget_use(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """How much of the reserved output (``max_tokens``) requests used: ``bin`` (0 … 10, the
-        tenth of ``completion / reserved_completion``; 10 = all of it or more), ``requests``.
+        tenth of ``output / reserved output``; 10 = all of it or more), ``requests``.
         Requests that reserved no output are left out."""
         return self._query(f"""
-            SELECT least(toUInt32(floor({OUTPUT_USE_BINS} * completion_tokens / reserved_completion_tokens)),
+            SELECT least(toUInt32(floor({OUTPUT_USE_BINS} * output_tokens / reserved_output_tokens)),
                          {OUTPUT_USE_BINS}) AS bin,
                 count() AS requests
             FROM usage_events FINAL
-            WHERE {self._usage_where(tenants)} AND reserved_completion_tokens > 0
+            WHERE {self._usage_where(tenants)} AND reserved_output_tokens > 0
             GROUP BY bin ORDER BY bin""", self._params(window, tenants))
 
     # ------------------------------------------------------------------ signals

@@ -111,7 +111,7 @@ def print_table(rows: list[dict], client_results: list) -> None:
     """The per-tenant table (ClickHouse figures) with request share beside token share."""
     by_tenant = {r["tenant_id"]: r for r in rows}
     total_req = sum(r["requests"] for r in rows) or 1
-    total_tok = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows) or 1
+    total_tok = sum(r["input_tokens"] + r["output_tokens"] for r in rows) or 1
     rejected: dict[str, int] = {}
     for res in client_results:
         if res.status != 200:
@@ -125,16 +125,16 @@ def print_table(rows: list[dict], client_results: list) -> None:
         if r is None:
             print(f"{name:<10} {TIERS[name]:<17} {'0':>5} {rejected.get(name, 0):>4}")
             continue
-        tokens = r["prompt_tokens"] + r["completion_tokens"]
+        tokens = r["input_tokens"] + r["output_tokens"]
         print(f"{name:<10} {TIERS[name]:<17} {r['requests']:>5} {rejected.get(name, 0):>4} "
               f"{100 * r['requests'] / total_req:>4.0f}% {100 * tokens / total_tok:>4.0f}% "
-              f"{r['prompt_tokens']:>8} {r['cached_prompt_tokens']:>7} {r['completion_tokens']:>7} "
+              f"{r['input_tokens']:>8} {r['cached_input_tokens']:>7} {r['output_tokens']:>7} "
               f"{_fmt(r['ttft_p50_s']):>9} {_fmt(r['ttft_p95_s']):>8} {_fmt(r['itl_p50_s']):>8} "
               f"{_fmt(r['itl_p95_s']):>7}")
     _print_scheduler_story(client_results)
     noisy = by_tenant.get("umbrella")
     if noisy:
-        ntok = noisy["prompt_tokens"] + noisy["completion_tokens"]
+        ntok = noisy["input_tokens"] + noisy["output_tokens"]
         print(f"\nThe request is not the unit of load: umbrella sent {100 * noisy['requests'] / total_req:.0f}% "
               f"of the requests and {100 * ntok / total_tok:.0f}% of the tokens.")
 
@@ -144,7 +144,7 @@ def _slo_met(res, policy) -> bool:
     (:meth:`~kvmeter.serving.tenancy.TierPolicy.meets_slo`)?"""
     if res.status != 200 or res.error or res.ttft_s is None:
         return False
-    n = res.completion_tokens or 0
+    n = res.output_tokens or 0
     tpot = (res.e2e_s - res.ttft_s) / (n - 1) if n > 1 and res.e2e_s is not None else 0.0
     return policy.meets_slo(res.ttft_s, tpot)
 
@@ -214,14 +214,14 @@ def run(args: argparse.Namespace) -> int:
         tenants = [ReplayTenant(n, k, s, noisy) for n, k, s, noisy in DEMO_TENANTS]
         synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
         rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,
-                           min_prompt_tokens=synth.overhead + 1)
+                           min_input_tokens=synth.overhead + 1)
         plan = build_plan(trace, tenants, rule, seed=args.seed)
         span = plan[-1].arrival_s if plan else 0.0
         print(f"[3/4] replaying {len(plan)} requests of {args.trace} over {span:.0f}s as "
               f"{len(tenants)} tenants (tokens × {rule.token_scale:g}, time ÷ {rule.time_compression:g}; "
-              f"umbrella sends {rule.noisy_prompt_tokens}-token prompts) ...", flush=True)
+              f"umbrella sends {rule.noisy_input_tokens}-token prompts) ...", flush=True)
         results = asyncio.run(replay(base_url, model_name, plan,
-                                     lambda r: synth.messages(r.prompt_tokens, seed=args.seed * 100_003 + r.index)))
+                                     lambda r: synth.messages(r.input_tokens, seed=args.seed * 100_003 + r.index)))
         print("[4/4] per-tenant results, computed by ClickHouse from the usage ledger:\n", flush=True)
         period = Period(started_at, datetime.now(timezone.utc) + timedelta(minutes=1), "demo")
         with LedgerHttpClient(base_url, ADMIN_KEY) as reader:

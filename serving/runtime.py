@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-from decimal import Decimal
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -31,7 +30,7 @@ from kvmeter.exporters.prometheus.config import PrometheusConfig
 from kvmeter.exporters.signals import SignalRecorder, SignalSampler
 from kvmeter.ledger.config import LedgerConfig
 from kvmeter.ledger.ledger import Ledger
-from kvmeter.ledger.prices import PriceList, load_price_list
+from kvmeter.ledger.prices import load_price_list
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
@@ -51,7 +50,7 @@ from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineLoad, EngineStepStats
 
-__all__ = ["ServeRuntime", "build_engine", "price_function", "scheduler_config_from_tiers"]
+__all__ = ["ServeRuntime", "build_engine", "scheduler_config_from_tiers"]
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +101,6 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         extra={"long_prefill_token_threshold": eng.long_prefill_token_threshold}
         if eng.long_prefill_token_threshold else {},
         vllm_argv=serving_argv(config.openai.flags())), bus=bus)
-
-
-def price_function(prices: PriceList):
-    """Adapt the ledger's price list to the quota's ``price(model, tier, prompt, cached, completion)``.
-
-    Cached tokens are a part of the prompt: ``(prompt − cached) × input + cached × cached_input +
-    completion × output`` (Decimal). Raises ``KeyError`` for an unpriced model, which the quota
-    answers with 400 ``unpriced_model``.
-    """
-
-    units: dict[tuple[str, str], tuple[Decimal, Decimal, Decimal]] = {}  # the list never changes
-
-    def price(model: str, tier: str, prompt_tokens: int, cached_tokens: int,
-              completion_tokens: int) -> Decimal:
-        unit = units.get((model, tier))
-        if unit is None:
-            found = tuple(prices.unit_price(model, tier, t) for t in ("input", "cached_input", "output"))
-            if any(v is None for v in found):
-                raise KeyError(f"model {model!r} has no price")
-            unit = units[(model, tier)] = found  # type: ignore[assignment]
-        p_in, p_cached, p_out = unit
-        return (prompt_tokens - cached_tokens) * p_in + cached_tokens * p_cached + completion_tokens * p_out
-
-    return price
 
 
 def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfig | None = None,
@@ -196,7 +171,7 @@ class ServeRuntime:
         self.quota_backend = open_quota_backend(config.quota_store, replicas=config.quota_replicas,
                                                 clock=clock, bus=self.bus)
         self.quota = HierarchicalQuota(self.directory, self.quota_backend.store,
-                                       price=price_function(self.prices), clock=clock, bus=self.bus,
+                                       price=self.prices.cost, clock=clock, bus=self.bus,
                                        publish_decisions=False)
         self.idempotency = self.quota_backend.idempotency
         self.recorder = _LedgerRecorder()

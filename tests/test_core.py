@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.model import ModelError, resolve_model
 from kvmeter.serving.config import ServeConfigError, load_serve_config
+from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 from kvmeter.traces import TraceError, load_trace
 
 
@@ -85,17 +88,42 @@ def test_model_resolution_errors(tmp_path: Path):
     assert resolve_model(str(tmp_path / "hf")) == (tmp_path / "hf", "hf")
 
 
+def test_token_counts_invariants_are_checked_in_one_place():
+    tokens = TokenCounts(input_tokens=10, cached_input_tokens=10, output_tokens=5, reasoning_tokens=5)
+    assert tokens.total_tokens == 15                      # cached and reasoning are parts, not additions
+    assert tokens.parts() == (0, 10, 0, 5) and sum(tokens.parts()) == tokens.total_tokens
+    assert TokenCounts.from_row({"input_tokens": 7, "output_tokens": 3}) == TokenCounts(7, 0, 3, 0)
+    assert TokenCounts().empty and not TokenCounts(output_tokens=1).empty
+    with pytest.raises(ValueError, match="part of input_tokens"):
+        TokenCounts(input_tokens=10, cached_input_tokens=11)
+    with pytest.raises(ValueError, match="part of output_tokens"):
+        TokenCounts(output_tokens=1, reasoning_tokens=2)
+    for bad in (-1, True, 1.0, "3"):
+        with pytest.raises(ValueError, match="input_tokens"):
+            TokenCounts(input_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_attribution_is_built_once_from_the_principal():
+    principal = Principal(tenant_id="acme", tier="enterprise", workspace_id="ws", project_id="p",
+                          api_key_id="k1", admin=True)
+    a = principal.attribution(model="m", endpoint="chat.completions", agent_run_id="run-1")
+    assert a == Attribution(tenant_id="acme", workspace_id="ws", project_id="p", api_key_id="k1",
+                            tier="enterprise", agent_run_id="run-1", model="m", endpoint="chat.completions")
+    with pytest.raises(TypeError, match="tier"):
+        Attribution("acme", tier=None)  # type: ignore[arg-type]
+
+
 def test_usage_event_invariants():
-    base = dict(event_id=event_id_for("t", "r"), tenant_id="t", request_id="r", tier="free", model="m",
-                endpoint="e", outcome="ok", finish_reason="stop", arrival_ts=1.0, finish_ts=2.0,
-                prompt_tokens=10, completion_tokens=5)
-    event = UsageEvent(**base, cached_prompt_tokens=10, reasoning_tokens=5)
-    assert event.total_tokens == 15                       # cached and reasoning are parts, not additions
+    attribution = Attribution("t", tier="free", model="m", endpoint="e")
+    base = dict(event_id=event_id_for("t", "r"), request_id="r", attribution=attribution, outcome="ok",
+                finish_reason="stop", arrival_ts=1.0, finish_ts=2.0)
+    event = UsageEvent(**base, tokens=TokenCounts(10, 10, 5, 5), reserved=TokenCounts(10, 0, 64, 0))
+    assert event.tenant_id == "t" and event.attribution is attribution   # carried by reference
     assert UsageEvent.from_dict(event.to_dict()) == event
-    with pytest.raises(ValueError, match="part of prompt_tokens"):
-        UsageEvent(**base, cached_prompt_tokens=11)
     with pytest.raises(ValueError, match="outcome"):
-        UsageEvent(**{**base, "outcome": "maybe"})
-    with pytest.raises(ValueError, match="prompt_tokens"):
-        UsageEvent(**{**base, "prompt_tokens": -1})
+        UsageEvent(**{**base, "outcome": "maybe"}, tokens=TokenCounts())
+    with pytest.raises(ValueError, match="tenant_id"):
+        UsageEvent(**{**base, "attribution": Attribution("")}, tokens=TokenCounts())
+    with pytest.raises(TypeError, match="tokens"):
+        UsageEvent(**base, tokens=(10, 0, 5, 0))  # type: ignore[arg-type]
     assert event_id_for("t1", "k") != event_id_for("t2", "k")  # dedup is scoped by tenant

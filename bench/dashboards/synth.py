@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.events import UsageEvent, event_id_for
@@ -42,6 +43,7 @@ from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import AttemptRecord, Ledger, LedgerConfig
 from kvmeter.stats import (EngineRequestStats, EngineStepStats, GpuSample, RequestCompletion, SchedulerStats,
                            TenantSchedulerStats, TierSchedulerStats)
+from kvmeter.tokens import TokenCounts
 from kvmeter.traces import load_trace
 
 __all__ = ["build", "DAY_START", "DEMO_TENANTS"]
@@ -138,17 +140,37 @@ def _event(day: Day, i: int, names: list[str], tiers: list[str]) -> UsageEvent:
     ttft = queue + prefill + 0.01
     e2e = ttft + decode
     return UsageEvent(
-        event_id=event_id_for(t, f"req-{i}"), tenant_id=t, request_id=f"r{i}", tier=tier, model=MODEL,
-        endpoint="chat.completions", outcome=outcome, finish_reason={"ok": "stop", "aborted": "abort",
-                                                                    "error": "error"}[outcome],
-        arrival_ts=float(day.arrival[i]), finish_ts=float(day.arrival[i]) + e2e, prompt_tokens=prompt,
-        completion_tokens=out, cached_prompt_tokens=min(prompt, int(day.cached[i])),
-        reserved_prompt_tokens=prompt, reserved_completion_tokens=max(out, int(day.output[i] * 2)),
-        org_id=t, workspace_id="default", project_id="default", api_key_id=f"{t}-key", status_code=200,
-        stream=True, queue_s=queue, ttft_s=ttft, prefill_s=prefill, decode_s=decode, e2e_s=e2e,
+        event_id=event_id_for(t, f"req-{i}"),
+        request_id=f"r{i}",
+        attribution=Attribution(
+            t,
+            workspace_id="default",
+            project_id="default",
+            api_key_id=f"{t}-key",
+            tier=tier,
+            model=MODEL,
+            endpoint="chat.completions",
+        ),
+        tokens=TokenCounts(
+            input_tokens=prompt, cached_input_tokens=min(prompt, int(day.cached[i])), output_tokens=out
+        ),
+        reserved=TokenCounts(input_tokens=prompt, output_tokens=max(out, int(day.output[i] * 2))),
+        outcome=outcome,
+        finish_reason={"ok": "stop", "aborted": "abort", "error": "error"}[outcome],
+        arrival_ts=float(day.arrival[i]),
+        finish_ts=float(day.arrival[i]) + e2e,
+        status_code=200,
+        stream=True,
+        queue_s=queue,
+        ttft_s=ttft,
+        prefill_s=prefill,
+        decode_s=decode,
+        e2e_s=e2e,
         itl_mean_s=float(day.itl[i]) if out >= 2 else None,
         kv_token_seconds=prompt * (prefill + decode) + out * decode / 2,
-        token_source="engine_hooks" if outcome == "ok" else "frontend", attempt=1)
+        token_source="engine_hooks" if outcome == "ok" else "frontend",
+        attempt=1,
+    )
 
 
 async def write_requests(ledger: Ledger, bus: StatsBus, day: Day, names: list[str], tiers: list[str],
@@ -160,29 +182,22 @@ async def write_requests(ledger: Ledger, bus: StatsBus, day: Day, names: list[st
         events = [_event(day, i, names, tiers) for i in range(start, min(n, start + chunk))]
         attempts = []
         for e in events:
-            attempts.append(AttemptRecord(
-                tenant_id=e.tenant_id, request_id=e.request_id, status="admitted", ts=e.arrival_ts,
-                event_id=e.event_id, tier=e.tier, model=e.model, endpoint=e.endpoint, org_id=e.org_id,
-                workspace_id=e.workspace_id, project_id=e.project_id, api_key_id=e.api_key_id,
-                reserved_prompt_tokens=e.reserved_prompt_tokens,
-                reserved_completion_tokens=e.reserved_completion_tokens))
+            attempts.append(AttemptRecord(attribution=e.attribution, request_id=e.request_id, status="admitted",
+                                          ts=e.arrival_ts, event_id=e.event_id, reserved=e.reserved))
             if rng.random() < 0.02:
                 reason, code = REJECT_REASONS[int(rng.integers(0, len(REJECT_REASONS)))]
                 rejected += 1
-                attempts.append(AttemptRecord(
-                    tenant_id=e.tenant_id, request_id=e.request_id + "-x", status="rejected",
-                    ts=e.arrival_ts - 0.5, reason=reason, status_code=code, tier=e.tier, model=e.model,
-                    endpoint=e.endpoint, org_id=e.org_id, workspace_id=e.workspace_id, project_id=e.project_id,
-                    api_key_id=e.api_key_id))
+                attempts.append(AttemptRecord(attribution=e.attribution, request_id=e.request_id + "-x",
+                                              status="rejected", ts=e.arrival_ts - 0.5, reason=reason,
+                                              status_code=code))
         await asyncio.gather(*(ledger.record_attempt(a) for a in attempts))
         for e in events:
             if e.outcome != "aborted":  # vLLM's hooks never report aborted requests
                 bus.publish(EngineRequestStats(
-                    request_id=e.request_id, finish_reason=e.finish_reason, prompt_tokens=e.prompt_tokens,
-                    generation_tokens=e.completion_tokens, cached_prompt_tokens=e.cached_prompt_tokens,
+                    request_id=e.request_id, finish_reason=e.finish_reason, tokens=e.tokens,
                     queued_s=e.queue_s or 0.0, prefill_s=e.prefill_s or 0.0, decode_s=e.decode_s or 0.0,
                     inference_s=(e.prefill_s or 0.0) + (e.decode_s or 0.0), e2e_s=e.e2e_s or 0.0,
-                    mean_tpot_s=e.itl_mean_s or 0.0, wall_ts=e.finish_ts))
+                    mean_tpot_s=e.itl_mean_s or 0.0, wall_ts=e.finish_ts, attribution=e.attribution))
         await asyncio.gather(*(ledger.record(e) for e in events))
         print(f"  requests {min(n, start + chunk):,}/{n:,}", file=sys.stderr, flush=True)
     return rejected
@@ -237,7 +252,7 @@ def write_signals(ledger: Ledger, day: Day, names: list[str], tiers: list[str], 
                 kv_blocks_total=KV_CAPACITY_TOKENS // ENGINES // 16, kv_block_size_tokens=16,
                 num_running=int(running[k] * share), num_waiting=int(max(0, queued[k] * share - 8)),
                 num_preempted=int(rng.poisson(3)) if watermark > 0.93 else 0,
-                generation_tokens=int(rng.normal(1, 0.1) * 4000 * min(1.0, running[k] / 200) * TICK_S / ENGINES)))
+                output_tokens=int(rng.normal(1, 0.1) * 4000 * min(1.0, running[k] / 200) * TICK_S / ENGINES)))
         busy = np.flatnonzero((kv_tenant[:, k] > 0) | (queued_tenant[:, k] > 0))
         service = kv_tenant[busy, k]
         jain = float(service.sum() ** 2 / (len(service) * (service ** 2).sum())) if len(service) > 1 and service.any() else 1.0
@@ -249,17 +264,23 @@ def write_signals(ledger: Ledger, day: Day, names: list[str], tiers: list[str], 
             tiers=[TierSchedulerStats(t, 0, 0, False, 0, 0, 0, 0, 1.0) for t in tier_names],
             tenants=[TenantSchedulerStats(
                 tenant_id=names[i], tier=tiers[i], weight=1.0, queue_depth=int(queued_tenant[i, k]),
-                queued_prompt_tokens=0, queue_wait_oldest_s=0.0, queue_wait_mean_s=0.0, projected_wait_s=0.0,
+                queued_input_tokens=0, queue_wait_oldest_s=0.0, queue_wait_mean_s=0.0, projected_wait_s=0.0,
                 running=int(running_tenant[i, k]), active_kv_tokens=int(kv_tenant[i, k]), kv_budget_tokens=0,
                 service_total=0.0, input_tokens_total=0, output_tokens_total=0, vtc_counter=0.0,
                 dispatched_total=0, completed_total=0) for i in busy]))
         for j in order[bounds[k]:bounds[k + 1]]:
             tier = tiers[day.tenant[j]]
             ttft = float(day.queue[j] + day.prefill[j])
-            bus.publish(RequestCompletion(
-                tenant_id=names[day.tenant[j]], tier=tier, model=MODEL,
-                outcome=("ok", "aborted", "error")[day.outcome[j]], prompt_tokens=int(day.prompt[j]),
-                completion_tokens=int(day.output[j]), ttft_s=ttft, slo_met=ttft <= SLO_TTFT[tier], wall_ts=now))
+            bus.publish(
+                RequestCompletion(
+                    attribution=Attribution(names[day.tenant[j]], tier=tier, model=MODEL),
+                    tokens=TokenCounts(input_tokens=int(day.prompt[j]), output_tokens=int(day.output[j])),
+                    outcome=("ok", "aborted", "error")[day.outcome[j]],
+                    ttft_s=ttft,
+                    slo_met=ttft <= SLO_TTFT[tier],
+                    wall_ts=now,
+                )
+            )
         load = min(1.0, kv[k] / KV_CAPACITY_TOKENS)
         for g in range(GPUS):
             bus.publish(GpuSample(

@@ -134,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--input-tokens", "--prompt-tokens", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -152,7 +152,7 @@ def main() -> int:
 
     model_dir, name = resolve_model(None)
     synth = PromptSynthesizer(HFTokenizer(model_dir), seed=11)
-    prompts = [synth.messages(args.prompt_tokens, seed=i) for i in range(args.requests)]
+    prompts = [synth.messages(args.input_tokens, seed=i) for i in range(args.requests)]
     results: dict[str, list[dict]] = {"vllm": [], "kvmeter": []}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):

@@ -66,7 +66,7 @@ def big_v1_page(engines: int = 8, seed_value: float = 1.0) -> str:
     gauges = [Gauge(n, n, labels, registry=reg) for n in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")]
     counters = [Counter(n, n, labels, registry=reg) for n in (
-        "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
+        "vllm:input_tokens", "vllm:output_tokens", "vllm:num_preemptions",
         "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")]
     hists = [Histogram("vllm:time_to_first_token_seconds", "ttft", labels, buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
                        registry=reg),

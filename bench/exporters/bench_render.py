@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from kvmeter.attribution import Attribution
+from kvmeter.tokens import TokenCounts
 from kvmeter.traces import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +49,7 @@ def scheduler_snapshot(rng, tenants: int, round_: int):
         running = rng.randint(0, 4)
         rows.append(TenantSchedulerStats(
             tenant_id=f"tenant-{i:04d}", tier=TIERS[i % 4], weight=1.0, queue_depth=depth,
-            queued_prompt_tokens=depth * rng.randint(50, 4000), queue_wait_oldest_s=rng.random() * 30 if depth else 0.0,
+            queued_input_tokens=depth * rng.randint(50, 4000), queue_wait_oldest_s=rng.random() * 30 if depth else 0.0,
             queue_wait_mean_s=rng.random(), projected_wait_s=rng.random() * 10, running=running,
             active_kv_tokens=running * rng.randint(100, 12_000), kv_budget_tokens=200_000,
             service_total=(round_ + 1) * rng.randint(1_000, 100_000), input_tokens_total=0,
@@ -80,22 +82,44 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
             tenant, tier = f"tenant-{i:04d}", TIERS[i % 4]
             for outcome in ("ok", "ok", "aborted" if i % 7 == 0 else "ok", "error" if i % 11 == 0 else "ok"):
                 c = RequestCompletion(
-                    tenant_id=tenant, tier=tier, model="llama-70b", outcome=outcome,
-                    prompt_tokens=rng.randint(50, 20000), cached_prompt_tokens=rng.randint(0, 50),
-                    completion_tokens=rng.randint(1, 2000), ttft_s=rng.lognormvariate(-1, 1.2),
-                    itls_s=[rng.lognormvariate(-3.5, 0.5) for _ in range(20)], e2e_s=rng.uniform(0.5, 90),
-                    queue_s=rng.expovariate(5), slo_met=rng.random() < 0.9)
+                    attribution=Attribution(tenant, tier=tier, model="llama-70b"),
+                    tokens=TokenCounts(
+                        input_tokens=rng.randint(50, 20000),
+                        cached_input_tokens=rng.randint(0, 50),
+                        output_tokens=rng.randint(1, 2000),
+                    ),
+                    outcome=outcome,
+                    ttft_s=rng.lognormvariate(-1, 1.2),
+                    itls_s=[rng.lognormvariate(-3.5, 0.5) for _ in range(20)],
+                    e2e_s=rng.uniform(0.5, 90),
+                    queue_s=rng.expovariate(5),
+                    slo_met=rng.random() < 0.9,
+                )
                 t0 = time.perf_counter()
                 bus.publish(c)
                 publish_times.append(time.perf_counter() - t0)
-                for dim, reserved, actual in (("input_tokens", c.prompt_tokens, c.prompt_tokens),
-                                              ("output_tokens", 2048, c.completion_tokens)):
-                    bus.publish(ReservationDrift(tenant_id=tenant, tier=tier, api_key_id="k", dimension=dim,
-                                                 reserved=reserved, actual=actual))
-            bus.publish(AdmissionDecision(tenant_id=tenant, tier=tier, admitted=True))
+                for dim, reserved, actual in (("input_tokens", c.input_tokens, c.input_tokens),
+                                              ("output_tokens", 2048, c.output_tokens)):
+                    bus.publish(
+                        ReservationDrift(
+                            attribution=Attribution(tenant, tier=tier, api_key_id="k"),
+                            dimension=dim,
+                            reserved=reserved,
+                            actual=actual,
+                        )
+                    )
+            bus.publish(AdmissionDecision(attribution=Attribution(tenant, tier=tier), admitted=True))
             reason = ("rate_limited", "quota_exceeded", "queue_full")[i % 3]
-            bus.publish(AdmissionDecision(tenant_id=tenant, tier=tier, admitted=False, reason=reason,
-                                          level="org", dimension="requests_per_minute", status_code=429))
+            bus.publish(
+                AdmissionDecision(
+                    attribution=Attribution(tenant, tier=tier),
+                    admitted=False,
+                    reason=reason,
+                    level="org",
+                    dimension="requests_per_minute",
+                    status_code=429,
+                )
+            )
             if i % 5 == 0:  # an agent retrying a step: one replay, one conflict
                 bus.publish(IdempotencyAttempt(tenant_id=tenant, outcome="replayed", attempt=1, replayed=True))
                 bus.publish(IdempotencyAttempt(tenant_id=tenant, outcome="conflict", attempt=1, replayed=False))
@@ -104,8 +128,16 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
         bus.publish(snap)
         snapshot_times.append(time.perf_counter() - t0)
         bus.publish(QuotaStoreState(store="redis", degraded=round_ == 1, pending_settles=3 * round_))
-        bus.publish(ToolCallReported("tenant-0001", "k", "run-1", tool_calls=round_, max_tool_calls=1,
-                                     exceeded=round_ > 1))
+        bus.publish(
+            ToolCallReported(
+                attribution=Attribution(
+                    "tenant-0001", api_key_id="k", agent_run_id="run-1", endpoint="agent_runs.tool_calls"
+                ),
+                tool_calls=round_,
+                max_tool_calls=1,
+                exceeded=round_ > 1,
+            )
+        )
         bus.publish(ConfigReloaded(ok=round_ != 1, version=round_ + 1))
         bus.publish(LedgerStats(wall_ts=1.75e9 + round_, spool_depth_events=1200, spool_oldest_age_seconds=4.5,
                                 events_ingested_total={"new": 4000 * (round_ + 1), "duplicate": 7, "invalid": 1,
@@ -118,12 +150,20 @@ def populate(registry, k: int, tenants: int, seed: int = 1):
                                         num_waiting=rng.randint(0, 30), num_preempted=rng.randint(0, 2),
                                         prefix_cache_queries_tokens=4000, prefix_cache_hits_tokens=1500,
                                         scheduled_tokens=rng.randint(64, 8192), batch_size=64,
-                                        prompt_tokens=2000, generation_tokens=64,
+                                        input_tokens=2000, output_tokens=64,
                                         ttfts_s=[rng.random()], itls_s=[rng.random() / 10] * 8))
         for reason in ("stop", "length", "abort"):
-            bus.publish(EngineRequestStats(request_id="r", finish_reason=reason, prompt_tokens=900,
-                                           cached_prompt_tokens=100, generation_tokens=80, queued_s=0.2,
-                                           prefill_s=0.3, decode_s=4.0, e2e_s=4.5))
+            bus.publish(
+                EngineRequestStats(
+                    request_id="r",
+                    finish_reason=reason,
+                    tokens=TokenCounts(input_tokens=900, cached_input_tokens=100, output_tokens=80),
+                    queued_s=0.2,
+                    prefill_s=0.3,
+                    decode_s=4.0,
+                    e2e_s=4.5,
+                )
+            )
     gpu_dir = DATA / "gpu" / "nvidia_smi"
     h200 = NvmlCollector(CaptureNvml.from_file(gpu_dir / "linux-x86_64__nvidia-h200__590.48.01.txt"),
                          clock=clock).collect()[0]

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+from kvmeter.attribution import Attribution
+from kvmeter.tokens import TokenCounts
 from kvmeter.traces import data_dir  # noqa: E402
 
 DATA = data_dir()
@@ -55,11 +57,16 @@ def feed(bus, clock, rng, tenants: int) -> None:
         for _ in range(20):
             bus.publish(EngineStepStats(wall_ts=clock.wall(), engine_idx=engine, kv_watermark_ratio=rng.random(),
                                         kv_blocks_total=80_000, num_running=64, num_waiting=3,
-                                        generation_tokens=64, num_preempted=rng.randint(0, 1)))
+                                        output_tokens=64, num_preempted=rng.randint(0, 1)))
     for i in range(400):
-        bus.publish(RequestCompletion(tenant_id=f"tenant-{i:04d}", tier=TIERS[i % 4], model="m", outcome="ok",
-                                      prompt_tokens=rng.randint(50, 4000), completion_tokens=rng.randint(1, 500),
-                                      slo_met=rng.random() < 0.9))
+        bus.publish(
+            RequestCompletion(
+                attribution=Attribution(f"tenant-{i:04d}", tier=TIERS[i % 4], model="m"),
+                tokens=TokenCounts(input_tokens=rng.randint(50, 4000), output_tokens=rng.randint(1, 500)),
+                outcome="ok",
+                slo_met=rng.random() < 0.9,
+            )
+        )
     bus.publish(QuotaStoreState(store="redis", degraded=False))
 
 

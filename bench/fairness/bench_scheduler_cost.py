@@ -18,6 +18,7 @@ import statistics
 import time
 
 from common import md_table, save
+from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
 from kvmeter.stats import EngineLoad
@@ -36,8 +37,8 @@ def run(policy: str, tenants: int, queued: int, decisions: int, seed: int = 0) -
     def new_job() -> Job:
         nonlocal n
         n += 1
-        return Job(f"r{n}", f"t{rng.randrange(tenants)}", "paid_interactive", rng.randrange(16, 4096), 256,
-                   clock.monotonic(), deadline_s=1e12)
+        return Job(f"r{n}", Attribution(f"t{rng.randrange(tenants)}", tier="paid_interactive"),
+                   rng.randrange(16, 4096), 256, clock.monotonic(), deadline_s=1e12)
 
     t0 = time.perf_counter()
     for _ in range(queued):

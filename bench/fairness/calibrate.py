@@ -71,7 +71,7 @@ def demo_slice(trace: str, limit: int, token_scale: float, time_compression: flo
 
     rule = ScalingRule(time_compression=time_compression, token_scale=token_scale)
     plan = build_plan(load_trace(trace, limit=limit), [ReplayTenant("calibration", "-")], rule, seed=seed)
-    return [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in plan]
+    return [TraceRequest(r.arrival_s, r.input_tokens, r.output_tokens) for r in plan]
 
 
 async def _measure(args: argparse.Namespace) -> dict:  # pragma: no cover - needs the vLLM engine
@@ -112,7 +112,7 @@ async def _measure(args: argparse.Namespace) -> dict:  # pragma: no cover - need
                 stamps.extend(prev + (now - prev) * (k + 1) / n for k in range(n))
             else:
                 stamps.extend([now] * n)
-        results[i] = {"arrival_s": r.arrival_s, "prompt_tokens": r.input_tokens, "output_tokens": r.output_tokens,
+        results[i] = {"arrival_s": r.arrival_s, "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
                       "ttft_s": stamps[0] - start, "itls_s": list(np.diff(stamps))}
 
     try:
@@ -132,7 +132,7 @@ async def _measure(args: argparse.Namespace) -> dict:  # pragma: no cover - need
 
 
 def _measured_requests(data: dict) -> list[TraceRequest]:
-    return [TraceRequest(float(x["arrival_s"]), int(x["prompt_tokens"]), int(x["output_tokens"]))
+    return [TraceRequest(float(x["arrival_s"]), int(x["input_tokens"]), int(x["output_tokens"]))
             for x in data["requests"]]
 
 

@@ -68,14 +68,14 @@ class Outcome:
     index: int
     tenant: str
     tier: str
-    prompt_tokens: int
+    input_tokens: int
     output_tokens: int
     arrival_s: float
     status: int = 0
     code: str = ""
     ttft_s: float | None = None
     chunk_s: list[float] = field(default_factory=list)
-    completion_tokens: int | None = None
+    output_tokens: int | None = None
     e2e_s: float | None = None
 
 
@@ -103,7 +103,7 @@ async def _one(client: httpx.AsyncClient, model: str, req, key: str, messages, o
                     out.code = chunk["error"].get("code") or "stream_error"
                     continue
                 if chunk.get("usage"):
-                    out.completion_tokens = chunk["usage"]["completion_tokens"]
+                    out.output_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                     now = time.monotonic() - t0
                     if out.ttft_s is None:
@@ -138,7 +138,7 @@ async def _sample_metrics(client: httpx.AsyncClient, start: float, samples: list
 
 async def _replay(base_url: str, model: str, plan, messages, tiers: dict[str, str],
                   samples: list[dict]) -> list[Outcome]:
-    outs = [Outcome(r.index, r.tenant.name, tiers[r.tenant.name], r.prompt_tokens, r.output_tokens, r.arrival_s)
+    outs = [Outcome(r.index, r.tenant.name, tiers[r.tenant.name], r.input_tokens, r.output_tokens, r.arrival_s)
             for r in plan]
     limits = httpx.Limits(max_connections=len(plan) + 8, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(1800.0), limits=limits) as client:
@@ -189,8 +189,8 @@ def summarise(outs: list[Outcome], slos: dict[str, tuple[float | None, float | N
             "slo_ttft_s": ttft_slo, "slo_itl_s": itl_slo,
             "slo_attainment_offered": len(good) / len(rs),
             "slo_attainment_completed": len(good) / len(done) if done else None,
-            "goodput_output_tokens_per_s": sum(o.completion_tokens or len(o.chunk_s) for o in good) / span_s,
-            "output_tokens": sum(o.completion_tokens or len(o.chunk_s) for o in done),
+            "goodput_output_tokens_per_s": sum(o.output_tokens or len(o.chunk_s) for o in good) / span_s,
+            "output_tokens": sum(o.output_tokens or len(o.chunk_s) for o in done),
         }
     return table
 
@@ -297,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_trace("azure-conv", limit=args.requests)
     synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
     rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,
-                       min_prompt_tokens=synth.overhead + 1)
+                       min_input_tokens=synth.overhead + 1)
     plan = build_plan(trace, [ReplayTenant(n, k, s, noisy) for n, k, s, noisy in DEMO_TENANTS], rule, seed=args.seed)
-    messages = [synth.messages(r.prompt_tokens, seed=args.seed * 100_003 + r.index) for r in plan]
+    messages = [synth.messages(r.input_tokens, seed=args.seed * 100_003 + r.index) for r in plan]
     result = {"scenario": "real_engine", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine(),
               "command": " ".join([Path(sys.executable).name] + sys.argv), "requests": len(plan),
               "rule": dataclasses.asdict(rule), "runs": {}}

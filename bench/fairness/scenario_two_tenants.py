@@ -55,7 +55,7 @@ def main() -> dict:
     for policy, (res, rep) in runs.items():
         rates = res.backlogged_rates
         ratio = rates.get("A", 0) / rates["B"] if rates.get("B") else None
-        total_tokens = sum(r.prompt_tokens + r.generated for r in res.records if r.outcome == "ok")
+        total_tokens = sum(r.input_tokens + r.generated for r in res.records if r.outcome == "ok")
         tput = total_tokens / res.sim_end_s
         svc = rep["tenants"]
         figures[policy] = {

@@ -44,8 +44,8 @@ UUID = "toUUID(concat('00000000-0000-4000-8000-', leftPad(lower(hex(number)), 12
 
 USAGE = f"""
 INSERT INTO usage_events (event_id, tenant_id, request_id, tier, model, endpoint, outcome, finish_reason,
-    arrival_ts, finish_ts, prompt_tokens, completion_tokens, cached_prompt_tokens, reasoning_tokens,
-    reserved_prompt_tokens, reserved_completion_tokens, idempotency_key, org_id, workspace_id, project_id,
+    arrival_ts, finish_ts, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens,
+    reserved_input_tokens, reserved_output_tokens, idempotency_key, workspace_id, project_id,
     api_key_id, agent_run_id, status_code, stream, queue_s, ttft_s, prefill_s, decode_s, e2e_s, itl_mean_s,
     kv_token_seconds, token_source, attempt, preemptions, schema_version)
 SELECT {UUID}, concat('tenant-', toString(k % 500)), concat('r-', toString(number)),
@@ -55,7 +55,7 @@ SELECT {UUID}, concat('tenant-', toString(k % 500)), concat('r-', toString(numbe
     toDateTime64({START} + number * {{step:Float64}}, 6, 'UTC'),
     toDateTime64({START} + number * {{step:Float64}} + 2.5, 6, 'UTC'),
     20 + number % 4000, 1 + number % 700, intDiv(number % 4000, 3), 0, 20 + number % 4000, 1024, '',
-    concat('tenant-', toString(k % 500)), concat('ws-', toString(k % 3)), concat('proj-', toString(k % 7)),
+    concat('ws-', toString(k % 3)), concat('proj-', toString(k % 7)),
     concat('key-', toString(k)), '', 200, true, 0.01, 0.05 + (number % 100) / 1000, 0.04, 2.0, 2.5,
     0.01 + (number % 37) / 1000, 5000.0, if(number % 50 = 0, 'frontend', 'engine_hooks'), 1, 0, 1
 FROM (SELECT number, number % 5000 AS k FROM numbers({{n:UInt64}}))
@@ -63,7 +63,7 @@ FROM (SELECT number, number % 5000 AS k FROM numbers({{n:UInt64}}))
 
 
 ENGINE = f"""
-INSERT INTO engine_requests (request_id, finish_reason, prompt_tokens, generation_tokens, cached_prompt_tokens,
+INSERT INTO engine_requests (request_id, finish_reason, input_tokens, output_tokens, cached_input_tokens,
     queued_s, prefill_s, decode_s, inference_s, e2e_s, mean_tpot_s, preemptions, wall_ts, tenant_id)
 SELECT concat('r-', toString(number)), 'stop', 20 + number % 4000, 1 + number % 700 + (number % 1000 = 7),
     intDiv(number % 4000, 3), 0.01, 0.04, 2.0, 2.04, 2.5, 0.01, 0,
@@ -72,7 +72,7 @@ FROM numbers({{n:UInt64}}) WHERE number % 50 != 0
 """
 
 GHOSTS = f"""
-INSERT INTO engine_requests (request_id, finish_reason, prompt_tokens, generation_tokens, cached_prompt_tokens,
+INSERT INTO engine_requests (request_id, finish_reason, input_tokens, output_tokens, cached_input_tokens,
     queued_s, prefill_s, decode_s, inference_s, e2e_s, mean_tpot_s, preemptions, wall_ts)
 SELECT concat('ghost-', toString(number)), 'stop', 100, 10, 0, 0, 0, 0, 0, 0, 0, 0,
     toDateTime64({START} + number * 200, 6, 'UTC') FROM numbers(10000)
@@ -80,26 +80,26 @@ SELECT concat('ghost-', toString(number)), 'stop', 100, 10, 0, 0, 0, 0, 0, 0, 0,
 
 ATTEMPTS = f"""
 INSERT INTO attempts (attempt_id, event_id, tenant_id, request_id, status, reason, status_code, ts, tier, model,
-    endpoint, org_id, workspace_id, project_id, api_key_id, agent_run_id, idempotency_key, reserved_prompt_tokens,
-    reserved_completion_tokens, attempt)
+    endpoint, workspace_id, project_id, api_key_id, agent_run_id, idempotency_key, reserved_input_tokens,
+    reserved_output_tokens, attempt)
 SELECT generateUUIDv4(number), {UUID}, concat('tenant-', toString(k % 500)), concat('r-', toString(number)),
     'admitted', 'admitted', 200, toDateTime64({START} + number * {{step:Float64}}, 6, 'UTC'),
     ['enterprise', 'paid_interactive', 'batch', 'free'][(k % 500) % 4 + 1],
     ['SmolLM2-135M-Instruct', 'Llama-3.1-8B-Instruct', 'Llama-3.1-70B-Instruct'][number % 3 + 1], 'chat.completions',
-    concat('tenant-', toString(k % 500)), concat('ws-', toString(k % 3)), concat('proj-', toString(k % 7)),
+    concat('ws-', toString(k % 3)), concat('proj-', toString(k % 7)),
     concat('key-', toString(k)), '', '', 20 + number % 4000, 1024, 1
 FROM (SELECT number, number % 5000 AS k FROM numbers({{n:UInt64}}))
 """
 
 REJECTED = f"""
 INSERT INTO attempts (attempt_id, event_id, tenant_id, request_id, status, reason, status_code, ts, tier, model,
-    endpoint, org_id, workspace_id, project_id, api_key_id, agent_run_id, idempotency_key, reserved_prompt_tokens,
-    reserved_completion_tokens, attempt)
+    endpoint, workspace_id, project_id, api_key_id, agent_run_id, idempotency_key, reserved_input_tokens,
+    reserved_output_tokens, attempt)
 SELECT generateUUIDv4(number), toUUID('00000000-0000-0000-0000-000000000000'), concat('tenant-', toString(k % 500)),
     concat('rej-', toString(number)), 'rejected', 'rate_limited', 429,
     toDateTime64({START} + number * {{step:Float64}} * 50, 6, 'UTC'),
     ['enterprise', 'paid_interactive', 'batch', 'free'][(k % 500) % 4 + 1], 'SmolLM2-135M-Instruct',
-    'chat.completions', concat('tenant-', toString(k % 500)), concat('ws-', toString(k % 3)),
+    'chat.completions', concat('ws-', toString(k % 3)),
     concat('proj-', toString(k % 7)), concat('key-', toString(k)), '', '', 0, 0, 1
 FROM (SELECT number, number % 5000 AS k FROM numbers(intDiv({{n:UInt64}}, 50)))
 """

@@ -25,22 +25,26 @@ import threading
 import time
 from pathlib import Path
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import SYSTEM_CLOCK
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import STREAMS, encode_usage
 from kvmeter.ledger.spool import Spool
+from kvmeter.tokens import TokenCounts
 
 T0 = 1_794_700_800.0
 
 
 def events(n: int, offset: int = 0) -> list[UsageEvent]:
-    return [UsageEvent(event_id=event_id_for(f"t{i % 100}", f"k{i}"), tenant_id=f"t{i % 100}", request_id=f"r{i}",
-                       tier="paid_interactive", model="SmolLM2-135M-Instruct", endpoint="chat.completions",
-                       outcome="ok", finish_reason="stop", arrival_ts=T0 + i * 1e-3, finish_ts=T0 + i * 1e-3 + 1,
-                       prompt_tokens=25 + i % 500, completion_tokens=100, org_id=f"t{i % 100}", workspace_id="ws",
-                       project_id="p", api_key_id=f"k{i % 7}", ttft_s=0.1, itl_mean_s=0.02, e2e_s=2.0,
-                       kv_token_seconds=250.0) for i in range(offset, offset + n)]
+    return [UsageEvent(event_id=event_id_for(f"t{i % 100}", f"k{i}"), request_id=f"r{i}",
+                       attribution=Attribution(f"t{i % 100}", workspace_id="ws", project_id="p",
+                                               api_key_id=f"k{i % 7}", tier="paid_interactive",
+                                               model="SmolLM2-135M-Instruct", endpoint="chat.completions"),
+                       tokens=TokenCounts(input_tokens=25 + i % 500, output_tokens=100), outcome="ok",
+                       finish_reason="stop", arrival_ts=T0 + i * 0.001, finish_ts=T0 + i * 0.001 + 1, ttft_s=0.1,
+                       itl_mean_s=0.02, e2e_s=2.0, kv_token_seconds=250.0)
+            for i in range(offset, offset + n)]
 
 
 def bench_async(root: Path, evs: list[UsageEvent], concurrency: int, use_uvloop: bool) -> tuple[float, int]:

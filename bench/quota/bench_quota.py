@@ -41,13 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from decimal import Decimal
 
 import redis
 import redis.asyncio as aioredis
 
+from kvmeter.attribution import Attribution
+from kvmeter.ledger.prices import parse_price_list
 from kvmeter.serving.quota import (
-    ActualUsage,
     FailoverQuotaStore,
     HierarchicalQuota,
     MemoryQuotaStore,
@@ -57,6 +57,7 @@ from kvmeter.serving.quota import (
     redis_client,
 )
 from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.tokens import TokenCounts
 
 BIG = "{requests_per_minute: 1000000000, input_tokens_per_minute: 1000000000000, " \
       "output_tokens_per_minute: 1000000000000, concurrent_requests: 1000000000, " \
@@ -79,15 +80,14 @@ def config_yaml() -> str:
     return "\n".join(lines) + "\n"
 
 
-P_IN, P_CACHED, P_OUT = Decimal("0.0000005"), Decimal("0.00000025"), Decimal("0.0000015")
+#: The ledger's price function (PriceList.cost), as kvmeter serve hands it to the quota: per 1M
+#: tokens input 0.50, cached input 0.25, output 1.50.
+price = parse_price_list({"version": "bench", "currency": "USD", "models": {
+    "m": {"input": "0.50", "cached_input": "0.25", "output": "1.50"}}}, "bench_quota").cost
 
-
-def price(model: str, tier: str, prompt: int, cached: int, completion: int) -> Decimal:
-    return P_IN * (prompt - cached) + P_CACHED * cached + P_OUT * completion
-
-
-ESTIMATE = UsageEstimate("m", 512, 256)
-ACTUAL = ActualUsage(prompt_tokens=512, cached_prompt_tokens=128, completion_tokens=100)
+ESTIMATE = UsageEstimate(Attribution("org0", tier="enterprise", model="m", endpoint="chat.completions"),
+                         TokenCounts(input_tokens=512, output_tokens=256))
+ACTUAL = TokenCounts(input_tokens=512, cached_input_tokens=128, output_tokens=100)
 
 
 def pct(values: list[float], q: float) -> float:

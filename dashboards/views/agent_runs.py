@@ -76,12 +76,12 @@ def render(ctx: PageContext) -> None:
             chart(charts.bars(by_class, "risk_class", "calls", title="Tool calls permitted by risk class",
                               value_title="tool calls", category_title="risk class", value_format="d"))
         table = runs.sort("cost_value", descending=True).select(
-            "tenant_id", "agent_run_id", "tier", "model_calls", "prompt_tokens", "completion_tokens", "tool_calls",
+            "tenant_id", "agent_run_id", "tier", "model_calls", "input_tokens", "output_tokens", "tool_calls",
             "tools", "refusals", "approvals_requested", "stop_reason", "duration_s", "subtotal")
         st.dataframe(table.with_columns(pl.col("subtotal").map_elements(money, return_dtype=pl.String)),
                      hide_index=True, width="stretch",
                      column_config={"tenant_id": "tenant", "agent_run_id": "run", "model_calls": "model calls",
-                                    "prompt_tokens": "input tokens", "completion_tokens": "output tokens",
+                                    "input_tokens": "input tokens", "output_tokens": "output tokens",
                                     "tool_calls": "tool calls", "approvals_requested": "approvals",
                                     "stop_reason": "stopped", "subtotal": "cost",
                                     "duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f")})

@@ -85,7 +85,7 @@ def render(ctx: PageContext) -> None:
                       value_title="mean active KV tokens", category_title="tenant", color="tier", color_title="tier"))
     st.dataframe(
         shown.select("tenant_id", "tier", "mean_active_kv_tokens", "kv_share", "request_share", "token_share",
-                     "requests", "max_prompt_tokens", "preemptions"),
+                     "requests", "max_input_tokens", "preemptions"),
         hide_index=True, width="stretch",
         column_config={
             "tenant_id": "tenant",
@@ -93,6 +93,6 @@ def render(ctx: PageContext) -> None:
             "kv_share": st.column_config.ProgressColumn("share of KV held", format="percent", min_value=0, max_value=1),
             "request_share": st.column_config.NumberColumn("share of requests", format="percent"),
             "token_share": st.column_config.NumberColumn("share of tokens", format="percent"),
-            "max_prompt_tokens": st.column_config.NumberColumn("longest prompt (tokens)", format="localized"),
+            "max_input_tokens": st.column_config.NumberColumn("longest input (tokens)", format="localized"),
             "preemptions": st.column_config.NumberColumn("preemptions", format="localized"),
         })

@@ -42,16 +42,16 @@ def render(ctx: PageContext) -> None:
     w = ctx.window
     rates = traffic_rates(ctx.read("traffic", schemas.TRAFFIC), w, ctx.now)
     elapsed = max(1.0, (min(ctx.now, w.end) - w.start).total_seconds())
-    total = rates.select(pl.col("requests").sum(), pl.col("prompt_tokens").sum(), pl.col("completion_tokens").sum(),
+    total = rates.select(pl.col("requests").sum(), pl.col("input_tokens").sum(), pl.col("output_tokens").sum(),
                          pl.col("kv_token_seconds").sum()).row(0, named=True)
     signals = ctx.signal_names()
 
     c = st.columns(5)
     c[0].metric("Requests / s (mean)", si(total["requests"] / elapsed),
                 help="Requests that finished in the window ÷ its elapsed seconds.")
-    c[1].metric("Input tokens / s", si(total["prompt_tokens"] / elapsed),
-                help="Engine-true prompt tokens (cached included) ÷ elapsed seconds — prefill work.")
-    c[2].metric("Output tokens / s", si(total["completion_tokens"] / elapsed),
+    c[1].metric("Input tokens / s", si(total["input_tokens"] / elapsed),
+                help="Engine-true input tokens (cached included) ÷ elapsed seconds — prefill work.")
+    c[2].metric("Output tokens / s", si(total["output_tokens"] / elapsed),
                 help="Engine-true generated tokens ÷ elapsed seconds — decode work.")
     c[3].metric("Mean active KV (tokens)", si(total["kv_token_seconds"] / elapsed),
                 help="∫ KV tokens held dt ÷ elapsed seconds, from the ledger's per-request KV token-seconds.")

@@ -95,7 +95,7 @@ def render(ctx: PageContext) -> None:
                 "see how misleading it is")
     st.dataframe(
         ranking.select("rank_by_kv", "rank_by_tokens", "rank_by_requests", "tenant_id", "tier",
-                       "mean_active_kv_tokens", "total_tokens", "requests", "mean_prompt_tokens",
+                       "mean_active_kv_tokens", "total_tokens", "requests", "mean_input_tokens",
                        "queue_p95_s").head(25),
         hide_index=True, width="stretch",
         column_config={
@@ -103,7 +103,7 @@ def render(ctx: PageContext) -> None:
             "tenant_id": "tenant",
             "mean_active_kv_tokens": st.column_config.NumberColumn("mean KV held (tokens)", format="compact"),
             "total_tokens": st.column_config.NumberColumn("tokens", format="compact"),
-            "mean_prompt_tokens": st.column_config.NumberColumn("mean prompt (tokens)", format="%.0f"),
+            "mean_input_tokens": st.column_config.NumberColumn("mean input (tokens)", format="%.0f"),
             "queue_p95_s": st.column_config.NumberColumn("queue wait p95 (s)", format="%.3f"),
         })
 

@@ -23,9 +23,10 @@ class AdmissionMetrics(MetricSource):
         return [bus.subscribe(AdmissionDecision, self.on_decision)]
 
     def on_decision(self, d: AdmissionDecision) -> None:
-        tier = d.tier or "unknown"
+        tenant = d.attribution.tenant_id
+        tier = d.attribution.tier or "unknown"
         if d.admitted:
-            self.tenant_child(self.admitted, 1, (tier, d.tenant_id)).inc()
+            self.tenant_child(self.admitted, 1, (tier, tenant)).inc()
         else:
-            self.tenant_child(self.rejected, 1, (tier, d.tenant_id, d.reason or "unknown",
+            self.tenant_child(self.rejected, 1, (tier, tenant, d.reason or "unknown",
                                                  d.level, d.dimension)).inc()

@@ -54,4 +54,5 @@ class AgentMetrics(MetricSource):
             self.wait.labels(event).observe(e.wait_s)
 
     def on_stop(self, s: AgentRunStopped) -> None:
-        self.tenant_child(self.stops, 1, (s.tier or "unknown", s.tenant_id, _bounded(s.reason, RUN_STOP_REASONS))).inc()
+        who = s.attribution
+        self.tenant_child(self.stops, 1, (who.tier or "unknown", who.tenant_id, _bounded(s.reason, RUN_STOP_REASONS))).inc()

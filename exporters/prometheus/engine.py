@@ -28,8 +28,8 @@ class EngineMetrics(MetricSource):
         self.preemptions = m("kvmeter_engine_preemptions_total")
         self.prefix_queries = m("kvmeter_engine_prefix_cache_queries_tokens_total")
         self.prefix_hits = m("kvmeter_engine_prefix_cache_hits_tokens_total")
-        self.prompt_tokens = m("kvmeter_engine_prompt_tokens_total")
-        self.generation_tokens = m("kvmeter_engine_generation_tokens_total")
+        self.input_tokens = m("kvmeter_engine_input_tokens_total")
+        self.output_tokens = m("kvmeter_engine_output_tokens_total")
         self.batch_size = m("kvmeter_engine_step_batch_size_requests")
         self.step_tokens = m("kvmeter_engine_step_scheduled_tokens")
         self.ttft = m("kvmeter_engine_ttft_seconds")
@@ -57,8 +57,8 @@ class EngineMetrics(MetricSource):
         for counter, delta in ((self.preemptions, s.num_preempted),
                                (self.prefix_queries, s.prefix_cache_queries_tokens),
                                (self.prefix_hits, s.prefix_cache_hits_tokens),
-                               (self.prompt_tokens, s.prompt_tokens),
-                               (self.generation_tokens, s.generation_tokens)):
+                               (self.input_tokens, s.input_tokens),
+                               (self.output_tokens, s.output_tokens)):
             if delta > 0:
                 counter.labels(*labels).inc(delta)
         if s.batch_size > 0:
@@ -81,7 +81,7 @@ class EngineMetrics(MetricSource):
             self.req_prefill.labels(reason).observe(r.prefill_s)
             self.req_decode.labels(reason).observe(r.decode_s)
             self.req_e2e.labels(reason).observe(r.e2e_s)
-        for kind, count in (("prompt", r.prompt_tokens), ("cached_prompt", r.cached_prompt_tokens),
-                            ("generation", r.generation_tokens)):
+        for kind, count in (("input", r.tokens.input_tokens), ("cached_input", r.tokens.cached_input_tokens),
+                            ("output", r.tokens.output_tokens)):
             if count > 0:
                 self.req_tokens.labels(kind, reason).inc(count)

@@ -75,7 +75,7 @@ class QuotaMetrics(MetricSource):
         kind = _TOKEN_DIMENSIONS.get(d.dimension)
         if kind is None:
             return
-        tier = d.tier or "unknown"
+        tier = d.attribution.tier or "unknown"
         reserved, actual = int(d.reserved), int(d.actual)
         if reserved > 0:
             self.reserved.labels(tier, kind).inc(reserved)
@@ -85,10 +85,11 @@ class QuotaMetrics(MetricSource):
             self.drift.labels(tier, kind, "over").inc(reserved - actual)
 
     def on_decision(self, d: AdmissionDecision) -> None:
-        if d.tier and self._tier_of.get(d.tenant_id) != d.tier:
+        tenant, tier = d.attribution.tenant_id, d.attribution.tier
+        if tier and self._tier_of.get(tenant) != tier:
             if len(self._tier_of) >= MAX_REMEMBERED_TENANTS:
                 self._tier_of.clear()
-            self._tier_of[d.tenant_id] = d.tier
+            self._tier_of[tenant] = tier
 
     def on_attempt(self, a: IdempotencyAttempt) -> None:
         if a.outcome == "first" and a.attempt <= 1:

@@ -35,8 +35,8 @@ class RemoteEngineMetrics(MetricSource):
         self.kv_block_size, self.running, self.waiting = e.kv_block_size, e.running, e.waiting
         self.counters = {key: getattr(e, attr) for key, attr in (
             ("preemptions", "preemptions"), ("prefix_cache_queries_tokens", "prefix_queries"),
-            ("prefix_cache_hits_tokens", "prefix_hits"), ("prompt_tokens", "prompt_tokens"),
-            ("generation_tokens", "generation_tokens"))}
+            ("prefix_cache_hits_tokens", "prefix_hits"), ("input_tokens", "input_tokens"),
+            ("output_tokens", "output_tokens"))}
         self.window = self.metric("kvmeter_engine_latency_window_seconds")
         self.anomalies = self.metric("kvmeter_engine_scrape_anomalies_total")
 

@@ -4,7 +4,7 @@ throughput and goodput tokens by tier.
 
 Definitions:
 
-* token types: ``input`` (prompt), ``cached_input`` (the part of the prompt served from the prefix
+* token types: ``input``, ``cached_input`` (the part of the input served from the prefix
   cache — *part of* ``input``, never add the two), ``output`` (completion);
 * throughput counts the tokens of every request that ended, whatever the outcome;
 * goodput counts the tokens of requests that finished ``ok`` *and* met their tier's SLO
@@ -43,14 +43,15 @@ class RequestMetrics(MetricSource):
         return [bus.subscribe(RequestCompletion, self.on_completion)]
 
     def on_completion(self, c: RequestCompletion) -> None:
-        tier = c.tier or "unknown"
+        tenant, tokens = c.attribution.tenant_id, c.tokens
+        tier = c.attribution.tier or "unknown"
         outcome = c.outcome if c.outcome in OUTCOMES else "error"
-        self.ctx.tenants.observe(c.tenant_id, c.prompt_tokens + c.completion_tokens)
-        self.tenant_child(self.requests, 1, (tier, c.tenant_id, outcome)).inc()
-        for kind, count in (("input", c.prompt_tokens), ("cached_input", c.cached_prompt_tokens),
-                            ("output", c.completion_tokens)):
+        self.ctx.tenants.observe(tenant, tokens.total_tokens)
+        self.tenant_child(self.requests, 1, (tier, tenant, outcome)).inc()
+        for kind, count in (("input", tokens.input_tokens), ("cached_input", tokens.cached_input_tokens),
+                            ("output", tokens.output_tokens)):
             if count > 0:
-                self.tenant_child(self.tokens, 1, (tier, c.tenant_id, kind, outcome)).inc(count)
+                self.tenant_child(self.tokens, 1, (tier, tenant, kind, outcome)).inc(count)
         if c.ttft_s is not None:
             self.ttft.labels(tier).observe(c.ttft_s)
         if c.itls_s:
@@ -60,7 +61,7 @@ class RequestMetrics(MetricSource):
         self.e2e.labels(tier, outcome).observe(c.e2e_s)
         self.queue.labels(tier).observe(c.queue_s)
         good = outcome == "ok" and c.slo_met is not False
-        for kind, count in (("input", c.prompt_tokens), ("output", c.completion_tokens)):
+        for kind, count in (("input", tokens.input_tokens), ("output", tokens.output_tokens)):
             if count > 0:
                 self.throughput.labels(tier, kind).inc(count)
                 if good:

@@ -65,7 +65,7 @@ class SchedulerMetrics(MetricSource):
         with labels.lock:
             working = set()
             for t in s.tenants:
-                work = t.active_kv_tokens + t.queued_prompt_tokens
+                work = t.active_kv_tokens + t.queued_input_tokens
                 if work > 0:
                     labels.set_active(t.tenant_id, work)
                     working.add(t.tenant_id)
@@ -79,11 +79,11 @@ class SchedulerMetrics(MetricSource):
                 key = (t.tier, labels.label(t.tenant_id))
                 g = groups.get(key)
                 if g is None:
-                    groups[key] = [t.queue_depth, t.queued_prompt_tokens, t.queue_wait_oldest_s,
+                    groups[key] = [t.queue_depth, t.queued_input_tokens, t.queue_wait_oldest_s,
                                    t.active_kv_tokens, t.tenant_id]
                 else:
                     g[0] += t.queue_depth
-                    g[1] += t.queued_prompt_tokens
+                    g[1] += t.queued_input_tokens
                     g[2] = max(g[2], t.queue_wait_oldest_s)
                     g[3] += t.active_kv_tokens
                 self._count_service(t.tier, t.tenant_id, t.service_total)

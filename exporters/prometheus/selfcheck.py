@@ -53,5 +53,5 @@ class SelfCheckMetrics(MetricSource):
             counter.labels(v.view).inc()
 
     def on_completion(self, c: RequestCompletion) -> None:
-        if c.stream and c.outcome == "ok" and c.completion_tokens > 0:
-            self.streamed_ok.labels(c.tier or "unknown").inc()
+        if c.stream and c.outcome == "ok" and c.tokens.output_tokens > 0:
+            self.streamed_ok.labels(c.attribution.tier or "unknown").inc()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmeter.attribution import Attribution
+
 __all__ = ["ToolCallDecided", "ApprovalEvent", "AgentRunStopped", "TOOL_CALL_SOURCES", "TOOL_CALL_DECISIONS",
            "APPROVAL_EVENTS", "RUN_STOP_REASONS", "RISK_CLASSES"]
 
@@ -33,16 +35,13 @@ class ToolCallDecided:
     """One decision on one tool call of an agent run.
 
     Attributes:
-        tenant_id, tier, api_key_id, agent_run_id: attribution.
+        attribution: the calling key's, with the run's ``agent_run_id`` (``""`` outside a run).
         tool: the tool name; risk_class: its class under the key's policy.
         source: one of :data:`TOOL_CALL_SOURCES`; decision: one of :data:`TOOL_CALL_DECISIONS`.
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    tier: str
-    api_key_id: str
-    agent_run_id: str
+    attribution: Attribution
     tool: str
     risk_class: str
     source: str
@@ -55,14 +54,13 @@ class ApprovalEvent:
     """An approval was requested, approved, rejected or consumed.
 
     Attributes:
-        tenant_id, tier: the requesting key's; approval_id: the approval.
+        attribution: the requesting key's, with the approval's run; approval_id: the approval.
         event: one of :data:`APPROVAL_EVENTS`.
         wait_s: for a decision, seconds from the request to it (wall clock), else None.
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    tier: str
+    attribution: Attribution
     approval_id: str
     event: str
     wait_s: float | None = None
@@ -74,13 +72,11 @@ class AgentRunStopped:
     """An agent run was stopped as a loop or a retry storm (once per run).
 
     Attributes:
-        tenant_id, tier, agent_run_id: attribution.
+        attribution: the key whose call stopped the run, with the run's ``agent_run_id``.
         reason: one of :data:`RUN_STOP_REASONS`.
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    tier: str
-    agent_run_id: str
+    attribution: Attribution
     reason: str
     wall_ts: float = 0.0

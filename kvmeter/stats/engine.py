@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmeter.attribution import UNATTRIBUTED, Attribution
+from kvmeter.tokens import TokenCounts
+
 __all__ = ["EngineStepStats", "EngineRequestStats", "EngineLoad"]
 
 
@@ -26,12 +29,12 @@ class EngineStepStats:
         num_running: requests in the running batch.
         num_waiting: requests in the engine's own waiting queue.
         num_preempted: requests preempted in this step (delta).
-        prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache this step (delta).
+        prefix_cache_queries_tokens: input tokens looked up in the prefix cache this step (delta).
         prefix_cache_hits_tokens: of those, tokens found cached (delta).
         scheduled_tokens: tokens scheduled this step (prefill + decode), 0 when unknown.
         batch_size: requests that produced output this step.
-        prompt_tokens: prompt tokens computed or hit this step (delta).
-        generation_tokens: output tokens produced this step (delta).
+        input_tokens: input tokens computed or hit this step (delta; vLLM's ``num_prompt_tokens``).
+        output_tokens: output tokens produced this step (delta; vLLM's ``num_generation_tokens``).
         ttfts_s: engine-side time-to-first-token of requests that produced their first token.
         itls_s: engine-side inter-token latencies observed this step (seconds).
     """
@@ -48,8 +51,8 @@ class EngineStepStats:
     prefix_cache_hits_tokens: int = 0
     scheduled_tokens: int = 0
     batch_size: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[float] = field(default_factory=list)
 
@@ -73,18 +76,18 @@ class EngineRequestStats:
         request_id: kvmeter's request id (the id kvmeter passed to the engine; vLLM's internal
             ``<id>-<8 random>`` is mapped back).
         finish_reason: ``stop``, ``length``, ``abort``, ``error`` (or another reason vLLM names).
-        prompt_tokens: prompt tokens the engine took in, computed or served from its prefix cache:
-            the whole prompt for a finished request; for a request freed early, the most of its
-            prompt the engine ever held in KV (``min(prompt, peak computed tokens)``; a chunked
-            prefill cut after two 256-token chunks says 512). Billed as the request's prompt.
-        generation_tokens: output tokens the engine generated (whether or not they reached a
-            client).
-        cached_prompt_tokens: the part of ``prompt_tokens`` served from the prefix cache at the
-            request's first admission (0 ≤ cached ≤ prompt): tokens recomputed after a preemption
+        tokens: engine-true counts. ``input_tokens``: tokens the engine took in, computed or
+            served from its prefix cache: the whole input for a finished request; for a request
+            freed early, the most of its input the engine ever held in KV (``min(input, peak
+            computed tokens)``; a chunked prefill cut after two 256-token chunks says 512).
+            ``output_tokens``: tokens the engine generated (whether or not they reached a client).
+            ``cached_input_tokens``: the part of the input served from the prefix cache at the
+            request's first admission (0 ≤ cached ≤ input): tokens recomputed after a preemption
             are not cached tokens, and a lookup whose KV allocation failed counts once, at the
-            admission that succeeded (none if it never did).
+            admission that succeeded (none if it never did). The engines report no reasoning
+            tokens, so ``reasoning_tokens`` is 0.
         computed_tokens: vLLM's ``Request.num_computed_tokens`` when the scheduler freed the
-            request (prompt and fed-back output positions whose KV was in place, prefix-cache hits
+            request (input and fed-back output positions whose KV was in place, prefix-cache hits
             included); ``None`` when only vLLM's ``FinishedRequestStats`` reported the request.
         preempted_tokens: KV positions discarded by preemptions (``num_computed_tokens`` at each
             preemption, summed): work the engine redid or would have redone, never billed;
@@ -99,13 +102,18 @@ class EngineRequestStats:
         mean_tpot_s: mean time per output token after the first (0 with < 2 tokens).
         preemptions: times preempted.
         wall_ts: wall-clock epoch seconds when recorded.
+        reported_cached_input_tokens: the engine's own cached-token count when it exceeded the
+            input (``tokens`` holds it capped at the input, as the metering rules require); ``None``
+            when the engine's count was plausible. The self-check ``cached_over_input`` counts it.
+        attribution: the request's attribution, stamped by the engine adapter from the
+            :class:`~kvmeter.serving.engines.base.EngineRequest` before it publishes the stats
+            (vLLM's hooks see only request ids); :data:`~kvmeter.attribution.UNATTRIBUTED` for a
+            request the adapter did not receive from the gateway.
     """
 
     request_id: str
     finish_reason: str
-    prompt_tokens: int
-    generation_tokens: int
-    cached_prompt_tokens: int = 0
+    tokens: TokenCounts
     queued_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -117,6 +125,8 @@ class EngineRequestStats:
     computed_tokens: int | None = None
     preempted_tokens: int | None = None
     phase_times_measured: bool = True
+    attribution: Attribution = UNATTRIBUTED
+    reported_cached_input_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmeter.attribution import Attribution
+from kvmeter.tokens import TokenCounts
+
 __all__ = ["RequestCompletion", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS"]
 
 #: Every error code the gateway answers a refusal with (its own, and the tenancy, idempotency and
@@ -44,9 +47,9 @@ class RequestCompletion:
     Published for every admitted request (ok, aborted or error) right after its usage event.
 
     Attributes:
-        tenant_id, tier, model: attribution.
+        attribution: the request's (tenant, tier, model, ...).
         outcome: ``ok``, ``aborted`` or ``error``.
-        prompt_tokens, cached_prompt_tokens, completion_tokens: engine-true counts.
+        tokens: engine-true counts (the usage event's).
         ttft_s: gateway arrival → first token sent (``None`` if none was sent).
         itls_s: the stream's inter-token latencies in seconds (gaps between successive output
             chunks, divided evenly over the tokens in each chunk).
@@ -58,13 +61,9 @@ class RequestCompletion:
         wall_ts: wall-clock epoch seconds at the end.
     """
 
-    tenant_id: str
-    tier: str
-    model: str
+    attribution: Attribution
     outcome: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int = 0
+    tokens: TokenCounts
     ttft_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
@@ -79,7 +78,7 @@ class AdmissionDecision:
     """One admission decision at the gateway (quota and scheduler front door).
 
     Attributes:
-        tenant_id, tier: attribution.
+        attribution: the request's (tenant, tier, key path, model, ...).
         admitted: True if admitted.
         reason: ``admitted`` or the rejection reason (``rate_limited``, ``quota_exceeded``,
             ``context_length_exceeded``, ``queue_full``, ``deadline``, ``shed``, ...).
@@ -91,8 +90,7 @@ class AdmissionDecision:
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    tier: str
+    attribution: Attribution
     admitted: bool
     reason: str = "admitted"
     level: str = ""
@@ -114,13 +112,13 @@ class RequestRefused:
         code: the error code of the body (``invalid_value``, ``request_timeout``...; "" if none).
             Set by the code, never from request text; see :data:`REFUSAL_CODES`.
         endpoint: one of :data:`REFUSAL_ENDPOINTS` (``other``: an unknown route).
-        tenant_id, tier: the caller's, "" when it was not authenticated.
+        attribution: the caller's (its principal, with this endpoint; no model: the request may
+            have been refused for naming an unknown one), ``None`` when it was not authenticated.
         wall_ts: wall-clock epoch seconds.
     """
 
     status_code: int
     code: str
     endpoint: str
-    tenant_id: str = ""
-    tier: str = ""
+    attribution: Attribution | None = None
     wall_ts: float = 0.0

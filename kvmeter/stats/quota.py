@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import Decimal
 
+from kvmeter.attribution import Attribution
+
 __all__ = ["ReservationDrift", "QuotaStoreState", "IdempotencyAttempt", "ToolCallReported"]
 
 
@@ -23,16 +25,14 @@ class ReservationDrift:
     ≤ 0 for cost (reserved without cache discounts, at ``max_tokens``).
 
     Attributes:
-        tenant_id, tier, api_key_id: attribution.
+        attribution: the reconciled request's.
         dimension: ``input_tokens``, ``output_tokens`` or ``cost``.
         reserved, actual: amounts in the dimension's unit.
         outcome: ``ran`` (the engine did work) or ``released`` (nothing ran: all given back).
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    tier: str
-    api_key_id: str
+    attribution: Attribution
     dimension: str
     reserved: int | Decimal
     actual: int | Decimal
@@ -87,16 +87,15 @@ class ToolCallReported:
     """Tool calls reported for an agent run.
 
     Attributes:
-        tenant_id, api_key_id, agent_run_id: attribution.
+        attribution: the reporting key's, with the run's ``agent_run_id`` and the endpoint
+            ``agent_runs.tool_calls``.
         tool_calls: the run's total after this report.
         max_tool_calls: the run's budget, or None.
         exceeded: True if the total is over the budget (the run's next model call is refused).
         wall_ts: wall-clock epoch seconds.
     """
 
-    tenant_id: str
-    api_key_id: str
-    agent_run_id: str
+    attribution: Attribution
     tool_calls: int
     max_tool_calls: int | None
     exceeded: bool

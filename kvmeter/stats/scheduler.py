@@ -3,7 +3,7 @@
 Built by :meth:`kvmeter.serving.scheduler.core.SchedulerCore.snapshot` and published by the asyncio
 adapter (:class:`kvmeter.serving.scheduler.fair.FairScheduler`) every ``stats_interval_s``.
 
-Units: *service* is weighted token work — ``input_weight × prompt tokens + output_weight × output
+Units: *service* is weighted token work — ``input_weight × input tokens + output_weight × output
 tokens`` (VTC's cost function, Sheng et al., OSDI 2024, §3); *normalised service* divides it by the
 tenant's weight (the VTC counter's unit). Durations are seconds; ``wall_ts`` is wall-clock epoch
 seconds.
@@ -24,12 +24,12 @@ class TenantSchedulerStats:
         tenant_id, tier: attribution.
         weight: the tenant's weight inside its tier.
         queue_depth: requests queued.
-        queued_prompt_tokens: prompt tokens of the queued requests.
+        queued_input_tokens: input tokens of the queued requests.
         queue_wait_oldest_s: age of the oldest queued request (0 when none).
         queue_wait_mean_s: mean queue wait of the requests dispatched so far (0 when none).
         projected_wait_s: the scheduler's projection of how long a new request would wait.
         running: dispatched, unreleased requests.
-        active_kv_tokens: prompt + output tokens of the running requests (the tenant's KV load).
+        active_kv_tokens: input + output tokens of the running requests (the tenant's KV load).
         kv_budget_tokens: its active-KV budget (0 = none).
         service_total: weighted service received since start.
         input_tokens_total, output_tokens_total: tokens charged since start.
@@ -41,7 +41,7 @@ class TenantSchedulerStats:
     tier: str
     weight: float
     queue_depth: int
-    queued_prompt_tokens: int
+    queued_input_tokens: int
     queue_wait_oldest_s: float
     queue_wait_mean_s: float
     projected_wait_s: float

@@ -16,7 +16,7 @@ no run id can collide with another run's keys)::
     {prefix}ap:{approval id}                  the approval (a hash)
     {prefix}pend:t:{tenant} / {prefix}pend:all  pending approvals by expiry (sorted sets)
 
-The run's tool-call counter is the quota's own key (``kvq:r:{org}/{run}:tc``, passed in), so the
+The run's tool-call counter is the quota's own key (``kvq:r:{tenant}/{run}:tc``, passed in), so the
 quota store and this store must be the same Redis (``kvmeter serve`` opens both from one URL).
 Deployment as for the quota: a single Redis (or a primary with replicas), not a Redis Cluster.
 
@@ -64,16 +64,16 @@ local now = tonumber(ARGV[1])
 local risk, sig, tool, digest, pv = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local has_key = ARGV[7] == '1'
 local hint, new_tc, new_ap = ARGV[8], ARGV[9], ARGV[10]
-local tenant, org, ws, proj, akey, run = ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15], ARGV[16]
-local ttl, window = tonumber(ARGV[17]), tonumber(ARGV[18])
-local max_tc, max_ident, max_rep = ARGV[19], ARGV[20], ARGV[21]
-local max_len, hist_len = tonumber(ARGV[22]), tonumber(ARGV[23])
-local run_ttl = tonumber(ARGV[24])
-local ap_prefix = ARGV[25]
-local idem_ttl, retention = tonumber(ARGV[26]), tonumber(ARGV[27])
-local loop_on = ARGV[28] == '1'
-local run_base = ARGV[29]
-local decide_only = ARGV[30] == '1'
+local tenant, ws, proj, akey, run = ARGV[11], ARGV[12], ARGV[13], ARGV[14], ARGV[15]
+local ttl, window = tonumber(ARGV[16]), tonumber(ARGV[17])
+local max_tc, max_ident, max_rep = ARGV[18], ARGV[19], ARGV[20]
+local max_len, hist_len = tonumber(ARGV[21]), tonumber(ARGV[22])
+local run_ttl = tonumber(ARGV[23])
+local ap_prefix = ARGV[24]
+local idem_ttl, retention = tonumber(ARGV[25]), tonumber(ARGV[26])
+local loop_on = ARGV[27] == '1'
+local run_base = ARGV[28]
+local decide_only = ARGV[29] == '1'
 
 local function result(outcome, tc_id, created, total, mismatch, stop, ap)
   local out = {outcome, tc_id or '', created and '1' or '0', total and tostring(total) or '', mismatch or ''}
@@ -150,7 +150,7 @@ if risk == 'high_risk' then
     local expires = now + ttl
     local nk = ap_prefix .. new_ap
     local keep = math.ceil(ttl + retention)
-    redis.call('HSET', nk, 'approval_id', new_ap, 'tenant_id', tenant, 'org_id', org, 'workspace_id', ws,
+    redis.call('HSET', nk, 'approval_id', new_ap, 'tenant_id', tenant, 'workspace_id', ws,
                'project_id', proj, 'api_key_id', akey, 'run_id', run, 'tool', tool, 'risk_class', risk,
                'arguments_sha256', digest, 'policy_version', pv, 'created_ts', fmt(now),
                'expires_ts', fmt(expires), 'state', 'pending', 'decided_by', '', 'decided_ts', '0',
@@ -335,7 +335,7 @@ class RedisAgentStore(AgentStore):
                 f"{p}ab:{req.binding}", f"{p}pend:t:{req.tenant_id}", f"{p}pend:all", req.tool_calls_key]
         args = [repr(float(req.now)), req.risk_class, signature(req.tool, req.arguments_sha256), req.tool,
                 req.arguments_sha256, req.policy_version, "1" if key else "0", req.approval_id,
-                req.new_tool_call_id, req.new_approval_id, req.tenant_id, req.org_id, req.workspace_id,
+                req.new_tool_call_id, req.new_approval_id, req.tenant_id, req.workspace_id,
                 req.project_id, req.api_key_id, req.run_id, repr(float(req.approval_ttl_s)),
                 repr(float(req.side_effect_window_s)), _opt(req.max_tool_calls),
                 _opt(loop.max_identical_tool_calls if loop else None), _opt(loop.max_cycle_repeats if loop else None),

@@ -169,31 +169,27 @@ class AgentRuns(AgentService):
 
     def _decided(self, p: Principal, run_id: str, tool: str, risk: str, source: str, decision: str,
                  now: float) -> None:
-        self.publish(ToolCallDecided(tenant_id=p.tenant_id, tier=p.tier, api_key_id=p.api_key_id,
-                                     agent_run_id=run_id, tool=tool, risk_class=risk, source=source,
-                                     decision=decision, wall_ts=now))
+        self.publish(ToolCallDecided(attribution=p.attribution(agent_run_id=run_id), tool=tool, risk_class=risk,
+                                     source=source, decision=decision, wall_ts=now))
 
     async def _tool_record(self, p: Principal, run_id: str, source: str, tool: str, risk: str, decision: str,
                            now: float, *, status: int, **fields: Any) -> None:
         await self.record(ToolCallRecord(
-            tenant_id=p.tenant_id, agent_run_id=run_id, source=source, tool=tool, risk_class=risk,
-            decision=decision, ts=now, org_id=p.org_id, workspace_id=p.workspace_id, project_id=p.project_id,
-            api_key_id=p.api_key_id, tier=p.tier, status_code=status, **fields))
+            attribution=p.attribution(agent_run_id=run_id), source=source, tool=tool,
+            risk_class=risk, decision=decision, ts=now, status_code=status, **fields))
         self._decided(p, run_id, tool, risk, source, decision, now)
 
     async def _stopped(self, p: Principal, run_id: str, stop: RunStop) -> None:
-        await self.record(RunStopRecord(
-            tenant_id=p.tenant_id, agent_run_id=run_id, reason=stop.reason, detail=stop.detail, ts=stop.ts,
-            org_id=p.org_id, workspace_id=p.workspace_id, project_id=p.project_id, api_key_id=p.api_key_id,
-            tier=p.tier, tool=stop.tool))
-        self.publish(AgentRunStopped(tenant_id=p.tenant_id, tier=p.tier, agent_run_id=run_id, reason=stop.reason,
-                                     wall_ts=stop.ts))
+        attribution = p.attribution(agent_run_id=run_id)
+        await self.record(RunStopRecord(attribution=attribution, reason=stop.reason, detail=stop.detail, ts=stop.ts,
+                                        tool=stop.tool))
+        self.publish(AgentRunStopped(attribution=attribution, reason=stop.reason, wall_ts=stop.ts))
 
     def _request(self, entry: KeyEntry, p: Principal, run_id: str, tool: str, risk: str, digest: str, now: float,
                  *, idempotency_key: str = "", approval_id: str = "", decide_only: bool = False) -> ReportRequest:
         policy = entry.tool_policy
         return ReportRequest(
-            tenant_id=p.tenant_id, org_id=p.org_id, workspace_id=p.workspace_id, project_id=p.project_id,
+            tenant_id=p.tenant_id, workspace_id=p.workspace_id, project_id=p.project_id,
             api_key_id=p.api_key_id, run_id=run_id, tool=tool, risk_class=risk, arguments_sha256=digest,
             policy_version=policy.version, new_tool_call_id=self._new_id(), new_approval_id=self._new_id(),
             tool_calls_key=self.quota.tool_calls_key(p, run_id), now=now, idempotency_key=idempotency_key,
@@ -269,8 +265,8 @@ class AgentRuns(AgentService):
             await self.approval_event(a, "consumed", p.tier, now=now)
         if res.outcome in ("allowed", "budget_exceeded"):
             total = res.tool_calls or 0
-            self.publish(ToolCallReported(p.tenant_id, p.api_key_id, run_id, total, max_tool_calls,
-                                          max_tool_calls is not None and total > max_tool_calls, now))
+            self.publish(ToolCallReported(p.attribution(endpoint="agent_runs.tool_calls", agent_run_id=run_id), total,
+                                          max_tool_calls, max_tool_calls is not None and total > max_tool_calls, now))
         if res.stopped_now and res.stop is not None:
             await self._stopped(p, run_id, res.stop)
         if status < 300:

@@ -84,7 +84,7 @@ class AgentService:
             AuthError: 401, the key was removed by a config reload.
         """
         entry = self.directory.snapshot.keys.get(principal.api_key_id)
-        if entry is None or entry.principal.org_id != principal.org_id:
+        if entry is None or entry.principal.tenant_id != principal.tenant_id:
             raise AuthError("API key is no longer configured")
         return entry
 
@@ -104,12 +104,12 @@ class AgentService:
 
     async def approval_event(self, a: Approval, event: str, tier: str, *, actor: str = "", now: float) -> None:
         """Record one event of an approval in the ledger and publish it on the bus."""
+        attribution = a.attribution(tier)
         await self.record(ApprovalRecord(
-            approval_id=a.approval_id, event=event, tenant_id=a.tenant_id, agent_run_id=a.run_id, tool=a.tool,
-            ts=now, expires_ts=a.expires_ts, org_id=a.org_id, workspace_id=a.workspace_id,
-            project_id=a.project_id, api_key_id=a.api_key_id, tier=tier, risk_class=a.risk_class,
+            approval_id=a.approval_id, event=event, attribution=attribution, tool=a.tool,
+            ts=now, expires_ts=a.expires_ts, risk_class=a.risk_class,
             arguments_sha256=a.arguments_sha256, policy_version=a.policy_version, actor_key_id=actor,
             reason=a.reason if event in ("approved", "rejected") else "", tool_call_id=a.tool_call_id))
         wait = now - a.created_ts if event in ("approved", "rejected") else None
-        self.publish(ApprovalEvent(tenant_id=a.tenant_id, tier=tier, approval_id=a.approval_id, event=event,
+        self.publish(ApprovalEvent(attribution=attribution, approval_id=a.approval_id, event=event,
                                    wait_s=wait, wall_ts=now))

@@ -43,6 +43,7 @@ import abc
 import hashlib
 from dataclasses import asdict, dataclass
 
+from kvmeter.attribution import Attribution
 from kvmeter.serving.tenancy.limits import LoopStops
 
 from .loops import cycle_detail, identical_detail, prompt_detail
@@ -113,7 +114,7 @@ class Approval:
 
     Attributes:
         approval_id: its id (a UUID).
-        tenant_id, org_id, workspace_id, project_id, api_key_id: the requesting key.
+        tenant_id, workspace_id, project_id, api_key_id: the requesting key.
         run_id, tool, risk_class, arguments_sha256, policy_version: what it is bound to.
         created_ts, expires_ts: wall-clock epoch seconds; it must be decided and used before
             ``expires_ts``.
@@ -125,7 +126,6 @@ class Approval:
 
     approval_id: str
     tenant_id: str
-    org_id: str
     workspace_id: str
     project_id: str
     api_key_id: str
@@ -141,6 +141,11 @@ class Approval:
     decided_ts: float = 0.0
     reason: str = ""
     tool_call_id: str = ""
+
+    def attribution(self, tier: str) -> Attribution:
+        """The requesting key's attribution, bound to the approval's run, at ``tier``."""
+        return Attribution(tenant_id=self.tenant_id, workspace_id=self.workspace_id, project_id=self.project_id,
+                           api_key_id=self.api_key_id, tier=tier, agent_run_id=self.run_id)
 
     def status(self, now: float) -> str:
         """``state``, or ``expired`` for a pending or approved approval at or past its expiry."""
@@ -168,7 +173,7 @@ class ReportRequest:
     """One tool call to decide (everything :meth:`AgentStore.report` needs, policy already applied).
 
     Attributes:
-        tenant_id, org_id, workspace_id, project_id, api_key_id, run_id: who and which run.
+        tenant_id, workspace_id, project_id, api_key_id, run_id: who and which run.
         tool, risk_class, arguments_sha256, policy_version: the call and the policy it was
             classified under.
         idempotency_key: the client's key for the call (``""``: none).
@@ -183,7 +188,6 @@ class ReportRequest:
     """
 
     tenant_id: str
-    org_id: str
     workspace_id: str
     project_id: str
     api_key_id: str
@@ -212,7 +216,7 @@ class ReportRequest:
 
     def new_approval(self) -> Approval:
         """The pending approval this call creates when it needs one."""
-        return Approval(self.new_approval_id, self.tenant_id, self.org_id, self.workspace_id, self.project_id,
+        return Approval(self.new_approval_id, self.tenant_id, self.workspace_id, self.project_id,
                         self.api_key_id, self.run_id, self.tool, self.risk_class, self.arguments_sha256,
                         self.policy_version, self.now, self.now + self.approval_ttl_s)
 

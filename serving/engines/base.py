@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Sequence
 
+from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.stats import EngineLoad, EngineRequestStats
 
 __all__ = [
@@ -51,7 +52,9 @@ class EngineRequest:
         seed: sampling seed or ``None``.
         priority: engine priority, lower runs first (vLLM's ``priority`` scheduling policy);
             set from the tier by the scheduler.
-        tenant_id: for engines that attribute work (the simulator); informational otherwise.
+        attribution: the request's :class:`~kvmeter.attribution.Attribution`; the engine stamps it
+            on the :class:`~kvmeter.stats.EngineRequestStats` it publishes (the simulator also
+            attributes its work to ``attribution.tenant_id``).
     """
 
     request_id: str
@@ -64,7 +67,7 @@ class EngineRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     priority: int = 0
-    tenant_id: str = ""
+    attribution: Attribution = UNATTRIBUTED
 
 
 @dataclass(slots=True)
@@ -75,8 +78,8 @@ class EngineOutput:
         new_token_ids: output token ids produced since the previous delta (may be empty).
         new_text: detokenized text of those tokens ("" if the engine does not detokenize).
         num_output_tokens: cumulative output tokens generated so far (engine-true).
-        num_prompt_tokens: prompt tokens of the request (engine-true).
-        num_cached_tokens: prompt tokens served from the prefix cache (⊆ prompt; 0 if unknown).
+        num_input_tokens: input tokens of the request: its prompt (engine-true).
+        num_cached_input_tokens: input tokens served from the prefix cache (⊆ input; 0 if unknown).
         finished: True on the last delta.
         finish_reason: on the last delta: ``stop``, ``length``, ``abort`` or ``error``.
         stats: on the last delta, the engine's own per-request account when it has one (vLLM's
@@ -87,8 +90,8 @@ class EngineOutput:
     new_token_ids: Sequence[int]
     new_text: str
     num_output_tokens: int
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0
+    num_input_tokens: int
+    num_cached_input_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None
     stats: EngineRequestStats | None = None
@@ -131,7 +134,7 @@ class Engine(abc.ABC):
 
     #: The model name clients use in ``"model"``.
     model_name: str
-    #: The context window in tokens (prompt + output must fit).
+    #: The context window in tokens (input + output must fit).
     max_model_len: int
     #: The directory of the weights this process computes with, or ``None`` (the remote engine
     #: computes elsewhere; the instant engine computes nothing). The self-checks count the model's

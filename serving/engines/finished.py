@@ -11,6 +11,12 @@ A claim ends with :meth:`FinishedStats.take` (the claimer has the reports) or
 :meth:`FinishedStats.release` (the request was aborted or failed: what arrived is published as it
 is, and so is anything that arrives later).
 
+A claim names the request's :class:`~kvmeter.attribution.Attribution`: vLLM's hooks see only
+request ids, so every report of a claimed id — taken, published after a release (an abort's
+account arrives with the engine's next step) or kept for :meth:`account` — is stamped with it here
+before anyone sees it. A report of an id nobody claimed keeps the attribution it came with
+(:data:`~kvmeter.attribution.UNATTRIBUTED` from the hooks).
+
 Every report is also kept (the last :data:`MAX_ACCOUNTS`) for :meth:`FinishedStats.account`: a
 consumer that closed a request early awaits the engine's account of the work it did, which the
 engine gives with its next step.
@@ -23,7 +29,9 @@ import logging
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
+from kvmeter.attribution import Attribution
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["FinishedStats", "merge_stats"]
 
@@ -50,10 +58,19 @@ class FinishedStats:
         self._waiters: dict[str, asyncio.Event] = {}
         self._recent: OrderedDict[str, EngineRequestStats] = OrderedDict()
         self._account_waiters: dict[str, list[asyncio.Future[EngineRequestStats]]] = {}
+        # request id → attribution of claimed requests; outlives the claim (an abort's account
+        # arrives after the release), bounded like the kept reports
+        self._attributions: OrderedDict[str, Attribution] = OrderedDict()
 
-    def claim(self, request_id: str) -> None:
-        """Hold the reports of ``request_id`` for :meth:`take` (call before the engine starts it)."""
+    def claim(self, request_id: str, attribution: Attribution | None = None) -> None:
+        """Hold the reports of ``request_id`` for :meth:`take` (call before the engine starts it);
+        stamp ``attribution`` (if given) on every report of it."""
         self._claims.setdefault(request_id, [])
+        if attribution is not None:
+            self._attributions[request_id] = attribution
+            self._attributions.move_to_end(request_id)
+            while len(self._attributions) > MAX_ACCOUNTS:
+                self._attributions.popitem(last=False)
         while len(self._claims) > self._max:
             oldest = next(iter(self._claims))
             log.warning("finished stats of %s never taken; published as reported", oldest)
@@ -61,7 +78,10 @@ class FinishedStats:
 
     def put(self, stats: EngineRequestStats) -> None:
         """One report from the engine (its hooks): held for a claimer, else published; kept for
-        :meth:`account` either way."""
+        :meth:`account` either way; stamped with the claim's attribution."""
+        attribution = self._attributions.get(stats.request_id)
+        if attribution is not None:
+            stats.attribution = attribution
         self._recent[stats.request_id] = stats
         self._recent.move_to_end(stats.request_id)
         while len(self._recent) > MAX_ACCOUNTS:
@@ -102,6 +122,8 @@ class FinishedStats:
         finally:
             self._waiters.pop(request_id, None)
             self._claims.pop(request_id, None)
+            if len(held) >= count:  # every report is in: nothing more to stamp
+                self._attributions.pop(request_id, None)
         return held
 
     def release(self, request_id: str) -> None:
@@ -140,11 +162,12 @@ def merge_stats(request_id: str, per_engine: Sequence[Sequence[EngineRequestStat
     """One engine record for a logical request from its engine requests' finished stats.
 
     ``per_engine``: for each engine request (one per prompt), the stats of its sequences (``n``
-    choices: ``n`` records, each counting the same prompt). The prompt counts once per engine
-    request (the largest of its sequences' counts; they are equal) and so do its cached tokens
-    (the smallest: never more than every sequence got from the prefix cache); generated tokens and
-    preemptions add up over every sequence; times are the longest; the finish reason is the
-    first sequence's of the first engine request.
+    choices: ``n`` records, each counting the same prompt). The input counts once per engine
+    request (the largest of its sequences' counts; they are equal) and so do its cached input
+    tokens (the smallest: never more than every sequence got from the prefix cache); output tokens
+    and preemptions add up over every sequence; times are the longest; the finish reason and the
+    attribution are the first sequence's of the first engine request (the caller stamps the
+    logical request's attribution on the result when its engine requests carried none).
 
     Raises:
         ValueError: ``per_engine`` or one of its items is empty.
@@ -155,14 +178,15 @@ def merge_stats(request_id: str, per_engine: Sequence[Sequence[EngineRequestStat
     if len(per_engine) == 1 and len(per_engine[0]) == 1 and first.request_id == request_id:
         return first
     every = [s for group in per_engine for s in group]
-    generated = sum(s.generation_tokens for s in every)
-    tpots = [(s.mean_tpot_s, s.generation_tokens) for s in every if s.generation_tokens > 1]
+    generated = sum(s.tokens.output_tokens for s in every)
+    tpots = [(s.mean_tpot_s, s.tokens.output_tokens) for s in every if s.tokens.output_tokens > 1]
     weight = sum(n - 1 for _, n in tpots)
     return EngineRequestStats(
         request_id=request_id, finish_reason=first.finish_reason,
-        prompt_tokens=sum(max(s.prompt_tokens for s in group) for group in per_engine),
-        generation_tokens=generated,
-        cached_prompt_tokens=sum(min(s.cached_prompt_tokens for s in group) for group in per_engine),
+        tokens=TokenCounts(
+            input_tokens=sum(max(s.tokens.input_tokens for s in group) for group in per_engine),
+            cached_input_tokens=sum(min(s.tokens.cached_input_tokens for s in group) for group in per_engine),
+            output_tokens=generated),
         queued_s=max(s.queued_s for s in every), prefill_s=max(s.prefill_s for s in every),
         decode_s=max(s.decode_s for s in every), inference_s=max(s.inference_s for s in every),
         e2e_s=max(s.e2e_s for s in every),
@@ -170,7 +194,8 @@ def merge_stats(request_id: str, per_engine: Sequence[Sequence[EngineRequestStat
         preemptions=sum(s.preemptions for s in every), wall_ts=max(s.wall_ts for s in every),
         computed_tokens=_sum_known(s.computed_tokens for s in every),
         preempted_tokens=_sum_known(s.preempted_tokens for s in every),
-        phase_times_measured=all(s.phase_times_measured for s in every))
+        phase_times_measured=all(s.phase_times_measured for s in every),
+        attribution=first.attribution)
 
 
 def _sum_known(values: Iterable[int | None]) -> int | None:

@@ -34,6 +34,7 @@ from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.stats import EngineLoad, EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["InstantEngine"]
 
@@ -132,22 +133,23 @@ class InstantEngine(Engine):
         prompt = len(request.prompt_token_ids)
         elapsed = max(0.0, self._clock.monotonic() - started)
         stats = EngineRequestStats(request_id=request.request_id, finish_reason=reason,
-                                   prompt_tokens=prompt, generation_tokens=n, prefill_s=elapsed,
-                                   inference_s=elapsed, e2e_s=elapsed, wall_ts=self._clock.wall())
+                                   tokens=TokenCounts(input_tokens=prompt, output_tokens=n), prefill_s=elapsed,
+                                   inference_s=elapsed, e2e_s=elapsed, wall_ts=self._clock.wall(),
+                                   attribution=request.attribution)
         if self.streams_tokens and ids:
             sent = ""
             for i in range(len(ids) - 1):  # each token's text: what decoding it adds (multi-byte safe)
                 upto = self._tokenizer.decode(ids[:i + 1])
                 yield EngineOutput(new_token_ids=[ids[i]], new_text=upto[len(sent):], num_output_tokens=i + 1,
-                                   num_prompt_tokens=prompt)
+                                   num_input_tokens=prompt)
                 sent = upto
             self.finished.put(stats)
             yield EngineOutput(new_token_ids=[ids[-1]], new_text=self._tokenizer.decode(ids)[len(sent):],
-                               num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
+                               num_output_tokens=n, num_input_tokens=prompt, finished=True,
                                finish_reason=reason, stats=stats)
             return
         # as vLLM's hooks: the engine's account is reported before the caller sees the finish
         self.finished.put(stats)
         yield EngineOutput(new_token_ids=ids, new_text=self._tokenizer.decode(ids),
-                           num_output_tokens=n, num_prompt_tokens=prompt, finished=True,
+                           num_output_tokens=n, num_input_tokens=prompt, finished=True,
                            finish_reason=reason, stats=stats)

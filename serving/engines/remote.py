@@ -274,7 +274,7 @@ class RemoteEngine(Engine):
             body["seed"] = request.seed
         if request.priority:
             body["priority"] = request.priority
-        prompt_tokens = len(request.prompt_token_ids)
+        input_tokens = len(request.prompt_token_ids)
         generated = 0
         finish: str | None = None
         final: EngineOutput | None = None
@@ -297,8 +297,8 @@ class RemoteEngine(Engine):
                         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                         final = EngineOutput(new_token_ids=(), new_text="",
                                              num_output_tokens=int(usage["completion_tokens"]),
-                                             num_prompt_tokens=int(usage["prompt_tokens"]),
-                                             num_cached_tokens=int(cached), finished=True,
+                                             num_input_tokens=int(usage["prompt_tokens"]),
+                                             num_cached_input_tokens=int(cached), finished=True,
                                              finish_reason=finish or "stop")
                         continue
                     for choice in chunk.get("choices", ()):
@@ -310,7 +310,7 @@ class RemoteEngine(Engine):
                         generated += new
                         finish = choice.get("finish_reason") or finish
                         yield EngineOutput(new_token_ids=ids if ids is not None else (0,) * new, new_text=text,
-                                           num_output_tokens=generated, num_prompt_tokens=prompt_tokens)
+                                           num_output_tokens=generated, num_input_tokens=input_tokens)
         except httpx.HTTPError as exc:
             raise EngineError(f"remote engine failed: {type(exc).__name__}: {exc}", retryable=True) from exc
         if final is None:

@@ -198,7 +198,7 @@ class VllmEngine(Engine):
 
         A request aborted by closing its :meth:`generate` stream is accounted at the engine's
         next step (the scheduler hook, :mod:`kvmeter.collectors.vllm_hooks`): prompt tokens the
-        engine had taken in (``prompt_tokens``; 0 if it never left vLLM's waiting queue), output
+        engine had taken in (``tokens.input_tokens``; 0 if it never left vLLM's waiting queue), output
         tokens it generated, ``computed_tokens``, ``finish_reason`` ``abort``. Any request of
         this engine's ``AsyncLLM`` is accounted under the id it was given (also one submitted by
         vLLM's own serving layer); ask only for a request the engine was given — for another
@@ -241,7 +241,7 @@ class VllmEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"invalid sampling parameters: {exc}") from exc
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
-        self.finished.claim(request.request_id)
+        self.finished.claim(request.request_id, request.attribution)
         stream = self._llm.generate(prompt, params, request.request_id, priority=request.priority)
         generated = 0
         finished = False
@@ -252,8 +252,8 @@ class VllmEngine(Engine):
                 delta = EngineOutput(
                     new_token_ids=completion.token_ids, new_text=completion.text,
                     num_output_tokens=generated,
-                    num_prompt_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
-                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    num_input_tokens=len(out.prompt_token_ids or request.prompt_token_ids),
+                    num_cached_input_tokens=int(out.num_cached_tokens or 0),
                     finished=out.finished, finish_reason=completion.finish_reason)
                 if out.finished:
                     finished = True

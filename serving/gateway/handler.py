@@ -9,7 +9,7 @@ The steps, in order, and what each can answer:
    and validate it .................................................... 400 / 408 / 413 / 415
    (a client that leaves mid-body: 499 in the attempt record, nothing sent)
 3. check the model and render the prompt (chat template, tokens) ...... 404 / 400
-4. check the context window and estimate: prompt tokens, output ceiling 400
+4. check the context window and estimate: input tokens, output ceiling 400
    the request's declared ``tools`` under the key's tool policy ........ 403 (``tool_blocked``)
 5. the agent run's model call: a stopped run, a pending approval ...... 409
    reserve quota on every level and dimension (all or nothing) ....... 429 / 402 / 400 (quota)
@@ -45,6 +45,7 @@ estimate, :meth:`CompletionEndpoint._prepare`; step 7, :meth:`CompletionEndpoint
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import uuid
@@ -56,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
@@ -68,14 +70,14 @@ from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.ledger.records import AttemptRecord
 from kvmeter.serving.gateway.replays import fingerprint, replay_response
-from kvmeter.serving.quota.base import (ActualUsage, QuotaGate, QuotaRejected, Reservation,
-                                        UsageEstimate)
+from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
 from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager,
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
 from kvmeter.stats import AdmissionDecision, RequestRefused
+from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "Prepared", "Admitted",
            "ClientGone", "ClosingStreamingResponse", "REQUEST_ID_HEADER"]
@@ -187,8 +189,8 @@ class Gateway:
         ``REFUSAL_ENDPOINTS``)."""
         self.bus.publish(RequestRefused(
             status_code=err.status_code, code=err.code or "", endpoint=endpoint,
-            tenant_id=principal.tenant_id if principal is not None else "",
-            tier=principal.tier if principal is not None else "", wall_ts=self.clock.wall()))
+            attribution=principal.attribution(endpoint=endpoint) if principal is not None else None,
+            wall_ts=self.clock.wall()))
 
 
 class ClientGone(Exception):
@@ -210,6 +212,7 @@ class _Seen:
     principal: Principal | None = None
     idempotency_key: str = ""
     agent_run_id: str = ""
+    attribution: Attribution | None = None  # built once the run id header is read
     decided: bool = False  # an AdmissionDecision was published (quota or scheduler refusal)
 
 
@@ -270,7 +273,7 @@ class Prepared:
 
     Attributes:
         stream: answered as server-sent events.
-        prompt_tokens: the prompt tokens it reserves (all its prompts).
+        input_tokens: the input tokens it reserves (all its prompts).
         output_tokens: the output tokens it reserves (its ceiling: every prompt and choice).
         payload: the protocol's own state (its request object, render, engine request...).
         tool_names: the tools the request declares (``tools[].function.name``), for the tool
@@ -280,7 +283,7 @@ class Prepared:
     """
 
     stream: bool
-    prompt_tokens: int
+    input_tokens: int
     output_tokens: int
     payload: Any = None
     tool_names: tuple[str, ...] = ()
@@ -414,20 +417,18 @@ class CompletionEndpoint:
         if status is None:  # quota refusals carry their level/dimension; 429s are shedding
             status = "rejected" if err is not None and ("dimension" in err.extra or err.status == 429) else "invalid"
         ident = adm.meter.identity if adm is not None else None
+        attribution = seen.attribution or principal.attribution(
+            model=self.gw.engine.model_name, endpoint=self.endpoint, agent_run_id=seen.agent_run_id)
+        run_id = _bounded(attribution.agent_run_id, MAX_RUN_ID_CHARS)
+        if run_id != attribution.agent_run_id:  # headers as sent: a refused over-long one is kept
+            attribution = dataclasses.replace(attribution, agent_run_id=run_id)  # as a digest (_bounded)
         record = AttemptRecord(
-            tenant_id=principal.tenant_id, request_id=request_id, status=status,
-            ts=self.gw.clock.wall(),
+            attribution=attribution, request_id=request_id, status=status, ts=self.gw.clock.wall(),
             event_id=adm.meter.event_id() if adm is not None else "",
             reason=(err.code or "error") if err is not None else status,
-            status_code=err.status if err is not None else 200, tier=principal.tier,
-            model=self.gw.engine.model_name, endpoint=self.endpoint, org_id=principal.org_id,
-            workspace_id=principal.workspace_id, project_id=principal.project_id,
-            api_key_id=principal.api_key_id,
-            # headers as sent: a refused over-long one is kept as a digest (see _bounded)
-            agent_run_id=_bounded(seen.agent_run_id, MAX_RUN_ID_CHARS),
+            status_code=err.status if err is not None else 200,
             idempotency_key=_bounded(seen.idempotency_key, MAX_KEY_CHARS),
-            reserved_prompt_tokens=adm.reservation.reserved_prompt_tokens if adm and status == "admitted" else 0,
-            reserved_completion_tokens=adm.reservation.reserved_completion_tokens if adm and status == "admitted" else 0,
+            reserved=adm.reservation.reserved if adm and status == "admitted" else NO_TOKENS,
             attempt=ident.attempt if ident is not None else attempt,
             level=err.extra.get("level", "") if err is not None else "",
             dimension=err.extra.get("dimension", "") if err is not None else "")
@@ -451,23 +452,20 @@ class CompletionEndpoint:
                                           timeout_s=gw.settings.body_read_timeout_s)
         except InvalidJson as err:
             raise self._body_refusal(err) from None
+        # the request's attribution, built once and carried by reference from here on
+        seen.attribution = attribution = principal.attribution(
+            model=gw.engine.model_name, endpoint=self.endpoint, agent_run_id=run_id)
         prepared = await self._prepare(request, data, principal, run_id)
         agents = gw.agents
         if agents is not None and prepared.tool_names:  # 403 before anything is reserved
             await agents.check_declared_tools(principal, run_id, prepared.tool_names)
         ticket = await self._idempotency(principal, idem, data)
-        model = gw.engine.model_name
-        identity = RequestIdentity(
-            request_id=request_id, tenant_id=principal.tenant_id, tier=principal.tier,
-            model=model, endpoint=self.endpoint, stream=prepared.stream,
-            idempotency_key=idem, org_id=principal.org_id, workspace_id=principal.workspace_id,
-            project_id=principal.project_id, api_key_id=principal.api_key_id, agent_run_id=run_id,
-            attempt=ticket.attempt if ticket is not None else 1)
-        meter = RequestMeter(identity, gw.clock, prompt_tokens=prepared.prompt_tokens,
-                             reserved_completion_tokens=prepared.output_tokens, arrival=arrival)
-        estimate = UsageEstimate(model=model, prompt_tokens=prepared.prompt_tokens,
-                                 max_output_tokens=prepared.output_tokens, agent_run_id=run_id,
-                                 request_id=request_id, attempt=identity.attempt)
+        identity = RequestIdentity(request_id=request_id, attribution=attribution, stream=prepared.stream,
+                                   idempotency_key=idem, attempt=ticket.attempt if ticket is not None else 1)
+        reserved = TokenCounts(input_tokens=prepared.input_tokens, output_tokens=prepared.output_tokens)
+        meter = RequestMeter(identity, gw.clock, reserved=reserved, arrival=arrival)
+        estimate = UsageEstimate(attribution=attribution, tokens=reserved, request_id=request_id,
+                                 attempt=identity.attempt)
         try:
             if agents is not None and run_id:  # a stopped run, a pending approval: nothing is reserved
                 await agents.on_model_call(principal, run_id)
@@ -479,7 +477,7 @@ class CompletionEndpoint:
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             if not isinstance(exc, QuotaRejected):
                 raise
-            self._decided(principal, exc)
+            self._decided(attribution, exc)
             seen.decided = True
             raise
         return Admitted(principal=principal, prepared=prepared, meter=meter, reservation=reservation,
@@ -496,7 +494,7 @@ class CompletionEndpoint:
         try:
             await agents.on_model_call(principal, run_id, digest)
         except BaseException:
-            await self.gw.quota.reconcile(reservation, ActualUsage())
+            await self.gw.quota.reconcile(reservation, NO_TOKENS)
             raise
 
     async def _idempotency(self, principal: Principal, key: str, data: dict) -> IdempotencyTicket | None:
@@ -518,15 +516,15 @@ class CompletionEndpoint:
         except QuotaRejected:
             return None  # e.g. the key was removed by a reload: reserve() answers it
 
-    def _decision(self, principal: Principal, admitted: bool, reason: str, level: str = "",
+    def _decision(self, attribution: Attribution, admitted: bool, reason: str, level: str = "",
                   dimension: str = "", status: int = 200) -> None:
         self.gw.bus.publish(AdmissionDecision(
-            tenant_id=principal.tenant_id, tier=principal.tier, admitted=admitted, reason=reason,
+            attribution=attribution, admitted=admitted, reason=reason,
             level=level, dimension=dimension, status_code=status, wall_ts=self.gw.clock.wall()))
 
-    def _decided(self, principal: Principal, refusal: QuotaRejected | SchedulerRejected) -> None:
+    def _decided(self, attribution: Attribution, refusal: QuotaRejected | SchedulerRejected) -> None:
         """Publish the admission decision of a quota or scheduler refusal."""
-        self._decision(principal, False, refusal.code or "", refusal.level, refusal.dimension,
+        self._decision(attribution, False, refusal.code or "", refusal.level, refusal.dimension,
                        refusal.status_code)
 
     # -- step 6 ---------------------------------------------------------------------------------
@@ -536,17 +534,18 @@ class CompletionEndpoint:
         policy = gw.tier_policy(adm.principal.tier)
         # the tier's deadline rule, the one the simulator applies to the same request
         deadline = policy.deadline_s(meter.arrival_mono) if policy is not None else None
-        job = Job(request_id=meter.identity.request_id, tenant_id=adm.principal.tenant_id,
-                  tier=adm.principal.tier, prompt_tokens=adm.prepared.prompt_tokens,
+        attribution = meter.identity.attribution
+        job = Job(request_id=meter.identity.request_id, attribution=attribution,
+                  input_tokens=adm.prepared.input_tokens,
                   max_tokens=adm.prepared.output_tokens, arrival_s=meter.arrival_mono,
                   deadline_s=deadline)
         try:
             gw.scheduler.check_admission(job)
             grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)
         except SchedulerRejected as exc:
-            self._decided(adm.principal, exc)
+            self._decided(attribution, exc)
             raise
-        self._decision(adm.principal, True, "admitted")
+        self._decision(attribution, True, "admitted")
         return grant
 
     @staticmethod
@@ -611,9 +610,7 @@ class CompletionEndpoint:
             await adm.attempt_write  # _attempt never raises (it logs)
         if adm.grant is not None:
             gw.scheduler.release(adm.grant)
-        await gw.quota.reconcile(adm.reservation, ActualUsage(
-            prompt_tokens=event.prompt_tokens, cached_prompt_tokens=event.cached_prompt_tokens,
-            completion_tokens=event.completion_tokens))
+        await gw.quota.reconcile(adm.reservation, event.tokens)
         gw.bus.publish(completion)
         return event
 
@@ -629,7 +626,7 @@ class CompletionEndpoint:
 
     async def _release_unrun(self, adm: Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""
-        await self.gw.quota.reconcile(adm.reservation, ActualUsage())
+        await self.gw.quota.reconcile(adm.reservation, NO_TOKENS)
         await self._settle_idempotency(adm, None)
 
     async def _settle_idempotency(self, adm: Admitted, stored: StoredResponse | None) -> None:

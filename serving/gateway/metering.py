@@ -10,43 +10,47 @@ Token counts follow the metering rules (docs/ARCHITECTURE.md, "Metering rules"):
 account of the request when it gave one — vLLM's finished stats on the final delta, or, for a
 request that ended early (client gone, timeout, error), the account of kvmeter's scheduler hook
 that the gateway awaits from :meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`
-and hands to :meth:`RequestMeter.engine_account`: the prompt tokens the engine had taken in (a
+and hands to :meth:`RequestMeter.engine_account`: the input tokens the engine had taken in (a
 prefill cut partway bills the part it ran) and the tokens it generated, ``token_source``
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
-first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning tokens (a part of the output) are
-what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
+first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning
+tokens (a part of the output) are what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import Clock
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
 from kvmeter.stats import EngineRequestStats, RequestCompletion
+from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["RequestMeter", "RequestIdentity"]
 
 
 @dataclass(frozen=True, slots=True)
 class RequestIdentity:
-    """Who and what a request is, fixed at admission."""
+    """Which logical request, and which attempt of it, a request is — fixed at admission.
+
+    Attributes:
+        request_id: kvmeter's request id of this attempt.
+        attribution: who is billed and what for (built once from the principal; carried here by
+            reference into the usage event and the completion stats).
+        stream: whether the response is streamed.
+        idempotency_key: the client's ``Idempotency-Key``, or ``""``.
+        attempt: 1 for the first attempt of the logical request.
+    """
 
     request_id: str
-    tenant_id: str
-    tier: str
-    model: str
-    endpoint: str
+    attribution: Attribution
     stream: bool
     idempotency_key: str = ""
-    org_id: str = ""
-    workspace_id: str = ""
-    project_id: str = ""
-    api_key_id: str = ""
-    agent_run_id: str = ""
     attempt: int = 1
 
 
@@ -54,29 +58,28 @@ class RequestMeter:
     """Clock readings and counts of one request.
 
     Args:
-        identity: attribution.
+        identity: the request's identity and attribution.
         clock: injected clock (monotonic for durations, wall for timestamps).
-        prompt_tokens: the prompt as tokenized by the gateway (what admission reserved).
-        reserved_completion_tokens: the output reservation (``max_tokens``).
+        reserved: what admission reserved: the input as tokenized by the gateway and the output
+            reservation (``max_tokens``).
         arrival: ``(monotonic, wall)`` readings at gateway arrival; default: now.
     """
 
-    def __init__(self, identity: RequestIdentity, clock: Clock, *, prompt_tokens: int,
-                 reserved_completion_tokens: int, arrival: tuple[float, float] | None = None) -> None:
+    def __init__(self, identity: RequestIdentity, clock: Clock, *, reserved: TokenCounts = NO_TOKENS,
+                 arrival: tuple[float, float] | None = None) -> None:
         self.identity = identity
         self._clock = clock
         self.arrival_mono, self.arrival_wall = arrival or (clock.monotonic(), clock.wall())
-        self.reserved_prompt_tokens = prompt_tokens
-        self.reserved_completion_tokens = reserved_completion_tokens
+        self.reserved = reserved
         self.dispatch_mono: float | None = None
         self.first_token_mono: float | None = None
         self._last_token_mono: float | None = None
         self._last_kv_mono: float | None = None
         self.itls_s: list[float] = []
         self.kv_token_seconds = 0.0
-        self.prompt_tokens = 0          # engine-true, from outputs
-        self.cached_prompt_tokens = 0
-        self.completion_tokens = 0
+        self.input_tokens = 0          # engine-true, from outputs
+        self.cached_input_tokens = 0
+        self.output_tokens = 0
         self.outputs_seen = 0
         self.engine_stats: EngineRequestStats | None = None
         self.finish_reason: str | None = None
@@ -88,7 +91,7 @@ class RequestMeter:
         """The logical request's deterministic event id (tenant + Idempotency-Key or request id)."""
         if self._event_id is None:
             ident = self.identity
-            self._event_id = event_id_for(ident.tenant_id, ident.idempotency_key or ident.request_id)
+            self._event_id = event_id_for(ident.attribution.tenant_id, ident.idempotency_key or ident.request_id)
         return self._event_id
 
     def dispatched(self) -> None:
@@ -102,15 +105,15 @@ class RequestMeter:
         now = self._clock.monotonic()
         # KV held since the last reading: the prompt being prefilled until the first output,
         # then prompt + generated tokens.
-        held = (self.prompt_tokens + self.completion_tokens) if self.outputs_seen else out.num_prompt_tokens
+        held = (self.input_tokens + self.output_tokens) if self.outputs_seen else out.num_input_tokens
         if self._last_kv_mono is not None:
             self.kv_token_seconds += held * (now - self._last_kv_mono)
         self._last_kv_mono = now
-        new = max(0, out.num_output_tokens - self.completion_tokens)
+        new = max(0, out.num_output_tokens - self.output_tokens)
         self.outputs_seen += 1
-        self.prompt_tokens = out.num_prompt_tokens
-        self.cached_prompt_tokens = min(out.num_cached_tokens, out.num_prompt_tokens)
-        self.completion_tokens = out.num_output_tokens
+        self.input_tokens = out.num_input_tokens
+        self.cached_input_tokens = min(out.num_cached_input_tokens, out.num_input_tokens)
+        self.output_tokens = out.num_output_tokens
         if new:
             if self.first_token_mono is None:
                 self.first_token_mono = now
@@ -150,18 +153,21 @@ class RequestMeter:
         now_wall = self._clock.wall()
         stats = self.engine_stats
         if self._last_kv_mono is not None and self.outputs_seen:
-            self.kv_token_seconds += (self.prompt_tokens + self.completion_tokens) * (now_mono - self._last_kv_mono)
+            self.kv_token_seconds += (self.input_tokens + self.output_tokens) * (now_mono - self._last_kv_mono)
             self._last_kv_mono = now_mono
         if stats is not None:  # the engine's account: finished, or freed early (computed tokens)
-            prompt, completion = stats.prompt_tokens, stats.generation_tokens
-            cached = min(stats.cached_prompt_tokens, prompt)
+            tokens = stats.tokens
             source = "engine_hooks"
         elif self.outputs_seen:
-            prompt, completion, cached = self.prompt_tokens, self.completion_tokens, self.cached_prompt_tokens
+            tokens = TokenCounts(input_tokens=self.input_tokens, cached_input_tokens=self.cached_input_tokens,
+                                 output_tokens=self.output_tokens)
             source = "frontend"
         else:
-            prompt = completion = cached = 0
+            tokens = NO_TOKENS
             source = "frontend"
+        reasoning = min(max(0, self.reasoning_tokens), tokens.output_tokens)
+        if reasoning != tokens.reasoning_tokens:  # the reasoning parser's count, a part of the output
+            tokens = dataclasses.replace(tokens, reasoning_tokens=reasoning)
         ident = self.identity
         timed = stats if stats is not None and stats.phase_times_measured else None
         gateway_queue = (self.dispatch_mono - self.arrival_mono) if self.dispatch_mono is not None else None
@@ -171,17 +177,9 @@ class RequestMeter:
         e2e = now_mono - self.arrival_mono
         reason = finish_reason or self.finish_reason or ("abort" if outcome == "aborted" else "error")
         event = UsageEvent(
-            event_id=self.event_id(),
-            tenant_id=ident.tenant_id, request_id=ident.request_id, tier=ident.tier,
-            model=ident.model, endpoint=ident.endpoint, outcome=outcome, finish_reason=reason,
-            arrival_ts=self.arrival_wall, finish_ts=now_wall,
-            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
-            reasoning_tokens=min(max(0, self.reasoning_tokens), completion),
-            reserved_prompt_tokens=self.reserved_prompt_tokens,
-            reserved_completion_tokens=self.reserved_completion_tokens,
-            idempotency_key=ident.idempotency_key, org_id=ident.org_id,
-            workspace_id=ident.workspace_id, project_id=ident.project_id,
-            api_key_id=ident.api_key_id, agent_run_id=ident.agent_run_id,
+            event_id=self.event_id(), request_id=ident.request_id, attribution=ident.attribution,
+            outcome=outcome, finish_reason=reason, arrival_ts=self.arrival_wall, finish_ts=now_wall,
+            tokens=tokens, reserved=self.reserved, idempotency_key=ident.idempotency_key,
             status_code=status_code, stream=ident.stream, queue_s=queue_s, ttft_s=ttft,
             prefill_s=timed.prefill_s if timed else None, decode_s=timed.decode_s if timed else None,
             e2e_s=e2e, itl_mean_s=itl_mean, kv_token_seconds=self.kv_token_seconds,
@@ -191,8 +189,7 @@ class RequestMeter:
         if policy is not None and policy.has_slo:
             slo_met = outcome == "ok" and ttft is not None and policy.meets_slo(ttft, itl_mean)
         completion_stats = RequestCompletion(
-            tenant_id=ident.tenant_id, tier=ident.tier, model=ident.model, outcome=outcome,
-            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached,
+            attribution=ident.attribution, outcome=outcome, tokens=tokens,
             ttft_s=ttft, itls_s=self.itls_s, e2e_s=e2e, queue_s=gateway_queue or 0.0,
             slo_met=slo_met, wall_ts=now_wall, stream=ident.stream)
         return event, completion_stats

@@ -99,7 +99,7 @@ class OpenAIEndpoint(CompletionEndpoint):
         payload = _Payload(layer, vreq, rendered, plan)
         if names and self.gw.agents is not None:  # the model may emit calls: each is decided
             payload.emitted = EmittedToolCalls(self.gw.agents, principal, run_id)
-        return Prepared(stream=bool(vreq.stream), prompt_tokens=plan.total_prompt_tokens,
+        return Prepared(stream=bool(vreq.stream), input_tokens=plan.total_input_tokens,
                         output_tokens=plan.total_output_tokens, payload=payload, tool_names=names,
                         prompts=prompts)
 
@@ -110,14 +110,14 @@ class OpenAIEndpoint(CompletionEndpoint):
         grant = adm.grant
         scheduler = gw.scheduler
         bound = payload.bound = BoundRequest(
-            request_id=adm.meter.identity.request_id, engine_inputs=len(payload.plan.prompt_tokens),
+            request_id=adm.meter.identity.request_id, engine_inputs=len(payload.plan.input_tokens),
             meter=adm.meter, charge=lambda new: scheduler.charge_output(grant, new),
             priority=grant.priority if grant is not None else 0,
             finished=getattr(gw.engine, "finished", None), publish=gw.bus.publish,
             on_done=lambda outcome: self._finalize(adm, outcome, status_code=200),
             reasoning=payload.layer.reasoning_counter(payload.request, self.chat),
             stats_wait_s=STATS_WAIT_S, request=payload.request, rendered=payload.rendered,
-            started=adm.engine_ids)
+            started=adm.engine_ids, attribution=adm.meter.identity.attribution)
         adm.before_finish = bound.count_reasoning
         work = payload.layer.create(payload.request, request, self.chat)
         bound.bind()  # the engine calls vLLM's layer makes inside create() are this request's

@@ -35,6 +35,7 @@ from kvmeter.serving.gateway.handler import Admitted, ClientGone, CompletionEndp
 from kvmeter.serving.gateway.replays import stored_headers
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 
 __all__ = [
     "RemoteEndpoint", "ChatCompletionRequest", "CompletionRequest", "parse_request", "usage_block",
@@ -249,15 +250,17 @@ def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
     return req
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                reasoning_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI ``usage`` object. ``cached_tokens`` ⊆ prompt, ``reasoning_tokens`` ⊆ completion."""
+def usage_block(tokens: TokenCounts) -> dict[str, Any]:
+    """OpenAI ``usage`` object of ``tokens`` — the one place kvmeter writes OpenAI's wire names
+    (on the in-process engines vLLM's serving layer writes its own): input → ``prompt_tokens``,
+    cached input → ``prompt_tokens_details.cached_tokens``, output → ``completion_tokens``,
+    reasoning → ``completion_tokens_details.reasoning_tokens``."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "prompt_tokens": tokens.input_tokens,
+        "completion_tokens": tokens.output_tokens,
+        "total_tokens": tokens.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": tokens.cached_input_tokens},
+        "completion_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
     }
 
 
@@ -287,14 +290,15 @@ class RemoteEndpoint(CompletionEndpoint):
         engine_request = EngineRequest(
             request_id="", prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
-            top_p=body.top_p, stop=body.stop_list(), seed=body.seed, tenant_id=principal.tenant_id)
-        return Prepared(stream=body.stream, prompt_tokens=len(prompt_ids), output_tokens=max_tokens,
+            top_p=body.top_p, stop=body.stop_list(), seed=body.seed)
+        return Prepared(stream=body.stream, input_tokens=len(prompt_ids), output_tokens=max_tokens,
                         payload=_Payload(body, engine_request),
                         prompts=(prompt_ids,) if run_id else ())  # the run's repeated-prompt stop
 
     async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
         engine_request = adm.prepared.payload.engine_request
         engine_request.request_id = adm.meter.identity.request_id
+        engine_request.attribution = adm.meter.identity.attribution  # the engine stamps its stats
         if adm.grant is not None:
             engine_request.priority = adm.grant.priority
         if adm.prepared.stream:
@@ -330,7 +334,7 @@ class RemoteEndpoint(CompletionEndpoint):
                            code="invalid_value")
         return ids
 
-    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, prompt_tokens: int,
+    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, input_tokens: int,
                        context_limit: int | None = None) -> int:
         """The output ceiling: the request's ``max_tokens``, else what the context window leaves —
         the engine's window or, when tighter, the caller's quota ``max_context_tokens`` (a request
@@ -345,18 +349,18 @@ class RemoteEndpoint(CompletionEndpoint):
         requested = body.output_ceiling()
         ceiling_param = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
                          and body.max_completion_tokens is not None else "max_tokens")
-        if prompt_tokens >= window:
+        if input_tokens >= window:
             raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                f"your prompt is {prompt_tokens} tokens, leaving no room for output.",
+                                f"your prompt is {input_tokens} tokens, leaving no room for output.",
                            param="messages" if self.chat else "prompt", code="context_length_exceeded")
         if requested is None:
-            budget = window - prompt_tokens
+            budget = window - input_tokens
             if context_limit is not None and context_limit < window:
-                budget = max(1, context_limit - prompt_tokens)
+                budget = max(1, context_limit - input_tokens)
         else:
-            if prompt_tokens + requested > window:
+            if input_tokens + requested > window:
                 raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                    f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} "
+                                    f"you requested {input_tokens + requested} tokens ({input_tokens} "
                                     f"in the prompt, {requested} in the completion). Please reduce the "
                                     f"prompt or {ceiling_param}.",
                                param=ceiling_param, code="context_length_exceeded")
@@ -454,8 +458,7 @@ class RemoteEndpoint(CompletionEndpoint):
 
     # -- response shapes ----------------------------------------------------------------------------
     def _usage(self, event: UsageEvent) -> dict[str, Any]:
-        return usage_block(event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens,
-                           event.reasoning_tokens)
+        return usage_block(event.tokens)
 
     def _full_response(self, adm: Admitted, text: str, event: UsageEvent) -> dict[str, Any]:
         rid = adm.meter.identity.request_id
@@ -464,10 +467,10 @@ class RemoteEndpoint(CompletionEndpoint):
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "finish_reason": event.finish_reason, "logprobs": None}
             return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                    "model": event.model, "choices": [choice], "usage": self._usage(event)}
+                    "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
         choice = {"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}
         return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                "model": event.model, "choices": [choice], "usage": self._usage(event)}
+                "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
 
     def _chunk(self, adm: Admitted, created: int, out: EngineOutput, first: bool,
                include_usage: bool) -> dict[str, Any]:
@@ -493,4 +496,4 @@ class RemoteEndpoint(CompletionEndpoint):
         rid = adm.meter.identity.request_id
         return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}",
                 "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": created, "model": event.model, "choices": [], "usage": self._usage(event)}
+                "created": created, "model": event.attribution.model, "choices": [], "usage": self._usage(event)}

@@ -12,7 +12,7 @@ variable), runs each ``generate`` call as one of kvmeter's engine requests:
   client's ``X-Request-Id`` — ids stay unique when clients reuse theirs;
 * the engine priority is the scheduler's grant (the tier's), not the body's ``priority``; the
   client's ``X-data-parallel-rank`` is dropped (kvmeter places requests);
-* each ``RequestOutput`` is counted (prompt tokens once per engine request, output tokens of every
+* each ``RequestOutput`` is counted (input tokens once per engine request, output tokens of every
   choice — ``n`` > 1 included — as the engine counts them: ``RequestOutputKind.DELTA`` outputs
   add up, cumulative ones replace) and handed to the request's meter as one running total, and
   the new output tokens are charged to the scheduler. A non-streaming request (vLLM asks for
@@ -20,9 +20,10 @@ variable), runs each ``generate`` call as one of kvmeter's engine requests:
   mid-way bills what the engine generated — and vLLM's layer still gets only the final output,
   every choice in it, as ``FINAL_ONLY`` gives it;
 * when an engine request finishes, its finished stats are taken from the engine
-  (:class:`~kvmeter.serving.engines.finished.FinishedStats`: one per sequence, ``n`` for ``n``
-  choices); when the last one finishes, they are merged into one engine record for the logical
-  request (:func:`merge_stats`), published, and the gateway's ``on_done`` makes the usage event
+  (:class:`~kvmeter.serving.engines.finished.FinishedStats`, claimed under the request's
+  attribution, which it stamps on every report — vLLM's hooks know only ids; one per sequence,
+  ``n`` for ``n`` choices); when the last one finishes, they are merged into one engine record for the logical
+  request (:func:`merge_stats`), stamped with the request's attribution, published, and the gateway's ``on_done`` makes the usage event
   durable — all before the final output reaches vLLM's layer, so before the usage chunk,
   ``[DONE]`` or the JSON response.
 
@@ -40,6 +41,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 
+from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.engines.finished import FinishedStats, merge_stats
 from kvmeter.stats import EngineRequestStats
@@ -64,8 +66,8 @@ class _EngineRequest:
     engine_id: str
     n: int
     delta: bool  # RequestOutputKind.DELTA: each output carries only what is new
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     token_ids: dict[int, list[int]] | None = None  # kept only to count reasoning tokens
     finish_reason: str | None = None
@@ -94,6 +96,8 @@ class BoundRequest:
             the prompt is rendered and tokenized once), and ``request`` that object.
         started: a list the engine id of each ``generate`` call is appended to when it starts
             (the gateway asks the engine for the account of each after an early end).
+        attribution: the request's attribution, stamped on its engine requests' stats (the
+            merged record and any abort account the engine reports after an early end).
     """
 
     def __init__(self, *, request_id: str, engine_inputs: int, meter: Any, charge: Callable[[int], None],
@@ -101,8 +105,10 @@ class BoundRequest:
                  publish: Callable[[EngineRequestStats], None],
                  on_done: Callable[[str], Awaitable[None]],
                  reasoning: Callable[[Sequence[int]], int] | None = None, stats_wait_s: float = 2.0,
-                 request: object = None, rendered: object = None, started: list[str] | None = None) -> None:
+                 request: object = None, rendered: object = None, started: list[str] | None = None,
+                 attribution: Attribution = UNATTRIBUTED) -> None:
         self.request_id = request_id
+        self.attribution = attribution
         self.engine_ids = [request_id] if engine_inputs <= 1 else [f"{request_id}-{i}" for i in range(engine_inputs)]
         self.meter = meter
         self.priority = priority
@@ -118,8 +124,8 @@ class BoundRequest:
         self._calls: list[_EngineRequest] = []
         self._generators: list[AsyncIterator[Any]] = []
         self._output_total = 0
-        self._prompt_total = 0
-        self._cached_total = 0
+        self._input_total = 0
+        self._cached_input_total = 0
         self.failed: BaseException | None = None
         self.done = False
         self._token: contextvars.Token | None = None
@@ -158,7 +164,7 @@ class BoundRequest:
         if self._started is not None:
             self._started.append(engine_id)
         if self._finished is not None:
-            self._finished.claim(engine_id)
+            self._finished.claim(engine_id, self.attribution)
         return call
 
     def track(self, generator: AsyncIterator[Any]) -> None:
@@ -167,13 +173,13 @@ class BoundRequest:
 
     def account(self, call: _EngineRequest, out: Any) -> None:
         """Count one ``RequestOutput`` of ``call`` and hand the running totals to the meter."""
-        if out.prompt_token_ids is not None and not call.prompt_tokens:
-            call.prompt_tokens = len(out.prompt_token_ids)
-            self._prompt_total += call.prompt_tokens
+        if out.prompt_token_ids is not None and not call.input_tokens:
+            call.input_tokens = len(out.prompt_token_ids)
+            self._input_total += call.input_tokens
         cached = int(out.num_cached_tokens or 0)
-        if cached != call.cached_tokens:
-            self._cached_total += cached - call.cached_tokens
-            call.cached_tokens = cached
+        if cached != call.cached_input_tokens:
+            self._cached_input_total += cached - call.cached_input_tokens
+            call.cached_input_tokens = cached
         counts = call.output_tokens
         for choice in out.outputs:
             i = choice.index
@@ -196,8 +202,8 @@ class BoundRequest:
     def _totals(self, *, finished: bool = False, stats: EngineRequestStats | None = None,
                 finish_reason: str | None = None) -> EngineOutput:
         return EngineOutput(new_token_ids=(), new_text="", num_output_tokens=self._output_total,
-                            num_prompt_tokens=self._prompt_total,
-                            num_cached_tokens=min(self._cached_total, self._prompt_total),
+                            num_input_tokens=self._input_total,
+                            num_cached_input_tokens=min(self._cached_input_total, self._input_total),
                             finished=finished, finish_reason=finish_reason, stats=stats)
 
     async def finish(self, call: _EngineRequest) -> None:
@@ -212,6 +218,7 @@ class BoundRequest:
         merged = None
         if all(c.stats is not None and len(c.stats) >= c.n for c in self._calls):
             merged = merge_stats(self.request_id, [c.stats for c in self._calls])  # type: ignore[misc]
+            merged.attribution = self.attribution
             self._publish(merged)
         first = self._calls[0]
         reason = merged.finish_reason if merged is not None else first.finish_reason

@@ -43,18 +43,18 @@ class Plan:
     """What a validated, rendered request will ask of the engine.
 
     Attributes:
-        prompt_tokens: the prompt tokens of each engine input (one per prompt).
+        input_tokens: the input tokens of each engine input (one per prompt).
         max_tokens: each engine input's output ceiling (tokens, ≥ 1).
         n: sequences per engine input.
     """
 
-    prompt_tokens: tuple[int, ...]
+    input_tokens: tuple[int, ...]
     max_tokens: tuple[int, ...]
     n: int
 
     @property
-    def total_prompt_tokens(self) -> int:
-        return sum(self.prompt_tokens)
+    def total_input_tokens(self) -> int:
+        return sum(self.input_tokens)
 
     @property
     def total_output_tokens(self) -> int:
@@ -226,7 +226,7 @@ class OpenAILayer:
                                                 serving.default_sampling_params)
         except Exception as exc:  # noqa: BLE001 — vLLM raises these from create_*; same answer
             raise from_exception(exc) from None
-        return Plan(prompt_tokens=prompts, max_tokens=ceilings, n=int(params.n or 1))
+        return Plan(input_tokens=prompts, max_tokens=ceilings, n=int(params.n or 1))
 
     def _check_input(self, engine_input: Any) -> None:
         check = getattr(self.client.input_processor, "_validate_model_input", None)

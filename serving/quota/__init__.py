@@ -2,8 +2,9 @@
 
 Public surface (the modules are internals):
 
-* :class:`QuotaGate`, :class:`UsageEstimate`, :class:`ActualUsage`, :class:`Reservation`,
-  :class:`QuotaRejected`, :class:`UnlimitedQuota` — the gateway boundary (:mod:`.base`).
+* :class:`QuotaGate`, :class:`UsageEstimate`, :class:`Reservation`, :class:`QuotaRejected`,
+  :class:`UnlimitedQuota` — the gateway boundary (:mod:`.base`); estimates, reservations and the
+  actual usage reconciled are :class:`kvmeter.tokens.TokenCounts`.
 * :class:`HierarchicalQuota` — the implementation over a
   :class:`~kvmeter.serving.tenancy.TenantDirectory` (:mod:`.gate`; its docstring lists every
   rejection, status code and ``Retry-After`` rule, including 402 vs 429 for spend).
@@ -26,8 +27,8 @@ Operator notes
 --------------
 
 **An exhausted spend budget answers 402, not 429.** When ``spend_per_day`` or ``spend_per_month``
-of any level (org, workspace, project, key) cannot hold a request's reserved cost (price of the
-prompt plus ``max_tokens`` at list price), the gateway answers::
+of any level (org, workspace, project, key) cannot hold a request's reserved cost (the price of
+its input plus ``max_tokens`` at list price), the gateway answers::
 
     HTTP/1.1 402 Payment Required
     retry-after: 43200                  # seconds to the next day (month) boundary of the tenant's
@@ -78,7 +79,6 @@ run twice); requests without the header are served under the policy above.
 from pathlib import Path
 
 from kvmeter.serving.quota.base import (
-    ActualUsage,
     QuotaGate,
     QuotaRejected,
     Reservation,
@@ -112,7 +112,6 @@ EXAMPLE_CONFIG = Path(__file__).with_name("examples") / "principals.yaml"
 __all__ = [
     "QuotaGate",
     "UsageEstimate",
-    "ActualUsage",
     "Reservation",
     "QuotaRejected",
     "UnlimitedQuota",

@@ -6,9 +6,10 @@ The gateway calls, per request, after authentication and tokenization and before
     try:
         ... schedule and run ...
     finally:
-        await quota.reconcile(reservation, actual)           # engine-true counts; releases the rest
+        await quota.reconcile(reservation, actual)           # engine-true TokenCounts; releases the rest
 
-``reconcile`` with zero actual usage is how a failure before any engine work releases everything.
+``reconcile`` with :data:`~kvmeter.tokens.NO_TOKENS` is how a failure before any engine work
+releases everything.
 :class:`UnlimitedQuota` admits everything and is the default until limits are configured;
 :class:`kvmeter.serving.quota.gate.HierarchicalQuota` is the real implementation.
 """
@@ -19,9 +20,11 @@ import abc
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from kvmeter.attribution import Attribution
 from kvmeter.errors import Refusal
+from kvmeter.tokens import NO_TOKENS, TokenCounts
 
-__all__ = ["UsageEstimate", "ActualUsage", "Reservation", "QuotaRejected", "QuotaGate", "UnlimitedQuota"]
+__all__ = ["UsageEstimate", "Reservation", "QuotaRejected", "QuotaGate", "UnlimitedQuota"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,31 +32,21 @@ class UsageEstimate:
     """What admission knows before the engine runs.
 
     Attributes:
-        model: served model name.
-        prompt_tokens: input tokens counted with the model's tokenizer after the chat template.
-        max_output_tokens: the output reservation (the request's ``max_tokens``).
-        agent_run_id: agent run the call belongs to, or ``""``.
+        attribution: the request's (its ``model`` is priced, its ``agent_run_id`` selects the run
+            budget, ``""`` for none).
+        tokens: ``input_tokens`` counted with the model's tokenizer after the chat template and
+            ``output_tokens`` = the output reservation (the request's ``max_tokens``); the parts
+            (cached, reasoning) are unknown before the engine runs and left 0.
         request_id: kvmeter request id.
         attempt: which attempt of the logical request this is (1 = first; the idempotency
             manager's ``IdempotencyTicket.attempt``); an attempt > 1 counts against an agent
             run's ``max_retries``.
     """
 
-    model: str
-    prompt_tokens: int
-    max_output_tokens: int
-    agent_run_id: str = ""
+    attribution: Attribution
+    tokens: TokenCounts
     request_id: str = ""
     attempt: int = 1
-
-
-@dataclass(slots=True, frozen=True)
-class ActualUsage:
-    """Engine-true usage at finish/abort/failure (all zero when nothing ran)."""
-
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -62,15 +55,14 @@ class Reservation:
 
     Attributes:
         request_id: kvmeter request id.
-        reserved_prompt_tokens, reserved_completion_tokens: what was held.
+        reserved: what was held (``input_tokens``, ``output_tokens``).
         reserved_cost: money held (Decimal, pricing currency), ``Decimal(0)`` if unpriced.
         headers: response headers to send (``x-ratelimit-*``).
         handle: implementation-specific state (keys, amounts) needed to reconcile.
     """
 
     request_id: str
-    reserved_prompt_tokens: int = 0
-    reserved_completion_tokens: int = 0
+    reserved: TokenCounts = NO_TOKENS
     reserved_cost: Decimal = Decimal(0)
     headers: dict[str, str] = field(default_factory=dict)
     handle: object = None
@@ -127,12 +119,12 @@ class QuotaGate(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
-        """Replace the reservation with the actual usage and release the rest. Never raises into
-        the serving path (failures are logged and published on the bus)."""
+    async def reconcile(self, reservation: Reservation, actual: TokenCounts) -> None:
+        """Replace the reservation with the engine-true ``actual`` counts and release the rest.
+        Never raises into the serving path (failures are logged and published on the bus)."""
 
     def context_limit(self, principal: object, agent_run_id: str = "") -> int | None:
-        """Tightest ``max_context_tokens`` (prompt + ``max_tokens``) the caller may ask for, or
+        """Tightest ``max_context_tokens`` (input + ``max_tokens``) the caller may ask for, or
         None (no quota limit). The gateway bounds the output reservation of a request without
         ``max_tokens`` by it. The default has none."""
         return None
@@ -147,9 +139,7 @@ class UnlimitedQuota(QuotaGate):
 
     async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
         self.reserved += 1
-        return Reservation(request_id=estimate.request_id,
-                           reserved_prompt_tokens=estimate.prompt_tokens,
-                           reserved_completion_tokens=estimate.max_output_tokens)
+        return Reservation(request_id=estimate.request_id, reserved=estimate.tokens)
 
-    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+    async def reconcile(self, reservation: Reservation, actual: TokenCounts) -> None:
         self.reconciled += 1

@@ -3,14 +3,15 @@
 :class:`HierarchicalQuota` implements :class:`~kvmeter.serving.quota.base.QuotaGate`. Per request
 the gateway, after authentication and tokenization and before any engine work, calls::
 
-    reservation = await quota.reserve(principal, UsageEstimate(model, prompt_tokens, max_tokens,
-                                                               agent_run_id, request_id, attempt))
+    estimate = UsageEstimate(attribution, TokenCounts(input_tokens=n, output_tokens=max_tokens),
+                             request_id, attempt)
+    reservation = await quota.reserve(principal, estimate)
     # raises QuotaRejected → answer e.status_code with e.headers and a body naming
     # e.reason / e.level / e.dimension; nothing is held
     try:
         ... schedule, run, stream (send reservation.headers with the response) ...
     finally:
-        await quota.reconcile(reservation, ActualUsage(prompt, cached, completion))  # never raises
+        await quota.reconcile(reservation, actual)  # engine-true TokenCounts; never raises
 
 What one reservation holds, on every level of the key's chain (global → org → workspace → project
 → api_key, plus the agent run when the call names one) and every limited dimension, all or nothing:
@@ -19,11 +20,11 @@ What one reservation holds, on every level of the key's chain (global → org �
 dimension                    reserved                            at reconciliation
 ===========================  ==================================  ================================
 requests_per_minute          1                                   kept (given back if nothing ran)
-input_tokens_per_minute      prompt tokens                       moved to the engine's prompt count
+input_tokens_per_minute      input tokens                        moved to the engine's input count
 output_tokens_per_minute     ``max_tokens``                      moved to the engine's output count
 concurrent_requests          1                                   released
-active_kv_tokens             prompt + ``max_tokens``             released
-spend_per_day / _per_month   price(prompt, 0 cached, max_tokens) moved to price(actual counts)
+active_kv_tokens             input + ``max_tokens``              released
+spend_per_day / _per_month   cost(input, max_tokens), dearest    moved to cost(actual counts)
 agent run: model_calls       1                                   kept
 agent run: retries           1 if ``attempt`` > 1                kept
 agent run: parallel_branches 1                                   released
@@ -56,14 +57,18 @@ Rejections (:class:`~kvmeter.serving.quota.base.QuotaRejected`):
   runtime, cost, retries, parallel branches). Only ``parallel_branches`` gets a ``Retry-After``.
   A run's own 7-dimension limits (``agent_run_limits``) answer like any level's limits
   (``rate_limited``, ``concurrency_limited``, ... with level ``agent_run``).
-* **400** ``context_length_exceeded`` — prompt + ``max_tokens`` over the tightest
+* **400** ``context_length_exceeded`` — input + ``max_tokens`` over the tightest
   ``max_context_tokens`` of the chain (refused, never truncated); ``invalid_request`` for
   malformed estimates or run ids.
 * **401** ``invalid_api_key`` — the key was removed by a config reload after authentication.
 * **503** ``quota_store_unavailable`` — the shared store is down and the dimension fails closed
   (see :mod:`.failover`), or the store failed unexpectedly.
 
-Money is Decimal in and out; the store counts nano-units (see :mod:`.money`).
+Money is Decimal in and out; the store counts nano-units (see :mod:`.money`). Costs come from the
+one price function, :meth:`kvmeter.ledger.prices.PriceList.cost` (``kvmeter serve`` passes it as
+``price``): the reservation holds the dearest cost the request can turn out to have (no cache
+discount, the whole ``max_tokens`` at the dearer of the output and reasoning prices), and
+reconciliation moves it to the cost of the engine-true counts, reasoning tokens at their price.
 """
 
 from __future__ import annotations
@@ -73,10 +78,11 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Callable, Sequence
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.money import format_money
-from kvmeter.serving.quota.base import ActualUsage, QuotaGate, QuotaRejected, Reservation, UsageEstimate
+from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.headers import rate_item_headers, ratelimit_headers, retry_after_headers
 from kvmeter.serving.quota.memory import MemoryQuotaStore
 from kvmeter.serving.quota.money import from_units, to_units
@@ -87,7 +93,7 @@ from kvmeter.serving.quota.plan import (
     SETTLE_RELEASE,
     SRC_KV,
     SRC_OUTPUT,
-    SRC_PROMPT,
+    SRC_INPUT,
     SRC_RETRY,
     PlanItem,
     QuotaPlan,
@@ -99,14 +105,15 @@ from kvmeter.serving.tenancy.directory import TenantDirectory
 from kvmeter.serving.tenancy.limits import RUN_DIMENSIONS
 from kvmeter.serving.tenancy.principal import Principal
 from kvmeter.stats import AdmissionDecision, ReservationDrift, ToolCallReported
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["HierarchicalQuota", "PriceFn", "ToolCallReport", "RunUsage", "MAX_RUN_ID_CHARS"]
 
 log = logging.getLogger(__name__)
 
-#: ``price(model, tier, prompt_tokens, cached_prompt_tokens, completion_tokens) -> Decimal`` in the
-#: pricing currency (the ledger's price list). Must raise (any exception) for an unknown model.
-PriceFn = Callable[[str, str, int, int, int], Decimal]
+#: ``price(model, tier, tokens) -> Decimal`` in the pricing currency: the ledger's price function
+#: :meth:`kvmeter.ledger.prices.PriceList.cost`. Must raise (any exception) for an unknown model.
+PriceFn = Callable[[str, str, TokenCounts], Decimal]
 
 #: Longest accepted agent run id.
 MAX_RUN_ID_CHARS = 256
@@ -126,7 +133,7 @@ class _Hold:
     reserved_cost: Decimal
     started_mono: float
     principal: Principal
-    model: str
+    attribution: Attribution
     settled: bool = False
 
 
@@ -241,7 +248,7 @@ class HierarchicalQuota(QuotaGate):
         plan = self._plans.get(principal.api_key_id)
         if plan is None:
             entry = snap.keys.get(principal.api_key_id)
-            if entry is None or entry.principal.org_id != principal.org_id:
+            if entry is None or entry.principal.tenant_id != principal.tenant_id:
                 raise QuotaRejected("API key is no longer configured", status_code=401,
                                     reason="invalid_api_key", level="api_key")
             plan = build_plan(entry, self._store.key_prefix)
@@ -249,10 +256,10 @@ class HierarchicalQuota(QuotaGate):
         return plan
 
     def context_limit(self, principal: Principal, agent_run_id: str = "") -> int | None:
-        """Tightest ``max_context_tokens`` (prompt + ``max_tokens``) for this caller, or None.
+        """Tightest ``max_context_tokens`` (input + ``max_tokens``) for this caller, or None.
 
         The gateway uses it to choose a bounded output reservation when a request omits
-        ``max_tokens``: ``min(engine max length, this) − prompt tokens``.
+        ``max_tokens``: ``min(engine max length, this) − input tokens``.
         """
         plan = self._plan(principal)
         ctx = plan.max_context_tokens
@@ -262,20 +269,30 @@ class HierarchicalQuota(QuotaGate):
 
     # -- reserve -----------------------------------------------------------------------------
 
-    def _price_of(self, model: str, tier: str, prompt: int, cached: int, completion: int) -> Decimal:
+    def _price_of(self, model: str, tier: str, tokens: TokenCounts) -> Decimal:
         assert self._price is not None
-        value = self._price(model, tier, prompt, cached, completion)
+        value = self._price(model, tier, tokens)
         if not isinstance(value, Decimal) or not value.is_finite() or value < 0:
             raise TypeError(f"price function returned {value!r}; need a finite Decimal >= 0")
         return value
+
+    def _reserved_cost(self, model: str, tier: str, tokens: TokenCounts) -> Decimal:
+        """The most ``tokens`` can cost: nothing from the prefix cache, and the output reservation
+        all plain output or all reasoning, whichever the price list prices dearer (the price is
+        linear in the split, so one of the two ends is the maximum)."""
+        plain = self._price_of(model, tier, tokens)
+        reasoning = self._price_of(model, tier, TokenCounts(input_tokens=tokens.input_tokens,
+                                                            output_tokens=tokens.output_tokens,
+                                                            reasoning_tokens=tokens.output_tokens))
+        return max(plain, reasoning)
 
     async def reserve(self, principal: Principal, estimate: UsageEstimate) -> Reservation:
         """Reserve ``estimate`` on every level and dimension, all or nothing.
 
         Args:
             principal: from the directory's ``authenticate``.
-            estimate: model, prompt tokens (after the chat template), ``max_tokens``, run id,
-                request id, attempt.
+            estimate: the attribution (model, run id), the tokens (input after the chat
+                template, ``max_tokens`` as output), request id, attempt.
         Returns:
             The :class:`Reservation` (``headers``: ``x-ratelimit-*`` to send; ``reserved_cost``:
             Decimal).
@@ -285,20 +302,20 @@ class HierarchicalQuota(QuotaGate):
         """
         if not isinstance(principal, Principal):
             raise TypeError(f"reserve() needs a Principal, got {type(principal).__name__}")
+        attribution = estimate.attribution
         try:
             plan = self._plan(principal)
         except QuotaRejected as e:
-            raise self._reject(principal, e) from None
+            raise self._reject(attribution, e) from None
         tier = plan.entry.principal.tier  # the live tier (a reload may have changed it)
-        p, m = estimate.prompt_tokens, estimate.max_output_tokens
-        if _bad_int(p) or _bad_int(m) or _bad_int(estimate.attempt) or estimate.attempt < 1:
-            raise self._reject(principal, QuotaRejected(
-                "prompt_tokens and max_output_tokens must be integers >= 0 and attempt >= 1",
-                status_code=400, reason="invalid_request"))
-        run_id = estimate.agent_run_id
+        if type(estimate.tokens) is not TokenCounts or _bad_int(estimate.attempt) or estimate.attempt < 1:
+            raise self._reject(attribution, QuotaRejected(
+                "the estimate needs TokenCounts and an attempt >= 1", status_code=400, reason="invalid_request"))
+        p, m = estimate.tokens.input_tokens, estimate.tokens.output_tokens
+        run_id = attribution.agent_run_id
         if run_id and (not isinstance(run_id, str) or len(run_id) > MAX_RUN_ID_CHARS
                        or not run_id.isprintable() or any(c.isspace() for c in run_id)):
-            raise self._reject(principal, QuotaRejected(
+            raise self._reject(attribution, QuotaRejected(
                 f"agent run id must be 1-{MAX_RUN_ID_CHARS} printable characters without spaces",
                 status_code=400, reason="invalid_request", level="agent_run"))
 
@@ -308,7 +325,7 @@ class HierarchicalQuota(QuotaGate):
         if ctx is not None and p + m > ctx:
             what = (f"the prompt has {p} tokens" if p > ctx
                     else f"you requested {p + m} tokens ({p} in the prompt, {m} for the completion)")
-            raise self._reject(principal, QuotaRejected(
+            raise self._reject(attribution, QuotaRejected(
                 f"This request exceeds the maximum context length of {ctx} tokens at the {ctx_level} "
                 f"level: {what}. Shorten the prompt or lower max_tokens.",
                 status_code=400, reason="context_length_exceeded", level=ctx_level,
@@ -317,10 +334,10 @@ class HierarchicalQuota(QuotaGate):
         cost = Decimal(0)
         if self._price is not None:
             try:
-                cost = self._price_of(estimate.model, tier, p, 0, m)
+                cost = self._reserved_cost(attribution.model, tier, TokenCounts(input_tokens=p, output_tokens=m))
             except Exception as e:  # noqa: BLE001 — an unpriced model is the caller's error
-                raise self._reject(principal, QuotaRejected(
-                    f"no price for model {estimate.model!r}: {e}", status_code=400,
+                raise self._reject(attribution, QuotaRejected(
+                    f"no price for model {attribution.model!r}: {e}", status_code=400,
                     reason="unpriced_model", dimension="spend")) from None
         units = to_units(cost) if cost else 0
         src = (1, p, m, p + m, units, 0, 1 if estimate.attempt > 1 else 0)
@@ -331,34 +348,33 @@ class HierarchicalQuota(QuotaGate):
         if run_id:
             items = plan.items + plan.run_items
             keys = keys + plan.run_keys(run_id)
-            self._check_fits(principal, items, src, plan.run_min_limit)
-        self._check_fits(principal, plan.items, src, plan.min_limit)
+            self._check_fits(attribution, items, src, plan.run_min_limit)
+        self._check_fits(attribution, plan.items, src, plan.min_limit)
 
         try:
             res = await self._store.reserve(items, keys, src, wall)
         except StoreUnavailable as e:
-            raise self._reject(principal, QuotaRejected(
+            raise self._reject(attribution, QuotaRejected(
                 f"quota store unavailable: {e}", status_code=503, reason="quota_store_unavailable",
                 retry_after_s=1.0, headers=retry_after_headers(1.0))) from None
         except Exception:  # noqa: BLE001 — never crash the serving path
             log.exception("quota store failed during reserve")
-            raise self._reject(principal, QuotaRejected(
+            raise self._reject(attribution, QuotaRejected(
                 "quota store error", status_code=503, reason="quota_store_unavailable",
                 retry_after_s=1.0, headers=retry_after_headers(1.0))) from None
         if not res.admitted:
-            raise self._reject(principal, self._rejection(res.item or items[res.index], res, src, wall))
+            raise self._reject(attribution, self._rejection(res.item or items[res.index], res, src, wall))
 
         headers = ratelimit_headers(items, res.states, res.now)
         hold = _Hold(items, keys, src, res.token, cost, self._clock.monotonic(), plan.entry.principal,
-                     estimate.model)
+                     attribution)
         bus = self._bus
         if bus is not None and self._decisions and bus.has_subscribers(AdmissionDecision):
-            bus.publish(AdmissionDecision(tenant_id=principal.tenant_id, tier=principal.tier, admitted=True,
-                                          wall_ts=wall))
-        return Reservation(request_id=estimate.request_id, reserved_prompt_tokens=p,
-                           reserved_completion_tokens=m, reserved_cost=cost, headers=headers, handle=hold)
+            bus.publish(AdmissionDecision(attribution=attribution, admitted=True, wall_ts=wall))
+        return Reservation(request_id=estimate.request_id, reserved=TokenCounts(input_tokens=p, output_tokens=m),
+                           reserved_cost=cost, headers=headers, handle=hold)
 
-    def _check_fits(self, principal: Principal, items: Sequence[PlanItem], src: tuple[int, ...],
+    def _check_fits(self, attribution: Attribution, items: Sequence[PlanItem], src: tuple[int, ...],
                     mins: tuple[int | None, ...]) -> None:
         """Refuse at once a request that exceeds some limit on its own (it can never fit)."""
         for s, lim in enumerate(mins):
@@ -368,7 +384,7 @@ class HierarchicalQuota(QuotaGate):
             return
         for it in items:
             if it.kind != DEADLINE and src[it.source] > it.limit:
-                raise self._reject(principal, self._too_large(it, src))
+                raise self._reject(attribution, self._too_large(it, src))
 
     @staticmethod
     def _too_large(it: PlanItem, src: tuple[int, ...]) -> QuotaRejected:
@@ -441,10 +457,10 @@ class HierarchicalQuota(QuotaGate):
         need = held + asked - limit
         return max(0.001, self._hold_s * need / held)
 
-    def _reject(self, principal: Principal, err: QuotaRejected) -> QuotaRejected:
+    def _reject(self, attribution: Attribution, err: QuotaRejected) -> QuotaRejected:
         bus = self._bus
         if bus is not None and self._decisions and bus.has_subscribers(AdmissionDecision):
-            bus.publish(AdmissionDecision(tenant_id=principal.tenant_id, tier=principal.tier, admitted=False,
+            bus.publish(AdmissionDecision(attribution=attribution, admitted=False,
                                           reason=err.reason, level=err.level, dimension=err.dimension,
                                           status_code=err.status_code, wall_ts=self._clock.wall()))
         if err.level:
@@ -455,10 +471,10 @@ class HierarchicalQuota(QuotaGate):
 
     # -- reconcile ---------------------------------------------------------------------------
 
-    async def reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+    async def reconcile(self, reservation: Reservation, actual: TokenCounts) -> None:
         """Move the reservation to the engine-true ``actual`` counts and release the rest.
 
-        ``ActualUsage()`` (all zero) means nothing ran: everything is given back (the request
+        :data:`~kvmeter.tokens.NO_TOKENS` (all zero) means nothing ran: everything is given back (the request
         count too; agent-run call counters stay). Calling it twice for one reservation is a
         no-op the second time. Never raises: failures are logged and counted in
         :attr:`reconcile_errors` (a ``FailoverQuotaStore`` queues them for replay instead).
@@ -469,7 +485,7 @@ class HierarchicalQuota(QuotaGate):
             self.reconcile_errors += 1
             log.exception("quota reconciliation failed for request %s", getattr(reservation, "request_id", "?"))
 
-    async def _reconcile(self, reservation: Reservation, actual: ActualUsage) -> None:
+    async def _reconcile(self, reservation: Reservation, actual: TokenCounts) -> None:
         hold = reservation.handle
         if not isinstance(hold, _Hold):
             self.reconcile_errors += 1
@@ -478,19 +494,16 @@ class HierarchicalQuota(QuotaGate):
         if hold.settled:
             return
         hold.settled = True
-        ap, ac, cached = actual.prompt_tokens, actual.completion_tokens, actual.cached_prompt_tokens
-        if _bad_int(ap) or _bad_int(ac) or _bad_int(cached):
-            log.error("reconcile(): invalid actual usage %r for request %s; treating bad counts as 0",
+        if type(actual) is not TokenCounts:
+            log.error("reconcile(): actual usage %r for request %s is not TokenCounts; treating it as 0",
                       actual, reservation.request_id)
-            ap = 0 if _bad_int(ap) else ap
-            ac = 0 if _bad_int(ac) else ac
-            cached = 0 if _bad_int(cached) else cached
-        cached = min(cached, ap)
-        ran = ap > 0 or ac > 0
+            actual = TokenCounts()
+        ap, ac = actual.input_tokens, actual.output_tokens
+        ran = not actual.empty
         actual_cost = Decimal(0)
         if ran and self._price is not None:
             try:
-                actual_cost = self._price_of(hold.model, hold.principal.tier, ap, cached, ac)
+                actual_cost = self._price_of(hold.attribution.model, hold.principal.tier, actual)
             except Exception:  # noqa: BLE001
                 log.exception("price failed at reconciliation; keeping the reserved cost")
                 actual_cost = hold.reserved_cost
@@ -503,15 +516,13 @@ class HierarchicalQuota(QuotaGate):
             self._hold_s = max(self._hold_s, 1e-3)
         bus = self._bus
         if bus is not None and bus.has_subscribers(ReservationDrift):
-            pr = hold.principal
             outcome = "ran" if ran else "released"
             wall = self._clock.wall()
-            for dim, reserved, got in (("input_tokens", src[SRC_PROMPT], ap),
+            for dim, reserved, got in (("input_tokens", src[SRC_INPUT], ap),
                                        ("output_tokens", src[SRC_OUTPUT], ac),
                                        ("cost", hold.reserved_cost, actual_cost)):
-                bus.publish(ReservationDrift(tenant_id=pr.tenant_id, tier=pr.tier, api_key_id=pr.api_key_id,
-                                             dimension=dim, reserved=reserved, actual=got, outcome=outcome,
-                                             wall_ts=wall))
+                bus.publish(ReservationDrift(attribution=hold.attribution, dimension=dim, reserved=reserved,
+                                             actual=got, outcome=outcome, wall_ts=wall))
 
     # -- agent runs --------------------------------------------------------------------------
 
@@ -543,8 +554,8 @@ class HierarchicalQuota(QuotaGate):
         mx = plan.entry.run_budget.max_tool_calls
         report = ToolCallReport(agent_run_id, int(total), mx, mx is not None and total > mx)
         if self._bus is not None:
-            self._bus.publish(ToolCallReported(principal.tenant_id, principal.api_key_id, agent_run_id,
-                                               report.tool_calls, mx, report.exceeded, wall))
+            attribution = principal.attribution(endpoint="agent_runs.tool_calls", agent_run_id=agent_run_id)
+            self._bus.publish(ToolCallReported(attribution, report.tool_calls, mx, report.exceeded, wall))
         return report
 
     def tool_calls_key(self, principal: Principal, agent_run_id: str) -> bytes:

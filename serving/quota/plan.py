@@ -37,7 +37,7 @@ __all__ = [
     "COUNTER",
     "DEADLINE",
     "SRC_REQUEST",
-    "SRC_PROMPT",
+    "SRC_INPUT",
     "SRC_OUTPUT",
     "SRC_KV",
     "SRC_COST",
@@ -54,7 +54,7 @@ __all__ = [
 RATE, COUNTER, DEADLINE = "r", "c", "d"
 
 #: Amount sources: index into the per-request amount vector built by the gate.
-SRC_REQUEST, SRC_PROMPT, SRC_OUTPUT, SRC_KV, SRC_COST, SRC_ZERO, SRC_RETRY = range(7)
+SRC_REQUEST, SRC_INPUT, SRC_OUTPUT, SRC_KV, SRC_COST, SRC_ZERO, SRC_RETRY = range(7)
 
 #: What reconciliation does with an item: move it to the actual amount, give all of it back, or
 #: keep what was reserved (attempt counters).
@@ -72,7 +72,7 @@ _MONTH_TTL_S = 62 * 86_400
 # dimension → (key code, kind, amount source, settle rule, period)
 _DIMS: dict[str, tuple[str, str, int, str, str]] = {
     "requests_per_minute": ("rpm", RATE, SRC_REQUEST, SETTLE_ADJUST, ""),
-    "input_tokens_per_minute": ("itpm", RATE, SRC_PROMPT, SETTLE_ADJUST, ""),
+    "input_tokens_per_minute": ("itpm", RATE, SRC_INPUT, SETTLE_ADJUST, ""),
     "output_tokens_per_minute": ("otpm", RATE, SRC_OUTPUT, SETTLE_ADJUST, ""),
     "concurrent_requests": ("conc", COUNTER, SRC_REQUEST, SETTLE_RELEASE, ""),
     "active_kv_tokens": ("kv", COUNTER, SRC_KV, SETTLE_RELEASE, ""),
@@ -311,5 +311,5 @@ def build_plan(entry: KeyEntry, prefix: str) -> QuotaPlan:
         max_context_level=ctx_level, run_max_context_tokens=run_ctx,
         min_limit=_min_limits(items_t), run_min_limit=_min_limits(run_t),
         _key_parts=tuple(key_parts), _run_codes=tuple(c.encode() for c in run_codes),
-        _run_prefix=f"{prefix}r:{entry.principal.org_id}/",
+        _run_prefix=f"{prefix}r:{entry.principal.tenant_id}/",
     )

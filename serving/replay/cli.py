@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", action="append", default=[], help="NAME=KEY[:SHARE][:noisy] (repeat)")
     parser.add_argument("--time-compression", type=float, default=2.0)
     parser.add_argument("--token-scale", type=float, default=1 / 8)
-    parser.add_argument("--noisy-prompt-tokens", type=_positive_int, default=4096)
+    parser.add_argument("--noisy-input-tokens", "--noisy-prompt-tokens", type=_positive_int, default=4096,
+                        help="input tokens of each noisy tenant's request (default 4096; "
+                             "--noisy-prompt-tokens is the old spelling)")
     parser.add_argument("--model-dir", help="tokenizer directory (default: the bundled model)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", help="write per-request results to this CSV")
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tenants = [parse_tenant(t) for t in args.tenant] or [ReplayTenant(*t) for t in DEMO_TENANTS]
         rule = ScalingRule(time_compression=args.time_compression, token_scale=args.token_scale,
-                           noisy_prompt_tokens=args.noisy_prompt_tokens)
+                           noisy_input_tokens=args.noisy_input_tokens)
         if args.out and not Path(args.out).absolute().parent.is_dir():
             raise ValueError(f"--out {args.out}: no such directory {Path(args.out).absolute().parent}")
         trace = load_trace(args.trace, limit=args.requests)
@@ -111,10 +113,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     synth = PromptSynthesizer(HFTokenizer(model_dir), seed=args.seed)
-    rule = dataclasses.replace(rule, min_prompt_tokens=synth.overhead + 1)
+    rule = dataclasses.replace(rule, min_input_tokens=synth.overhead + 1)
     plan = build_plan(trace, tenants, rule, seed=args.seed)
     results = asyncio.run(replay(args.server, model, plan,
-                                 lambda r: synth.messages(r.prompt_tokens, seed=args.seed * 100_003 + r.index)))
+                                 lambda r: synth.messages(r.input_tokens, seed=args.seed * 100_003 + r.index)))
     ok = sum(r.status == 200 and not r.error for r in results)
     print(f"{ok}/{len(results)} requests completed")
     if not ok and results:

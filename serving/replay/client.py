@@ -31,8 +31,8 @@ class ReplayResult:
     index: int
     tenant: str
     status: int
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
     error: str = ""
@@ -67,8 +67,8 @@ async def _one(client: httpx.AsyncClient, model: str, req: ReplayRequest,
                     result.error = chunk["error"].get("message", "stream error")
                     continue
                 if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.completion_tokens = chunk["usage"]["completion_tokens"]
+                    result.input_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
                 elif result.ttft_s is None and chunk.get("choices"):
                     delta = chunk["choices"][0].get("delta", {})
                     if delta.get("content"):

@@ -7,14 +7,14 @@ documented rule:
 
 * **Time**: ``arrival' = arrival / time_compression`` (default 2: twice the trace's request rate).
 * **Tokens**: ``n' = clamp(round(n × token_scale), 1, cap)``, the same ``token_scale`` (default 1/8)
-  for prompts and outputs, with prompts capped at ``max_prompt_tokens`` and outputs at
+  for prompts and outputs, with prompts capped at ``max_input_tokens`` and outputs at
   ``max_output_tokens`` (defaults: a quarter and an eighth of the 8,192-token context window), so
   every request fits the context and the replay fits the demo's time budget.
 * **Tenants**: each request goes to a tenant drawn with probability ∝ its ``share`` from a seeded
   generator (deterministic for a seed). ServeGen's per-client data shows real traffic is skewed;
   the default shares are skewed too.
 * **Noisy neighbour**: requests drawn for a tenant marked ``noisy`` keep their arrival and output
-  length but carry a long prompt of ``noisy_prompt_tokens`` (default 4,096, half the window): the
+  length but carry a long prompt of ``noisy_input_tokens`` (default 4,096, half the window): the
   tenant of docs/ARCHITECTURE.md, "Why tokens, not requests" (twenty 150,000-token prompts a
   minute) scaled to this model.
 """
@@ -58,14 +58,14 @@ class ScalingRule:
 
     time_compression: float = 2.0
     token_scale: float = 1 / 8
-    max_prompt_tokens: int = 2048
+    max_input_tokens: int = 2048
     max_output_tokens: int = 1024
-    noisy_prompt_tokens: int = 4096
-    min_prompt_tokens: int = 1
+    noisy_input_tokens: int = 4096
+    min_input_tokens: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("time_compression", "token_scale", "max_prompt_tokens", "max_output_tokens",
-                     "noisy_prompt_tokens", "min_prompt_tokens"):
+        for name in ("time_compression", "token_scale", "max_input_tokens", "max_output_tokens",
+                     "noisy_input_tokens", "min_input_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ScalingRule.{name} must be > 0, got {getattr(self, name)}")
 
@@ -80,9 +80,9 @@ class ReplayRequest:
     index: int
     tenant: ReplayTenant
     arrival_s: float
-    prompt_tokens: int
+    input_tokens: int
     output_tokens: int
-    trace_prompt_tokens: int
+    trace_input_tokens: int
     trace_output_tokens: int
 
 
@@ -102,10 +102,10 @@ def build_plan(trace: list[TraceRequest], tenants: list[ReplayTenant], rule: Sca
     plan: list[ReplayRequest] = []
     for i, req in enumerate(trace):
         tenant = rng.choices(tenants, weights)[0]
-        prompt = (rule.noisy_prompt_tokens if tenant.noisy
-                  else rule.scale(req.input_tokens, rule.max_prompt_tokens, rule.min_prompt_tokens))
+        prompt = (rule.noisy_input_tokens if tenant.noisy
+                  else rule.scale(req.input_tokens, rule.max_input_tokens, rule.min_input_tokens))
         plan.append(ReplayRequest(
             index=i, tenant=tenant, arrival_s=req.arrival_s / rule.time_compression,
-            prompt_tokens=prompt, output_tokens=rule.scale(req.output_tokens, rule.max_output_tokens),
-            trace_prompt_tokens=req.input_tokens, trace_output_tokens=req.output_tokens))
+            input_tokens=prompt, output_tokens=rule.scale(req.output_tokens, rule.max_output_tokens),
+            trace_input_tokens=req.input_tokens, trace_output_tokens=req.output_tokens))
     return plan

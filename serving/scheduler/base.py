@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
 
@@ -31,21 +32,30 @@ class Job:
 
     Attributes:
         request_id: kvmeter request id.
-        tenant_id: the tenant whose queue it waits in.
-        tier: tenant tier (sets fairness weight, shedding order and engine priority).
-        prompt_tokens: input tokens (charged to the tenant's service at dispatch).
+        attribution: the request's; its tenant is the queue the job waits in (:attr:`tenant_id`),
+            its tier (:attr:`tier`) sets the fairness weight, shedding order and engine priority.
+        input_tokens: input tokens (charged to the tenant's service at dispatch).
         max_tokens: output ceiling (bounds the KV the request can grow to).
         arrival_s: monotonic seconds at gateway arrival.
         deadline_s: monotonic seconds by which the first token is due, or ``None``.
     """
 
     request_id: str
-    tenant_id: str
-    tier: str
-    prompt_tokens: int
+    attribution: Attribution
+    input_tokens: int
     max_tokens: int
     arrival_s: float
     deadline_s: float | None = None
+
+    @property
+    def tenant_id(self) -> str:
+        """The tenant whose queue the job waits in (``attribution.tenant_id``)."""
+        return self.attribution.tenant_id
+
+    @property
+    def tier(self) -> str:
+        """The tenant's tier (``attribution.tier``)."""
+        return self.attribution.tier
 
 
 @dataclass(slots=True)

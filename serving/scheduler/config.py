@@ -70,7 +70,7 @@ class SchedulerConfig:
             step (a long prefill chunk) should not cut the limit the way sustained slowness does.
 
     KV budgets:
-        tenant_kv_budget_ratio: a tenant's active KV tokens (prompt + output of its running
+        tenant_kv_budget_ratio: a tenant's active KV tokens (input + output of its running
             requests) may not exceed this fraction of the total KV capacity of all engines;
             ``None`` disables the budget. A tenant with nothing running may always dispatch one
             request (so a request larger than the budget is not starved).

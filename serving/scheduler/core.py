@@ -328,20 +328,20 @@ class SchedulerCore:
                                      status_code=400)
         if not job.tenant_id or not job.request_id:
             return SchedulerRejected("invalid", "job needs a tenant_id and a request_id", status_code=400)
-        if not isinstance(job.prompt_tokens, int) or job.prompt_tokens < 0 or \
+        if not isinstance(job.input_tokens, int) or job.input_tokens < 0 or \
                 not isinstance(job.max_tokens, int) or job.max_tokens < 0:
             return SchedulerRejected(
-                "invalid", f"prompt_tokens and max_tokens must be integers ≥ 0 "
-                f"(got {job.prompt_tokens!r}, {job.max_tokens!r})", status_code=400)
+                "invalid", f"input_tokens and max_tokens must be integers ≥ 0 "
+                f"(got {job.input_tokens!r}, {job.max_tokens!r})", status_code=400)
         if job.request_id in self._queued or job.request_id in self._running:
             return SchedulerRejected("invalid", f"request {job.request_id!r} is already scheduled",
                                      status_code=400)
         tier_policy = cfg.tier(job.tier)
         biggest = max(e.capacity for e in self._engines)
-        if biggest and job.prompt_tokens > cfg.kv_watermark_high * biggest:
+        if biggest and job.input_tokens > cfg.kv_watermark_high * biggest:
             return SchedulerRejected(
                 "kv_capacity_exceeded",
-                f"prompt of {job.prompt_tokens} tokens exceeds the engine's KV room "
+                f"prompt of {job.input_tokens} tokens exceeds the engine's KV room "
                 f"({int(cfg.kv_watermark_high * biggest)} tokens)", status_code=400)
         t = self._tenants.get(job.tenant_id)
         refusal = self.policy.admission(t or TenantState(job.tenant_id, self._tier(tier_policy.name), 1.0), now)
@@ -403,7 +403,7 @@ class SchedulerCore:
         if tier_policy.protected and tier_policy.ttft_slo_s is not None and self.config.overload_control:
             t.tier.fifo.append(qj)  # for the pressure signal's oldest-wait look-up
         t.n_queued += 1
-        t.queued_prompt += job.prompt_tokens
+        t.queued_input += job.input_tokens
         t.queued_cost += qj.cost
         if not self._queued_total:
             self._rate.mark(now, True)
@@ -422,7 +422,7 @@ class SchedulerCore:
         qj.state = state
         self._queued.pop(qj.job.request_id, None)
         t.n_queued -= 1
-        t.queued_prompt -= qj.job.prompt_tokens
+        t.queued_input -= qj.job.input_tokens
         t.queued_cost -= qj.cost
         self._queued_total -= 1
         self._queued_cost_total -= qj.cost
@@ -491,7 +491,7 @@ class SchedulerCore:
                 # would spend the engine on a missed objective)
                 self._drop(qj, "deadline", "the request's first token could not arrive before its deadline", 0.0)
                 continue
-            need = job.prompt_tokens
+            need = job.input_tokens
             if engine.capacity:
                 if need > cfg.kv_watermark_high * max(e.capacity for e in self._engines):
                     self._drop(qj, "kv_capacity_exceeded",
@@ -520,30 +520,30 @@ class SchedulerCore:
         if not t.kv_blocked:
             return
         nxt = t.head()
-        if nxt is None or not self._over_budget(t, nxt.job.prompt_tokens):
+        if nxt is None or not self._over_budget(t, nxt.job.input_tokens):
             t.kv_blocked = False
             if t.n_queued:
                 self._make_eligible(t)
 
     def _start(self, qj: QueuedJob, engine: EngineGate, now: float) -> CoreGrant:
         job, t = qj.job, qj.tenant
-        self._charge(t, job.prompt_tokens * self.config.input_weight, now)
+        self._charge(t, job.input_tokens * self.config.input_weight, now)
         self._unqueue(qj, DISPATCHED)
         priority = t.tier.policy.priority if self.policy.engine_priorities else 0
         grant = CoreGrant(job=job, dispatched_s=now, priority=priority, engine_idx=engine.idx, tenant_state=t)
         self._running[job.request_id] = grant
         engine.outstanding += 1
         engine.unstarted += 1
-        engine.unstarted_tokens += job.prompt_tokens
+        engine.unstarted_tokens += job.input_tokens
         engine.since_report += 1
         t.unstarted += 1
-        t.unstarted_tokens += job.prompt_tokens
+        t.unstarted_tokens += job.input_tokens
         t.running += 1
         t.tier.running += 1
-        t.active_kv += job.prompt_tokens
+        t.active_kv += job.input_tokens
         t.dispatched += 1
         t.wait_sum += max(0.0, now - job.arrival_s)
-        t.in_tokens += job.prompt_tokens
+        t.in_tokens += job.input_tokens
         return grant
 
     def _charge(self, t: TenantState, cost: float, now: float) -> None:
@@ -580,9 +580,9 @@ class SchedulerCore:
             g.first_token_s = now
             e = self._engines[g.engine_idx]
             e.unstarted -= 1
-            e.unstarted_tokens -= g.job.prompt_tokens
+            e.unstarted_tokens -= g.job.input_tokens
             t.unstarted -= 1
-            t.unstarted_tokens -= g.job.prompt_tokens
+            t.unstarted_tokens -= g.job.input_tokens
             self._maybe_unblock(t)
 
     def release(self, grant: Grant) -> None:
@@ -597,12 +597,12 @@ class SchedulerCore:
         e.outstanding -= 1
         if not g.started:
             e.unstarted -= 1
-            e.unstarted_tokens -= g.job.prompt_tokens
+            e.unstarted_tokens -= g.job.input_tokens
             t.unstarted -= 1
-            t.unstarted_tokens -= g.job.prompt_tokens
+            t.unstarted_tokens -= g.job.input_tokens
         t.running -= 1
         t.tier.running -= 1
-        t.active_kv -= g.job.prompt_tokens + g.output_tokens
+        t.active_kv -= g.job.input_tokens + g.output_tokens
         t.completed += 1
         n = g.output_tokens
         t.ewma_out = n if t.ewma_out is None else 0.8 * t.ewma_out + 0.2 * n

@@ -85,7 +85,7 @@ def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> f
     est = config.default_output_tokens if (tenant is None or tenant.ewma_out is None) else tenant.ewma_out
     if job.max_tokens > 0:
         est = min(est, job.max_tokens)
-    return job.prompt_tokens * config.input_weight + est * config.output_weight
+    return job.input_tokens * config.input_weight + est * config.output_weight
 
 
 def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,

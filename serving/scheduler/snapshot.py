@@ -98,7 +98,7 @@ def tenant_stats(t: TenantState, now: float, *, projected_wait_s: float, kv_budg
     h = t.head()
     return TenantSchedulerStats(
         tenant_id=t.id, tier=t.tier.name, weight=t.weight, queue_depth=t.n_queued,
-        queued_prompt_tokens=t.queued_prompt,
+        queued_input_tokens=t.queued_input,
         queue_wait_oldest_s=(now - h.job.arrival_s) if h else 0.0,
         queue_wait_mean_s=(t.wait_sum / t.dispatched) if t.dispatched else 0.0,
         projected_wait_s=projected_wait_s, running=t.running, active_kv_tokens=t.active_kv,

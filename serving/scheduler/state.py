@@ -64,8 +64,8 @@ class TenantState:
         id, tier, weight: identity, its tier's state, its weight inside the tier (> 0).
         counter: the VTC counter (weight-normalised service, lifted on re-activation).
         queue: its queued jobs in arrival order (lazy: dispatched/gone entries are skipped).
-        n_queued, queued_prompt, queued_cost: live queued requests, their prompt tokens and cost.
-        running: dispatched, unreleased requests; ``active_kv`` their prompt + output tokens.
+        n_queued, queued_input, queued_cost: live queued requests, their prompt tokens and cost.
+        running: dispatched, unreleased requests; ``active_kv`` their input + output tokens.
         kv_blocked: at its KV or prefill budget (out of the order heap until it progresses).
         unstarted, unstarted_tokens: dispatched requests without a first token and their prompts.
         service, in_tokens, out_tokens: totals charged since start.
@@ -73,7 +73,7 @@ class TenantState:
         dispatched, completed, wait_sum: counts and the summed queue wait of dispatched requests.
     """
 
-    __slots__ = ("id", "tier", "weight", "counter", "queue", "n_queued", "queued_prompt",
+    __slots__ = ("id", "tier", "weight", "counter", "queue", "n_queued", "queued_input",
                  "queued_cost", "running", "active_kv", "kv_blocked", "unstarted", "unstarted_tokens",
                  "service", "in_tokens", "out_tokens", "ewma_out", "dispatched", "completed", "wait_sum")
 
@@ -84,7 +84,7 @@ class TenantState:
         self.counter = 0.0
         self.queue: deque[QueuedJob] = deque()
         self.n_queued = 0
-        self.queued_prompt = 0
+        self.queued_input = 0
         self.queued_cost = 0.0
         self.running = 0
         self.active_kv = 0

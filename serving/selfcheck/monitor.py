@@ -11,9 +11,10 @@ check                       a violation
 ``output_above_roofline``   a stream decoded faster than :meth:`.PhysicalBounds.output_roofline`:
                             tokens after the first chunk ÷ the time from the first chunk to the
                             last (its inter-token gaps: ``len(itls_s) / sum(itls_s)``)
-``cached_over_input``       more cached input tokens than input tokens, in the gateway's view
-                            (:class:`~kvmeter.stats.RequestCompletion`) or the engine's
-                            (:class:`~kvmeter.stats.EngineRequestStats`)
+``cached_over_input``       the engine reported more cached input tokens than input tokens
+                            (:class:`~kvmeter.stats.EngineRequestStats`
+                            ``reported_cached_input_tokens``; the counts billed are capped, as
+                            :class:`~kvmeter.tokens.TokenCounts` allows no other)
 ``reservation_exceeded``    a request used more than its reservation holds: more output tokens
                             than reserved (the reservation is the ``max_tokens`` ceiling, so any
                             excess is a bug), or more input tokens than reserved × (1 +
@@ -86,24 +87,25 @@ class SelfCheckMonitor:
         self.bus.publish(v)
 
     def on_completion(self, c: RequestCompletion) -> None:
-        if c.ttft_s is not None and c.prompt_tokens > 0:
-            floor = self.bounds.ttft_floor(c.prompt_tokens, c.cached_prompt_tokens)
+        tokens = c.tokens
+        if c.ttft_s is not None and tokens.input_tokens > 0:
+            floor = self.bounds.ttft_floor(tokens.input_tokens, tokens.cached_input_tokens)
             if c.ttft_s < floor:
-                self._violation(SelfCheckViolation("ttft_below_floor", c.tier, c.ttft_s, floor, wall_ts=c.wall_ts))
+                self._violation(SelfCheckViolation("ttft_below_floor", c.attribution.tier, c.ttft_s, floor, wall_ts=c.wall_ts))
         roofline = self.bounds.output_roofline()
         if roofline is not None and c.itls_s:
             decode_s = sum(c.itls_s)
             rate = len(c.itls_s) / decode_s if decode_s > 0 else float("inf")
             if rate > roofline:
-                self._violation(SelfCheckViolation("output_above_roofline", c.tier, rate, roofline,
+                self._violation(SelfCheckViolation("output_above_roofline", c.attribution.tier, rate, roofline,
                                                    wall_ts=c.wall_ts))
-        if c.cached_prompt_tokens > c.prompt_tokens:
-            self._violation(SelfCheckViolation("cached_over_input", c.tier, c.cached_prompt_tokens,
-                                               c.prompt_tokens, wall_ts=c.wall_ts))
 
     def on_engine_request(self, s: EngineRequestStats) -> None:
-        if s.cached_prompt_tokens > s.prompt_tokens:
-            self._violation(SelfCheckViolation("cached_over_input", "", s.cached_prompt_tokens, s.prompt_tokens,
+        # TokenCounts holds cached ≤ input; the engine's own larger count is kept beside it
+        reported = s.reported_cached_input_tokens
+        if reported is not None:
+            self._violation(SelfCheckViolation("cached_over_input", s.attribution.tier, reported,
+                                               s.tokens.input_tokens,
                                                view="engine", wall_ts=s.wall_ts))
 
     def on_drift(self, d: ReservationDrift) -> None:
@@ -112,5 +114,5 @@ class SelfCheckMonitor:
         kind = d.dimension.removesuffix("_tokens")
         bound = d.reserved * (1 + self.input_ratio) if kind == "input" else d.reserved
         if d.actual > bound:
-            self._violation(SelfCheckViolation("reservation_exceeded", d.tier, float(d.actual), float(bound),
+            self._violation(SelfCheckViolation("reservation_exceeded", d.attribution.tier, float(d.actual), float(bound),
                                                view=kind, wall_ts=d.wall_ts))

@@ -21,10 +21,12 @@ import logging
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from kvmeter.aio import cancel_and_wait
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock, ManualClock
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
+from kvmeter.tokens import TokenCounts
 
 from .costmodel import RooflineCostModel
 from .replica import FINISHED, SimReplica, SimRequest
@@ -61,13 +63,14 @@ class ByteTokenizer(Tokenizer):
 
 
 class _Stream:
-    __slots__ = ("queue", "req", "sent", "arrival")
+    __slots__ = ("queue", "req", "sent", "arrival", "attribution")
 
-    def __init__(self, req: SimRequest, arrival: float) -> None:
+    def __init__(self, req: SimRequest, arrival: float, attribution: Attribution) -> None:
         self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self.req = req
         self.sent = 0
         self.arrival = arrival
+        self.attribution = attribution
 
 
 class SimEngine(Engine):
@@ -133,23 +136,23 @@ class SimEngine(Engine):
             st.queue.put_nowait(self._output(st, finished=True, reason="abort"))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt < 1 or request.max_tokens < 1:
+        n_input = len(request.prompt_token_ids)
+        if n_input < 1 or request.max_tokens < 1:
             raise EngineError("a request needs ≥ 1 prompt token and max_tokens ≥ 1")
-        if n_prompt + request.max_tokens > self.max_model_len:
-            raise EngineError(f"prompt ({n_prompt}) + max_tokens ({request.max_tokens}) exceeds the "
+        if n_input + request.max_tokens > self.max_model_len:
+            raise EngineError(f"prompt ({n_input}) + max_tokens ({request.max_tokens}) exceeds the "
                               f"context window of {self.max_model_len} tokens")
         if request.request_id in self._streams:
             raise EngineError(f"request id {request.request_id!r} is already running")
         if self._task is None:
             raise EngineError("SimEngine.start() has not been awaited")
-        req = SimRequest(request.request_id, n_prompt, request.max_tokens, priority=request.priority,
-                         tenant_id=request.tenant_id)
+        req = SimRequest(request.request_id, n_input, request.max_tokens, priority=request.priority,
+                         tenant_id=request.attribution.tenant_id)
         try:
             self.replica.add(req, self._clock.monotonic())
         except ValueError as err:
             raise EngineError(str(err)) from err
-        st = _Stream(req, self._clock.monotonic())
+        st = _Stream(req, self._clock.monotonic(), request.attribution)
         self._streams[request.request_id] = st
         self._wake.set()
         finished = False
@@ -174,7 +177,7 @@ class SimEngine(Engine):
         new = max(0, n - st.sent)
         st.sent = n
         return EngineOutput(new_token_ids=[_TOKEN] * new, new_text="", num_output_tokens=n,
-                            num_prompt_tokens=req.prompt_tokens, num_cached_tokens=req.cached_tokens,
+                            num_input_tokens=req.input_tokens, num_cached_input_tokens=req.cached_tokens,
                             finished=finished, finish_reason=reason, stats=stats)
 
     async def _run(self) -> None:
@@ -218,12 +221,12 @@ class SimEngine(Engine):
         first = req.first_token_s if req.first_token_s is not None else req.finish_s
         n = req.out
         return EngineRequestStats(
-            request_id=req.request_id, finish_reason="length", prompt_tokens=req.prompt_tokens,
-            generation_tokens=n, cached_prompt_tokens=req.cached_tokens,
+            request_id=req.request_id, finish_reason="length",
+            tokens=TokenCounts(input_tokens=req.input_tokens, cached_input_tokens=req.cached_tokens, output_tokens=n),
             queued_s=0.0, prefill_s=first - req.engine_arrival_s, decode_s=req.finish_s - first,
             inference_s=req.finish_s - req.engine_arrival_s, e2e_s=req.finish_s - st.arrival,
             mean_tpot_s=(req.finish_s - first) / (n - 1) if n > 1 else 0.0,
-            preemptions=req.preemptions, wall_ts=self._clock.wall())
+            preemptions=req.preemptions, wall_ts=self._clock.wall(), attribution=st.attribution)
 
     def _publish(self, out, q0: int, h0: int) -> None:
         bus = self._bus
@@ -238,8 +241,8 @@ class SimEngine(Engine):
             prefix_cache_queries_tokens=rep.cache.queries_tokens - q0,
             prefix_cache_hits_tokens=rep.cache.hits_tokens - h0,
             batch_size=load.num_running + len(out.finished), scheduled_tokens=out.scheduled_tokens,
-            prompt_tokens=sum(r.prompt_tokens for r in out.first_tokens),
-            generation_tokens=out.generated_tokens,
+            input_tokens=sum(r.input_tokens for r in out.first_tokens),
+            output_tokens=out.generated_tokens,
             ttfts_s=[r.first_token_s - r.engine_arrival_s for r in out.first_tokens],
             itls_s=self._itls(out)))
 

@@ -59,7 +59,7 @@ class ModelSpec:
         weight_bytes_per_param: 2 for bf16, 1 for fp8.
         kv_bytes_per_elem: KV cache element size (2 for bf16).
         compute_dtype: dtype whose peak FLOPs apply (``bf16`` or ``fp8``).
-        max_model_len: context window in tokens (prompt + output).
+        max_model_len: context window in tokens (input + output).
         kv_replicated_across_tp: True when every TP rank holds the full KV (MLA).
         hidden_size, intermediate_size, vocab_size: the layer shapes the calibrated GPU cost
             model times operator by operator (:mod:`.operators`); 0 when unknown (the MLA profile),

@@ -49,7 +49,7 @@ class SimRequest:
 
     Args:
         request_id: unique id.
-        prompt_tokens: prompt length (≥ 1).
+        input_tokens: prompt length (≥ 1).
         output_tokens: tokens it will generate (≥ 1; the simulator has no model, so a trace's
             output length is generated exactly, as a replay with ``ignore_eos`` does).
         priority: engine priority (lower runs first, preempted last).
@@ -60,20 +60,20 @@ class SimRequest:
         ValueError: on non-positive lengths.
     """
 
-    __slots__ = ("request_id", "prompt_tokens", "target", "priority", "hashes", "tenant_id", "tier",
+    __slots__ = ("request_id", "input_tokens", "target", "priority", "hashes", "tenant_id", "tier",
                  "payload", "state", "seq", "engine_arrival_s", "computed", "prefill_target", "out",
                  "out0", "slot", "decoding", "held", "next_group", "cached_tokens", "looked_up",
                  "first_token_s", "last_token_s", "finish_s", "preemptions", "spans", "span_start",
                  "gap_itls", "version", "charged")
 
-    def __init__(self, request_id: str, prompt_tokens: int, output_tokens: int, *, priority: int = 0,
+    def __init__(self, request_id: str, input_tokens: int, output_tokens: int, *, priority: int = 0,
                  hash_ids: Sequence[int] | None = None, tenant_id: str = "", tier: str = "",
                  payload: Any = None) -> None:
-        if prompt_tokens < 1 or output_tokens < 1:
+        if input_tokens < 1 or output_tokens < 1:
             raise ValueError(f"request {request_id!r}: prompt and output lengths must be ≥ 1 "
-                             f"(got {prompt_tokens}, {output_tokens})")
+                             f"(got {input_tokens}, {output_tokens})")
         self.request_id = request_id
-        self.prompt_tokens = int(prompt_tokens)
+        self.input_tokens = int(input_tokens)
         self.target = int(output_tokens)
         self.priority = int(priority)
         self.hashes: tuple[int, ...] = tuple(hash_ids) if hash_ids else ()
@@ -84,7 +84,7 @@ class SimRequest:
         self.seq = 0
         self.engine_arrival_s = 0.0
         self.computed = 0
-        self.prefill_target = self.prompt_tokens
+        self.prefill_target = self.input_tokens
         self.out = 0
         self.out0 = 0
         self.slot = -1
@@ -203,7 +203,7 @@ class SimReplica:
         self.seg_k: list[int] = []
         self.preemptions_total = 0
         self.steps_total = 0
-        self.prompt_tokens_computed = 0
+        self.input_tokens_computed = 0
         self.kv_watermark_integral = 0.0
         self.kv_watermark_max = 0.0
         self.busy_time = 0.0
@@ -249,10 +249,10 @@ class SimReplica:
         """Queue ``req`` in the engine's waiting queue at virtual time ``now``.
 
         Raises:
-            ValueError: if the request can never fit the KV pool (prompt + output > capacity).
+            ValueError: if the request can never fit the KV pool (input + output > capacity).
         """
-        if req.prompt_tokens + req.target > self.cache.total_blocks * self.B:
-            raise ValueError(f"request {req.request_id!r} needs {req.prompt_tokens + req.target} KV "
+        if req.input_tokens + req.target > self.cache.total_blocks * self.B:
+            raise ValueError(f"request {req.request_id!r} needs {req.input_tokens + req.target} KV "
                              f"tokens; the replica holds {self.cache.total_blocks * self.B}")
         req.seq = next(self._seq)
         req.engine_arrival_s = now
@@ -328,7 +328,7 @@ class SimReplica:
         req.computed = 0
         req.next_group = 0
         req.looked_up = False
-        req.prefill_target = req.prompt_tokens + req.out
+        req.prefill_target = req.input_tokens + req.out
         req.preemptions += 1
         self.preemptions_total += 1
         self._push_waiting(req)
@@ -392,7 +392,7 @@ class SimReplica:
             hits = 0
             revive = 0
             if req.hashes and cache.enabled:
-                n_full = min(len(req.hashes), req.prompt_tokens // self.G)
+                n_full = min(len(req.hashes), req.input_tokens // self.G)
                 hits = cache.cached_prefix(req.hashes[:n_full])
                 hits = min(hits, (req.prefill_target - 1) // self.G)
                 start = hits * self.G
@@ -410,7 +410,7 @@ class SimReplica:
             if not req.looked_up:
                 req.looked_up = True
                 if req.preemptions == 0:
-                    cache.queries_tokens += req.prompt_tokens
+                    cache.queries_tokens += req.input_tokens
                     cache.hits_tokens += start
                     req.cached_tokens = start
             req.computed = start
@@ -530,10 +530,10 @@ class SimReplica:
             slot = req.slot
             out.prefill_tokens += c
             req.computed += c
-            self.prompt_tokens_computed += c
+            self.input_tokens_computed += c
             self._p0[slot] += c
             self._ctx0[slot] += c
-            n_full = min(len(req.hashes), req.prompt_tokens // G)
+            n_full = min(len(req.hashes), req.input_tokens // G)
             while req.next_group < n_full and (req.next_group + 1) * G <= req.computed:
                 h = req.hashes[req.next_group]
                 if self.cache.register(h):

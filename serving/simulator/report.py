@@ -8,7 +8,7 @@ Definitions (all durations in seconds, rates per simulated second):
 * throughput = output tokens generated / simulated span; goodput = output tokens of the completed
   requests that met their tier's TTFT and TPOT objectives / simulated span (DistServe's goodput,
   Zhong et al., OSDI 2024, in tokens); SLO attainment = those requests / all arrived requests.
-* service share = a tenant's weighted service (``input_weight·prompt + output_weight·output``) over
+* service share = a tenant's weighted service (``input_weight·input + output_weight·output``) over
   the total; Jain's index and the service gap are defined in
   :mod:`kvmeter.serving.scheduler.fairness` (rates while backlogged, normalised by tier × tenant
   weight) and :mod:`kvmeter.serving.scheduler.core` (VTC counter spread among backlogged tenants).
@@ -120,8 +120,8 @@ class _Aggregator:
         return {
             "requests": len(recs), "completed": len(done),
             "rejected": dict(rejected), "dropped": dict(dropped),
-            "input_tokens": sum(r.prompt_tokens for r in done),
-            "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+            "input_tokens": sum(r.input_tokens for r in done),
+            "cached_input_tokens": sum(r.cached_tokens for r in done),
             "output_tokens": out_tokens,
             "service": _round(service, 1),
             "service_share": _round(service / total_service if total_service else 0.0, 5),

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler.base import Grant, Job, SchedulerRejected
 from kvmeter.serving.scheduler.config import SchedulerConfig
@@ -110,7 +111,7 @@ class RequestRecord:
         priority: the engine priority it was dispatched with (``None``: never dispatched).
         dispatch_s, first_token_s, finish_s: virtual times (NaN when not reached).
         generated: output tokens generated.
-        cached_tokens: prompt tokens served from the prefix cache.
+        cached_tokens: input tokens served from the prefix cache.
         spans, gap_itls, replica: ITL bookkeeping (segments of the replica's step log in which
             the request decoded one token per step; ITLs across preemptions).
     """
@@ -119,7 +120,7 @@ class RequestRecord:
     tenant_id: str
     tier: str
     arrival_s: float
-    prompt_tokens: int
+    input_tokens: int
     output_tokens: int
     outcome: str = "ok"
     reason: str = ""
@@ -248,8 +249,8 @@ class Simulation:
             return
         # the trace's own deadline, else the tier's rule: the one serve's gateway applies
         rec.deadline_s = tr.deadline_s if tr.deadline_s is not None else self.scfg.tier(rec.tier).deadline_s(now)
-        job = Job(request_id=rid, tenant_id=tenant, tier=rec.tier, prompt_tokens=tr.input_tokens,
-                  max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s)
+        job = Job(request_id=rid, attribution=Attribution(tenant_id=tenant, tier=rec.tier),
+                  input_tokens=tr.input_tokens, max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s)
         core = self.core
         if core.queued_total == 0 or (core.policy.counter_ordered and core.tenant_queue_depth(tenant) == 0):
             # the queue turns non-empty (the drain-rate meter starts counting: output produced so

@@ -367,19 +367,19 @@ def _semantic_problems(cfg: TenancyConfig) -> list[tuple[str, str]]:
     key_orgs: dict[str, str] = {kid: oid for oid, org in cfg.orgs.items() for ws in org.workspaces.values()
                                 for proj in ws.projects.values() for kid in proj.api_keys}
 
-    def node(path: str, ident: str, n: _Node, org_id: str = "") -> None:
+    def node(path: str, ident: str, n: _Node, tenant_id: str = "") -> None:
         if not _ID_RE.match(ident):
             problems.append((path, f"id must match {ID_PATTERN}"))
         if n.tier is not None and n.tier not in tiers:
             problems.append((f"{path}.tier", f"unknown tier {n.tier!r}; known: {', '.join(sorted(tiers))}"))
-        if org_id and n.tool_policy is not None and n.tool_policy.default_risk is not None:
+        if tenant_id and n.tool_policy is not None and n.tool_policy.default_risk is not None:
             problems.append((f"{path}.tool_policy.default_risk",
                              "default_risk is the org's: set it on the org's tool_policy"))
         for i, approver in enumerate(n.approvers):
             owner = key_orgs.get(approver)
             if owner is None:
                 problems.append((f"{path}.approvers[{i}]", f"no API key {approver!r} is configured"))
-            elif owner != (org_id or ident):
+            elif owner != (tenant_id or ident):
                 problems.append((f"{path}.approvers[{i}]",
                                  f"API key {approver!r} belongs to another org; approvers must be its own"))
 

@@ -211,7 +211,7 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
                                                     [n.agent_run_limits for n in nodes], Limits)
                     run_budget = _tightest_explicit(tier.run_budget, [n.run_budget for n in nodes],
                                                     RunBudget)
-                    principal = Principal(tenant_id=oid, tier=k_tier, org_id=oid, workspace_id=wid,
+                    principal = Principal(tenant_id=oid, tier=k_tier, workspace_id=wid,
                                           project_id=pid, api_key_id=kid, admin=key.admin)
                     chain = (
                         NodeLimits("global", "", global_limits),

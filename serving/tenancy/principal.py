@@ -1,7 +1,9 @@
 """Principals and authentication: who is calling, and on whose bill.
 
 A :class:`Principal` is the resolved identity of an API key: its path org → workspace → project →
-key and its tier. The billed *tenant* is the organisation. API keys are kept only as SHA-256
+key and its tier. The billed *tenant* is the organisation at the top of that path; its id is
+``tenant_id`` (the one id of the tenant). :meth:`Principal.attribution` builds a request's
+:class:`~kvmeter.attribution.Attribution` from it. API keys are kept only as SHA-256
 digests and compared in constant time; the plain key never leaves :meth:`Authenticator.authenticate`.
 
 This module holds the shape every other part relies on; :mod:`kvmeter.serving.tenancy.directory`
@@ -16,6 +18,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmeter.attribution import Attribution
 from kvmeter.errors import Refusal
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
 
@@ -40,20 +43,31 @@ class Principal:
     """An authenticated caller.
 
     Attributes:
-        tenant_id: the billed tenant (= ``org_id``).
+        tenant_id: the billed tenant: the organisation at the top of the key's path.
         tier: tier name (see :data:`TIERS`).
-        org_id, workspace_id, project_id: the hierarchy above the key.
+        workspace_id, project_id: the hierarchy between the organisation and the key.
         api_key_id: the key's public id (safe to log and bill; never the secret).
         admin: True for keys allowed to read every tenant's usage.
     """
 
     tenant_id: str
     tier: str
-    org_id: str
     workspace_id: str
     project_id: str
     api_key_id: str
     admin: bool = False
+
+    def attribution(self, *, model: str = "", endpoint: str = "", agent_run_id: str = "") -> Attribution:
+        """The attribution of a request this principal sends (built once per request).
+
+        Args:
+            model: the served model name.
+            endpoint: ``chat.completions``, ``completions`` or ``agent_runs.tool_calls``.
+            agent_run_id: the request's ``X-Agent-Run-Id``, or ``""``.
+        """
+        return Attribution(tenant_id=self.tenant_id, workspace_id=self.workspace_id,
+                           project_id=self.project_id, api_key_id=self.api_key_id, tier=self.tier,
+                           agent_run_id=agent_run_id, model=model, endpoint=endpoint)
 
 
 def hash_api_key(secret: str) -> str:

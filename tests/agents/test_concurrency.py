@@ -10,7 +10,8 @@ import threading
 from tests.agents.conftest import config
 
 from kvmeter.serving.agents import AgentRefusal, MemoryAgentStore, ReportRequest
-from kvmeter.serving.quota import QuotaRejected, Reservation, UsageEstimate
+from kvmeter.serving.quota import QuotaRejected, Reservation
+from tests.quota.quota_testlib import estimate
 
 N = 50
 
@@ -21,7 +22,7 @@ async def test_50_parallel_branches_against_10_model_calls_admit_exactly_10(make
     guarded = kit.quota  # HierarchicalQuota on the parametrized store's counters
 
     async def branch(i: int):
-        return await guarded.reserve(p, UsageEstimate("m", 10, 10, agent_run_id="run-par", request_id=f"b{i}"))
+        return await guarded.reserve(p, estimate("m", 10, 10, agent_run_id="run-par", request_id=f"b{i}", principal=p))
 
     results = await asyncio.gather(*(branch(i) for i in range(N)), return_exceptions=True)
     admitted = [r for r in results if isinstance(r, Reservation)]
@@ -82,7 +83,7 @@ def test_memory_store_is_atomic_across_os_threads(clock):
         start.wait()
         for i in range(25):
             res = store.report_sync(ReportRequest(
-                tenant_id="t", org_id="t", workspace_id="w", project_id="p", api_key_id="k", run_id="r",
+                tenant_id="t", workspace_id="w", project_id="p", api_key_id="k", run_id="r",
                 tool="search", risk_class="read_only", arguments_sha256=f"{w:02d}{i:02d}" + "0" * 60,
                 policy_version="v", new_tool_call_id=f"id-{w}-{i}", new_approval_id=f"ap-{w}-{i}",
                 tool_calls_key=b"kvq:r:t/r:tc", now=clock.wall(), max_tool_calls=10))

@@ -8,7 +8,7 @@ from tests.agents.conftest import config
 
 from kvmeter.ledger.agent_records import ApprovalRecord, RunStopRecord, ToolCallRecord
 from kvmeter.serving.agents import AgentRefusal, ModelCallRefused, arguments_digest
-from kvmeter.serving.quota import UsageEstimate
+from tests.quota.quota_testlib import estimate
 from kvmeter.stats import AgentRunStopped, ApprovalEvent, ToolCallDecided
 
 
@@ -226,7 +226,7 @@ async def test_the_tool_call_budget_refuses_the_call_after_the_last_permit(make_
     # the quota sees the run over its budget: its next model call is refused
     from kvmeter.serving.quota import QuotaRejected
     with pytest.raises(QuotaRejected) as exc:
-        await kit.quota.reserve(kit.principal("agent"), UsageEstimate("m", 10, 10, agent_run_id="run-1"))
+        await kit.quota.reserve(kit.principal("agent"), estimate("m", 10, 10, agent_run_id="run-1", principal=kit.principal("agent")))
     assert exc.value.dimension == "tool_calls"
 
 
@@ -246,7 +246,7 @@ async def test_identical_calls_stop_the_run(make_kit):
     assert code(await report(kit, "agent", "search_web", {"q": "same"}, run="run-2")) == "allowed"
     stops = kit.records_of(RunStopRecord)
     assert [(s.agent_run_id, s.reason) for s in stops] == [("run-1", "identical_tool_calls")]
-    assert [(e.agent_run_id, e.reason) for e in kit.published if isinstance(e, AgentRunStopped)] == [
+    assert [(e.attribution.agent_run_id, e.reason) for e in kit.published if isinstance(e, AgentRunStopped)] == [
         ("run-1", "identical_tool_calls")]
     assert [r.decision for r in kit.records_of(ToolCallRecord)][3:5] == ["loop_stopped", "run_stopped"]
 

@@ -36,7 +36,7 @@ def test_v0_exposition(data_dir):
     assert eng.sources["kv_cache_usage"] == "vllm:gpu_cache_usage_perc"
     assert page.deprecated_names == {"vllm:gpu_cache_usage_perc"}
     assert {k: v.value for k, v in eng.counters.items()} == {
-        "preemptions": 0.0, "prompt_tokens": 148.0, "generation_tokens": 955.0, "request_success:stop": 4.0}
+        "preemptions": 0.0, "input_tokens": 148.0, "output_tokens": 955.0, "request_success:stop": 4.0}
     assert (eng.kv_blocks_total, eng.kv_block_size_tokens) == (81767, 16)
     hist = eng.histograms["iteration_tokens"]
     # the doc excerpt ends mid-histogram: sum known, count unknown → no quantile is invented
@@ -119,9 +119,9 @@ def test_several_engines_and_created_never_summed():
     page = parse_vllm_metrics(v1_page({"0": {"prompt": 100, "kv": 0.3}, "1": {"prompt": 250, "kv": 0.9}},
                                       created=1.7e9))
     assert set(page.engines) == {("m", "0"), ("m", "1")}
-    totals = sum(e.counters["prompt_tokens"].value for e in page.engines.values())
+    totals = sum(e.counters["input_tokens"].value for e in page.engines.values())
     assert totals == 350.0  # the _created samples (1.7e9 each) are not values
-    assert page.engines[("m", "1")].counters["prompt_tokens"].created == 1.7e9
+    assert page.engines[("m", "1")].counters["input_tokens"].created == 1.7e9
     assert page.engines[("m", "1")].gauges["kv_cache_usage"] == 0.9
 
 
@@ -195,25 +195,25 @@ def test_scrape_rates_and_garbage_over_http(data_dir, metrics_server):
     clock.advance(10.0)
     (second,) = scraper.scrape()
     assert second.interval_s == 10.0
-    assert second.deltas == {"prompt_tokens": 300.0, "generation_tokens": 1000.0, "preemptions": 0.0,
+    assert second.deltas == {"input_tokens": 300.0, "output_tokens": 1000.0, "preemptions": 0.0,
                              "request_success:stop": 0.0}
-    assert second.rates_per_s["generation_tokens"] == pytest.approx(100.0)
+    assert second.rates_per_s["output_tokens"] == pytest.approx(100.0)
     assert second.anomalies == []
 
     # garbage: the counter drops with no newer _created and no restart → invalid, not counted
     pages.body = real.replace("} 955.0", "} 17.0").replace("} 148.0", "} 448.0")
     clock.advance(10.0)
     (third,) = scraper.scrape()
-    assert "generation_tokens" not in third.deltas
+    assert "output_tokens" not in third.deltas
     [anomaly] = third.anomalies
     assert (anomaly.kind, anomaly.previous, anomaly.current) == ("invalid", 1955.0, 17.0)
-    assert anomaly.series.startswith("generation_tokens{")
+    assert anomaly.series.startswith("output_tokens{")
 
     # the baseline stayed at 1955: the next good value is diffed against it, not against 17
     pages.body = real.replace("} 955.0", "} 2055.0").replace("} 148.0", "} 448.0")
     clock.advance(10.0)
     (fourth,) = scraper.scrape()
-    assert fourth.deltas["generation_tokens"] == 100.0 and fourth.anomalies == []
+    assert fourth.deltas["output_tokens"] == 100.0 and fourth.anomalies == []
     assert len(published) == 4
     scraper.close()
 
@@ -228,7 +228,7 @@ def test_reset_by_process_restart(metrics_server):
     pages.body = v1_page({"0": {"prompt": 40, "gen": 70}}, start_time=1.7e9 + 600, created=1.7e9)
     clock.advance(15.0)
     (st,) = scraper.scrape()
-    assert st.deltas["prompt_tokens"] == 40 and st.deltas["generation_tokens"] == 70  # counted from 0
+    assert st.deltas["input_tokens"] == 40 and st.deltas["output_tokens"] == 70  # counted from 0
     assert st.deltas["preemptions"] == 0
     assert {a.kind for a in st.anomalies} == {"reset"}
     assert "process restarted" in st.anomalies[0].reason
@@ -245,7 +245,7 @@ def test_reset_by_newer_created_and_histogram_windows(metrics_server):
                          created=1.7e9)
     clock.advance(10.0)
     by_engine = {s.engine: s for s in scraper.scrape()}
-    assert by_engine["0"].deltas["prompt_tokens"] == 100 and by_engine["1"].deltas["prompt_tokens"] == 20
+    assert by_engine["0"].deltas["input_tokens"] == 100 and by_engine["1"].deltas["input_tokens"] == 20
     window = by_engine["0"].windows["ttft"]
     assert window.count == 10 and window.sum == pytest.approx(30.0)
     assert by_engine["0"].quantiles["ttft"][0.5] == pytest.approx(1.0 + 4.0 * 5 / 10)  # in (1, 5]
@@ -253,8 +253,8 @@ def test_reset_by_newer_created_and_histogram_windows(metrics_server):
     pages.body = v1_page({"0": {"prompt": 7, "ttfts": [0.05, 0.05]}, "1": {"prompt": 3}}, created=1.7e9 + 300)
     clock.advance(10.0)
     by_engine = {s.engine: s for s in scraper.scrape()}
-    assert by_engine["0"].deltas["prompt_tokens"] == 7 and by_engine["1"].deltas["prompt_tokens"] == 3
-    resets = [a for a in by_engine["0"].anomalies if a.series.startswith("prompt_tokens")]
+    assert by_engine["0"].deltas["input_tokens"] == 7 and by_engine["1"].deltas["input_tokens"] == 3
+    resets = [a for a in by_engine["0"].anomalies if a.series.startswith("input_tokens")]
     assert resets[0].kind == "reset" and resets[0].reason == "newer _created"
     assert by_engine["0"].windows["ttft"].count == 2  # histogram reset too: window = since re-creation
 
@@ -286,7 +286,7 @@ def test_nan_counter_is_invalid_and_keeps_the_baseline():
     scraper.ingest(good)
     (bad,) = scraper.ingest(good.replace('vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0',
                                          'vllm:prompt_tokens_total{engine="0",model_name="m"} NaN'))
-    assert "prompt_tokens" not in bad.deltas
+    assert "input_tokens" not in bad.deltas
     assert [(a.kind, a.reason) for a in bad.anomalies] == [("invalid", "not a finite, non-negative number")]
     (after,) = scraper.ingest(v1_page({"0": {"prompt": 130}}, created=1.7e9))
-    assert after.deltas["prompt_tokens"] == 30
+    assert after.deltas["input_tokens"] == 30

@@ -105,22 +105,23 @@ def test_one_account_per_request(vllm_config):
     assert [s.request_id for s in seen].count("kvm-stop") == 1 and len(seen) == 3
 
     gone = by_id["kvm-gone"]
-    assert (gone.finish_reason, gone.prompt_tokens, gone.computed_tokens, gone.phase_times_measured) == \
+    assert (gone.finish_reason, gone.tokens.input_tokens, gone.computed_tokens, gone.phase_times_measured) == \
         ("abort", 256, 256, False)
     err = by_id["kvm-err"]  # the scheduler's counts, vLLM's phase times
-    assert (err.finish_reason, err.prompt_tokens, err.generation_tokens, err.computed_tokens) == ("error", 900, 4, 903)
+    assert (err.finish_reason, err.tokens.input_tokens, err.tokens.output_tokens, err.computed_tokens) == (
+        "error", 900, 4, 903)
     assert err.phase_times_measured and err.prefill_s == pytest.approx(0.4)
     stop = by_id["kvm-stop"]  # vLLM's finished stats stand: the stop-string abort is not a second account
-    assert (stop.finish_reason, stop.generation_tokens, stop.cached_prompt_tokens, stop.computed_tokens) == \
+    assert (stop.finish_reason, stop.tokens.output_tokens, stop.tokens.cached_input_tokens, stop.computed_tokens) == \
         ("stop", 9, 32, None)
 
 
-def test_cached_is_part_of_prompt_at_the_boundary(vllm_config):
+def test_cached_is_part_of_the_input_at_the_boundary(vllm_config):
     logger, seen = _logger(vllm_config)
     iteration = IterationStats()
     iteration.finished_requests.append(_finished("kvm-a", FinishReason.LENGTH, prompt=100, generated=5, cached=128))
     logger.record(_stats_carrying(_account("kvm-b-0123abcd", prompt=0, computed=0, cached=256)), iteration)
-    assert {s.request_id: s.cached_prompt_tokens for s in seen} == {"kvm-a": 100, "kvm-b": 0}
+    assert {s.request_id: s.tokens.cached_input_tokens for s in seen} == {"kvm-a": 100, "kvm-b": 0}
 
 
 def _request(n_prompt: int) -> Request:

@@ -39,7 +39,7 @@ class ReplayData:
         root: the run directory (``chdb/``, ``spool/``).
         start, end: wall-clock span of the replay (UTC).
         ok: per tenant, completed requests' usage as the client received it
-            (``requests``, ``prompt_tokens``, ``completion_tokens``).
+            (``requests``, ``input_tokens``, ``output_tokens``).
         aborted: per tenant, streams the client dropped after the first chunk.
         rejected: per tenant, requests answered 429 (quota limits, or shed by the scheduler — a
             deadline that passed in the queue behind the noisy neighbour is a real outcome here).
@@ -93,10 +93,10 @@ async def workload(base_url: str, model: str, data: ReplayData) -> None:
         r = await client.post("/v1/chat/completions", json=body, headers=headers)
         if r.status_code == 200:
             usage = r.json()["usage"]
-            acc = data.ok.setdefault(tenant, {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0})
+            acc = data.ok.setdefault(tenant, {"requests": 0, "input_tokens": 0, "output_tokens": 0})
             acc["requests"] += 1
-            acc["prompt_tokens"] += usage["prompt_tokens"]
-            acc["completion_tokens"] += usage["completion_tokens"]
+            acc["input_tokens"] += usage["prompt_tokens"]
+            acc["output_tokens"] += usage["completion_tokens"]
         elif r.status_code == 429:
             data.rejected[tenant] = data.rejected.get(tenant, 0) + 1
         else:

@@ -8,10 +8,12 @@ from datetime import datetime, timezone
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.cli import build_parser
 from kvmeter.dashboards import cli
 from kvmeter.dashboards.config import DashboardConfig
 from kvmeter.dashboards.errors import ConfigError
+from kvmeter.tokens import TokenCounts
 from tests.conftest import ledger_held_by_another_process
 
 
@@ -173,14 +175,19 @@ def test_a_missing_tenants_or_prices_file_is_refused_before_streamlit_starts(fla
 def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     """Drive the exporters' real SignalSampler with one of each stats object it subscribes to
     (GPU readings from the real H200 and H100-MIG captures) and check the names it writes."""
+    from dashkit import H200_CAPTURE
+
     from kvmeter.bus import StatsBus
     from kvmeter.clock import ManualClock
     from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
-    from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
     from kvmeter.dashboards import signals
-    from kvmeter.stats import EngineStepStats, RequestCompletion, SchedulerStats, TenantSchedulerStats
-
-    from dashkit import H200_CAPTURE
+    from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
+    from kvmeter.stats import (
+        EngineStepStats,
+        RequestCompletion,
+        SchedulerStats,
+        TenantSchedulerStats,
+    )
 
     bus, clock = StatsBus(), ManualClock(start_wall=1_795_000_000.0)
     sampler = SignalSampler(bus, clock=clock, model="m", config=SignalSamplerConfig(interval_s=1.0))
@@ -192,13 +199,19 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
         clock.advance(1.0)
         written |= {row.name for row in sampler.sample()}  # both captures are GPU 0: one at a time
     bus.publish(EngineStepStats(wall_ts=clock.wall(), kv_watermark_ratio=0.4, kv_blocks_total=100, num_running=3,
-                                num_waiting=1, generation_tokens=50, num_preempted=1))
+                                num_waiting=1, output_tokens=50, num_preempted=1))
     bus.publish(SchedulerStats(wall_ts=clock.wall(), policy="vtc", pressure_level=0, queued_total=1, running_total=3,
                                service_rate_per_s=10.0, jain_index=0.9, max_service_gap=5.0, service_gap=2.0,
                                tenants=[TenantSchedulerStats("acme", "enterprise", 1.0, 1, 10, 0.5, 0.2, 0.1, 3, 300,
                                                              0, 1.0, 10, 20, 1.0, 3, 2)]))
-    bus.publish(RequestCompletion(tenant_id="acme", tier="enterprise", model="m", outcome="ok", prompt_tokens=10,
-                                  completion_tokens=5, slo_met=True))
+    bus.publish(
+        RequestCompletion(
+            attribution=Attribution("acme", tier="enterprise", model="m"),
+            tokens=TokenCounts(input_tokens=10, output_tokens=5),
+            outcome="ok",
+            slo_met=True,
+        )
+    )
     clock.advance(1.0)
     written |= {row.name for row in sampler.sample()}
     sampler.close()

@@ -44,9 +44,9 @@ def test_live_window_includes_the_filling_bucket_and_pinned_one_stops_at_its_end
 
 def test_rates_divide_by_the_seconds_each_bucket_covered():
     w = Window(T0, T0 + timedelta(seconds=60), 15)
-    traffic = frame([{"ts": T0, "requests": 30, "prompt_tokens": 3000, "completion_tokens": 600,
+    traffic = frame([{"ts": T0, "requests": 30, "input_tokens": 3000, "output_tokens": 600,
                       "kv_token_seconds": 1500.0, "queue_seconds": 7.5},
-                     {"ts": T0 + timedelta(seconds=30), "requests": 5, "prompt_tokens": 500, "completion_tokens": 50,
+                     {"ts": T0 + timedelta(seconds=30), "requests": 5, "input_tokens": 500, "output_tokens": 50,
                       "kv_token_seconds": 50.0, "queue_seconds": 0.0}], TRAFFIC)
     now = T0 + timedelta(seconds=35)  # the 30 s bucket has run 5 s; the 45 s one has not started
     r = traffic_rates(traffic, w, now).sort("ts")
@@ -68,20 +68,20 @@ def test_jain_index_known_values():
 
 
 def test_service_is_vtc_weighted_and_normalised_by_tier_weight():
-    df = pl.DataFrame({"tier": ["enterprise", "free", "nosuch"], "prompt_tokens": [800, 100, 10],
-                       "completion_tokens": [400, 50, 5]})
+    df = pl.DataFrame({"tier": ["enterprise", "free", "nosuch"], "input_tokens": [800, 100, 10],
+                       "output_tokens": [400, 50, 5]})
     s = service(df, TIERS)
     assert s.get_column("service_tokens").to_list() == [1600.0, 200.0, 20.0]   # 1 × in + 2 × out
     assert s.get_column("normalised_service").to_list() == [200.0, 200.0, 20.0]  # ÷ weight 8, 1, 1
 
 
 def test_jain_counts_only_backlogged_tenants():
-    rows = [{"ts": T0, "tenant_id": "a", "tier": "enterprise", "requests": 1, "prompt_tokens": 800,
-             "completion_tokens": 400, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
-            {"ts": T0, "tenant_id": "b", "tier": "free", "requests": 1, "prompt_tokens": 100,
-             "completion_tokens": 50, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
-            {"ts": T0, "tenant_id": "c", "tier": "free", "requests": 1, "prompt_tokens": 1,
-             "completion_tokens": 1, "kv_token_seconds": 1.0, "queue_seconds": 0.0, "backlogged": 0}]
+    rows = [{"ts": T0, "tenant_id": "a", "tier": "enterprise", "requests": 1, "input_tokens": 800,
+             "output_tokens": 400, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
+            {"ts": T0, "tenant_id": "b", "tier": "free", "requests": 1, "input_tokens": 100,
+             "output_tokens": 50, "kv_token_seconds": 1.0, "queue_seconds": 1.0, "backlogged": 1},
+            {"ts": T0, "tenant_id": "c", "tier": "free", "requests": 1, "input_tokens": 1,
+             "output_tokens": 1, "kv_token_seconds": 1.0, "queue_seconds": 0.0, "backlogged": 0}]
     j = jain_by_bucket(frame(rows, TRAFFIC_BY_TENANT), TIERS)
     assert j.get_column("tenants").to_list() == [2]
     assert j.get_column("jain_index").to_list() == [pytest.approx(1.0)]  # equal normalised service
@@ -91,10 +91,10 @@ def test_jain_counts_only_backlogged_tenants():
 
 def test_ranking_puts_the_kv_holder_first_not_the_chatty_tenant():
     w = Window(T0, T0 + timedelta(seconds=100), 5)
-    totals = frame([{"tenant_id": "chatty", "tier": "free", "requests": 500, "prompt_tokens": 150_000,
-                     "completion_tokens": 50_000, "kv_token_seconds": 1_000.0},
-                    {"tenant_id": "noisy", "tier": "free", "requests": 20, "prompt_tokens": 3_000_000,
-                     "completion_tokens": 160_000, "kv_token_seconds": 900_000.0}], TENANT_TOTALS)
+    totals = frame([{"tenant_id": "chatty", "tier": "free", "requests": 500, "input_tokens": 150_000,
+                     "output_tokens": 50_000, "kv_token_seconds": 1_000.0},
+                    {"tenant_id": "noisy", "tier": "free", "requests": 20, "input_tokens": 3_000_000,
+                     "output_tokens": 160_000, "kv_token_seconds": 900_000.0}], TENANT_TOTALS)
     r = tenant_ranking(totals, TIERS, w)
     top = r.row(0, named=True)
     assert top["tenant_id"] == "noisy" and top["rank_by_kv"] == 1 and top["rank_by_tokens"] == 1
@@ -111,8 +111,8 @@ def test_top_n_folds_the_rest_and_keeps_totals():
 
 
 def test_reservation_drift_sign_and_ratio():
-    df = pl.DataFrame({"reserved_prompt_tokens": [100, 0], "reserved_completion_tokens": [900, 0],
-                       "prompt_tokens": [100, 5], "completion_tokens": [150, 5]})
+    df = pl.DataFrame({"reserved_input_tokens": [100, 0], "reserved_output_tokens": [900, 0],
+                       "input_tokens": [100, 5], "output_tokens": [150, 5]})
     d = reservation_drift(df)
     assert d.get_column("drift_tokens").to_list() == [750, -10]
     assert d.get_column("drift_ratio").to_list() == [0.75, None]

@@ -88,7 +88,7 @@ def test_counts_match_what_the_clients_received(reader, dashboard_env, replay):
     tokens = dict(zip(table["tenant_id"], table["total_tokens"]))
     for tenant in ("acme", "umbrella", "hobbyist"):
         ok = replay.ok[tenant]
-        assert tokens[tenant] == ok["prompt_tokens"] + ok["completion_tokens"]
+        assert tokens[tenant] == ok["input_tokens"] + ok["output_tokens"]
     # the noisy neighbour sends few requests but carries the most tokens and KV
     ranks = {row["tenant_id"]: row for row in table.to_dict("records")}
     assert ranks["umbrella"]["rank_by_kv"] == 1 and ranks["umbrella"]["rank_by_tokens"] == 1

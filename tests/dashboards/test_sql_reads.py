@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import pytest
 from dashkit import close_dashboard_backend, stop_readers
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.ledger import AttemptRecord, Ledger, LedgerConfig, SignalSample
@@ -19,6 +20,7 @@ from kvmeter.dashboards.source import ScopedSource
 from kvmeter.dashboards.sql import SqlSource
 from kvmeter.dashboards.viewer import TierInfo, Viewer
 from kvmeter.dashboards.window import Window
+from kvmeter.tokens import TokenCounts
 
 T0 = datetime(2026, 11, 27, 2, 0, tzinfo=timezone.utc)
 TIERS = [TierInfo("enterprise", 8.0, ttft_slo_s=1.0, itl_slo_s=0.05), TierInfo("free", 1.0, ttft_slo_s=10.0)]
@@ -29,12 +31,14 @@ def event(i: int, tenant: str, tier: str, *, at: float, prompt: int, out: int, t
           itl: float | None = 0.02, queue: float = 0.1, outcome: str = "ok", reserved_out: int = 100) -> UsageEvent:
     start = T0.timestamp() + at
     return UsageEvent(
-        event_id=event_id_for(tenant, f"k{i}"), tenant_id=tenant, request_id=f"{tenant}-{i}", tier=tier,
-        model="SmolLM2-135M-Instruct", endpoint="chat.completions", outcome=outcome,
+        event_id=event_id_for(tenant, f"k{i}"), request_id=f"{tenant}-{i}",
+        attribution=Attribution(tenant, api_key_id=f"{tenant}-key", tier=tier, model="SmolLM2-135M-Instruct",
+                                endpoint="chat.completions"),
+        tokens=TokenCounts(input_tokens=prompt, output_tokens=out),
+        reserved=TokenCounts(input_tokens=prompt, output_tokens=reserved_out), outcome=outcome,
         finish_reason="stop" if outcome == "ok" else "abort", arrival_ts=start, finish_ts=start + 2.0,
-        prompt_tokens=prompt, completion_tokens=out, reserved_prompt_tokens=prompt, reserved_completion_tokens=reserved_out,
-        org_id=tenant, api_key_id=f"{tenant}-key", queue_s=queue, ttft_s=ttft, itl_mean_s=itl, e2e_s=2.0,
-        kv_token_seconds=float(prompt + out), token_source="engine_hooks" if outcome == "ok" else "frontend")
+        queue_s=queue, ttft_s=ttft, itl_mean_s=itl, e2e_s=2.0, kv_token_seconds=float(prompt + out),
+        token_source="engine_hooks" if outcome == "ok" else "frontend")
 
 
 EVENTS = [
@@ -60,15 +64,25 @@ def source(tmp_path: Path) -> Iterator[SqlSource]:
     try:
         for e in EVENTS:
             ledger.record_sync(e)
-            ledger.record_attempt_sync(AttemptRecord(tenant_id=e.tenant_id, request_id=e.request_id, status="admitted",
-                                                     ts=e.arrival_ts, event_id=e.event_id, tier=e.tier))
+            ledger.record_attempt_sync(AttemptRecord(attribution=Attribution(e.tenant_id, tier=e.attribution.tier),
+                                                     request_id=e.request_id, status="admitted", ts=e.arrival_ts,
+                                                     event_id=e.event_id))
         limits = [("concurrency_limited", "api_key", "concurrent_requests"),
                   ("concurrency_limited", "api_key", "concurrent_requests"),
                   ("rate_limited", "org", "requests_per_minute")]
         for i, (reason, level, dimension) in enumerate(limits):
-            ledger.record_attempt_sync(AttemptRecord(tenant_id="hobby", request_id=f"x{i}", status="rejected",
-                                                     ts=T0.timestamp() + 3 + i, reason=reason, status_code=429,
-                                                     tier="free", level=level, dimension=dimension))
+            ledger.record_attempt_sync(
+                AttemptRecord(
+                    attribution=Attribution("hobby", tier="free"),
+                    request_id=f"x{i}",
+                    status="rejected",
+                    ts=T0.timestamp() + 3 + i,
+                    reason=reason,
+                    status_code=429,
+                    level=level,
+                    dimension=dimension,
+                )
+            )
         ts = T0.timestamp()
         ledger.write_signals(
             [SignalSample(ts + s, "kvmeter_engine_kv_watermark_ratio", s / 100, {"engine": "0", "model": "m"})
@@ -90,9 +104,9 @@ def by(rows: list[dict[str, Any]], *keys: str) -> dict[Any, dict[str, Any]]:
 def test_traffic_per_bucket(source):
     rows = by(source.traffic(WINDOW), "ts")
     first, second = rows[T0], rows[T0 + timedelta(minutes=1)]
-    assert (first["requests"], first["prompt_tokens"], first["completion_tokens"]) == (3, 450, 61)
+    assert (first["requests"], first["input_tokens"], first["output_tokens"]) == (3, 450, 61)
     assert first["kv_token_seconds"] == 511.0 and first["queue_seconds"] == pytest.approx(0.2)
-    assert (second["requests"], second["aborted_requests"], second["max_prompt_tokens"]) == (2, 1, 200)
+    assert (second["requests"], second["aborted_requests"], second["max_input_tokens"]) == (2, 1, 200)
     assert len(rows) == 2  # event 6 is outside the window
 
 
@@ -126,7 +140,7 @@ def test_attempts_and_reservations(source):
     assert limits == {("api_key", "concurrent_requests", "concurrency_limited"): 2,
                       ("org", "requests_per_minute", "rate_limited"): 1}
     res = by(source.reservation_by_tenant(WINDOW), "tenant_id")
-    assert res["acme"]["reserved_completion_tokens"] == 300 and res["acme"]["completion_tokens"] == 120
+    assert res["acme"]["reserved_output_tokens"] == 300 and res["acme"]["output_tokens"] == 120
     assert res["acme"]["over_reserved_requests"] == 3
     bins = {r["bin"]: r["requests"] for r in source.output_budget_use(WINDOW)}
     assert bins == {0: 1, 2: 2, 4: 1, 6: 1}  # 1/100, 20/100, 10/50, 40/100, 60/100 → tenths

@@ -110,7 +110,7 @@ def test_kill_dash_nine_then_restart_bills_each_logical_request_once(tmp_path: P
     assert all(usage[i] is not None for i in ids), "every retry should complete"
     client = connect(LedgerConfig(dsn=f"chdb://{tmp_path}/chdb"))
     rows = client.query(
-        "SELECT idempotency_key, count() AS n, any(prompt_tokens) AS p, any(completion_tokens) AS c, "
+        "SELECT idempotency_key, count() AS n, any(input_tokens) AS p, any(output_tokens) AS c, "
         "any(outcome) AS o FROM usage_events FINAL WHERE tenant_id = 'globex' GROUP BY idempotency_key"
     ).result_rows
     billed = {key: (n, p, c, o) for key, n, p, c, o in rows}

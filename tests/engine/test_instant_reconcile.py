@@ -15,6 +15,7 @@ import httpx
 import polars as pl
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.model import DEFAULT_MODEL_NAME
@@ -36,13 +37,16 @@ async def test_each_request_is_published_on_the_bus_before_its_finish_reaches_th
     await engine.start()
     prompt = engine.tokenizer.encode("How many tokens is this prompt?")
     outputs = []
-    async for out in engine.generate(EngineRequest(request_id="req-1", prompt_token_ids=prompt, max_tokens=7)):
+    attribution = Attribution("acme", tier="free", model=DEFAULT_MODEL_NAME)
+    async for out in engine.generate(EngineRequest(request_id="req-1", prompt_token_ids=prompt, max_tokens=7,
+                                                   attribution=attribution)):
         assert [s.request_id for s in seen] == ["req-1"], "published before the finish is yielded"
         outputs.append(out)
     (out,) = outputs
     (stats,) = seen
     assert out.finished and out.stats is stats
-    assert (stats.prompt_tokens, stats.generation_tokens, stats.finish_reason) == (len(prompt), 7, "length")
+    assert stats.attribution is attribution  # stamped by the engine: the ledger needs no side map
+    assert (stats.tokens.input_tokens, stats.tokens.output_tokens, stats.finish_reason) == (len(prompt), 7, "length")
     assert stats.wall_ts == 1_795_000_000.0  # the injected clock's wall time, not the system's
     await engine.shutdown()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.model import DEFAULT_MODEL_NAME
@@ -79,11 +80,11 @@ async def test_a_real_vllm_servers_kv_load_gates_dispatch(vllm_server, model_dir
         long = engine.generate(EngineRequest("long", prompt_token_ids=prompt, max_tokens=300, min_tokens=300,
                                              ignore_eos=True, temperature=0.0))
         first = await anext(long)  # the server is generating: its KV holds the prompt and more
-        assert first.num_prompt_tokens == len(prompt)
+        assert first.num_input_tokens == len(prompt)
         busy = await engine.scrape()
         assert busy.num_running == 1 and busy.kv_watermark_ratio > 0.002, busy
         assert busy.kv_capacity_tokens == idle.kv_capacity_tokens
-        core.submit(Job(request_id="next", tenant_id="acme", tier="paid_interactive", prompt_tokens=20,
+        core.submit(Job(request_id="next", attribution=Attribution("acme", tier="paid_interactive"), input_tokens=20,
                         max_tokens=4, arrival_s=0.0))
         assert core.dispatch() == []  # held back while the server's KV is above the watermark
         async for out in long:

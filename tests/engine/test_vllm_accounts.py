@@ -144,11 +144,11 @@ async def test_aborted_while_waiting_accounts_no_work(engine):
     assert account is not None, "the engine gave no account of a request aborted while waiting"
     assert account.request_id == victim.request_id  # kvmeter's id, not vLLM's internal one
     assert account.finish_reason == "abort"
-    assert (account.prompt_tokens, account.computed_tokens, account.cached_prompt_tokens,
-            account.generation_tokens, account.preempted_tokens) == (0, 0, 0, 0, 0)
+    assert (account.tokens.input_tokens, account.computed_tokens, account.tokens.cached_input_tokens,
+            account.tokens.output_tokens, account.preempted_tokens) == (0, 0, 0, 0, 0)
     assert account.phase_times_measured is False
     outs = await blocker_task  # the blocker is untouched by its neighbour's abort
-    assert outs[-1].stats.generation_tokens == 40 and outs[-1].stats.computed_tokens is None
+    assert outs[-1].stats.tokens.output_tokens == 40 and outs[-1].stats.computed_tokens is None
 
 
 async def test_chunked_prefill_cut_after_its_first_chunk_accounts_that_chunk(engine):
@@ -169,8 +169,8 @@ async def test_chunked_prefill_cut_after_its_first_chunk_accounts_that_chunk(eng
     account = await engine.final_stats(victim.request_id, EVENT_WAIT_S)
     assert account is not None and account.finish_reason == "abort"
     assert account.computed_tokens == CHUNK, "the first chunk ran, the second never started"
-    assert account.prompt_tokens == CHUNK and account.generation_tokens == 0
-    assert account.cached_prompt_tokens == 0
+    assert account.tokens.input_tokens == CHUNK and account.tokens.output_tokens == 0
+    assert account.tokens.cached_input_tokens == 0
 
 
 async def test_abort_mid_decode_accounts_what_the_engine_generated(engine):
@@ -184,11 +184,11 @@ async def test_abort_mid_decode_accounts_what_the_engine_generated(engine):
     await stream.aclose()
     account = await engine.final_stats(request.request_id, EVENT_WAIT_S)
     assert account is not None and account.finish_reason == "abort"
-    assert account.prompt_tokens == 100 and account.cached_prompt_tokens == 0
-    assert seen <= account.generation_tokens < 300  # engine-true: tokens still in flight count
+    assert account.tokens.input_tokens == 100 and account.tokens.cached_input_tokens == 0
+    assert seen <= account.tokens.output_tokens < 300  # engine-true: tokens still in flight count
     # the KV in place: the prompt and every output token fed back — all but the last sampled one,
     # or all of them when the abort landed during a step (which ran; its new token was dropped)
-    assert account.computed_tokens - (100 + account.generation_tokens) in (-1, 0)
+    assert account.computed_tokens - (100 + account.tokens.output_tokens) in (-1, 0)
 
 
 async def test_an_abort_after_the_first_token_keeps_its_cached_prefix(engine):
@@ -204,8 +204,8 @@ async def test_an_abort_after_the_first_token_keeps_its_cached_prefix(engine):
     await stream.aclose()
     account = await engine.final_stats(request.request_id, EVENT_WAIT_S)
     assert account is not None and account.finish_reason == "abort"
-    assert account.cached_prompt_tokens == out.num_cached_tokens == 8 * BLOCK
-    assert account.prompt_tokens == 1100 and account.generation_tokens >= 3
+    assert account.tokens.cached_input_tokens == out.num_cached_input_tokens == 8 * BLOCK
+    assert account.tokens.input_tokens == 1100 and account.tokens.output_tokens >= 3
 
 
 async def test_a_normal_finish_is_reported_as_before(engine):
@@ -213,7 +213,7 @@ async def test_a_normal_finish_is_reported_as_before(engine):
     outs = await _run(engine, request)
     stats = outs[-1].stats
     assert stats is not None and stats.request_id == request.request_id
-    assert (stats.finish_reason, stats.prompt_tokens, stats.generation_tokens) == ("length", 50, 7)
+    assert (stats.finish_reason, stats.tokens.input_tokens, stats.tokens.output_tokens) == ("length", 50, 7)
     assert stats.phase_times_measured and stats.prefill_s > 0 and stats.decode_s > 0
     assert stats.computed_tokens is None and stats.preempted_tokens is None  # vLLM's account alone
     assert await engine.final_stats(request.request_id, 0) is stats  # the same account, kept
@@ -233,7 +233,7 @@ async def test_prefix_hits_behind_a_failed_kv_allocation_count_once(engine):
     await blocker_task
     stats = outs[-1].stats
     assert stats.queued_s > 0 and stats.finish_reason == "length"
-    assert stats.cached_prompt_tokens == 8 * BLOCK  # once, not once per failed allocation
+    assert stats.tokens.cached_input_tokens == 8 * BLOCK  # once, not once per failed allocation
     assert sum(s.prefix_cache_hits_tokens for s in engine.steps.seen) - hits_before == 8 * BLOCK
 
     # the same wait, aborted before any admission succeeded: no prompt, so no cached tokens
@@ -243,7 +243,7 @@ async def test_prefix_hits_behind_a_failed_kv_allocation_count_once(engine):
     account = await engine.final_stats(aborted.request_id, EVENT_WAIT_S)
     await blocker_task
     assert account is not None and account.finish_reason == "abort"
-    assert (account.prompt_tokens, account.cached_prompt_tokens, account.computed_tokens) == (0, 0, 0)
+    assert (account.tokens.input_tokens, account.tokens.cached_input_tokens, account.computed_tokens) == (0, 0, 0)
 
 
 async def test_recompute_after_a_preemption_is_neither_cached_nor_billed_twice(engine):
@@ -259,8 +259,8 @@ async def test_recompute_after_a_preemption_is_neither_cached_nor_billed_twice(e
     preempted = [s for s in by_id.values() if s.preemptions > 0]
     assert preempted, "the engine preempted a request but neither account says so"
     for stats in by_id.values():
-        assert (stats.prompt_tokens, stats.generation_tokens) == (900, 200)  # billed once
-        assert stats.cached_prompt_tokens == 0  # its own recomputed prefix is not a cached token
+        assert (stats.tokens.input_tokens, stats.tokens.output_tokens) == (900, 200)  # billed once
+        assert stats.tokens.cached_input_tokens == 0  # its own recomputed prefix is not a cached token
     assert sum(s.prefix_cache_hits_tokens for s in steps.seen) - hits_before == 0
 
 
@@ -280,10 +280,10 @@ async def test_abort_during_the_recompute_after_a_preemption(engine):
     account = await engine.final_stats(victim_id, EVENT_WAIT_S)
     assert survivor.result()[-1].stats.preemptions == 0
     assert account is not None and account.finish_reason == "abort" and account.preemptions == 1
-    assert account.prompt_tokens == 900          # the prompt it held before the preemption, once
-    assert account.cached_prompt_tokens == 0     # readmission hits on its own blocks are not cached
+    assert account.tokens.input_tokens == 900          # the prompt it held before the preemption, once
+    assert account.tokens.cached_input_tokens == 0     # readmission hits on its own blocks are not cached
     assert account.preempted_tokens >= 900       # the KV thrown away when it was preempted
-    assert 0 < account.generation_tokens < 200   # output kept across the preemption
+    assert 0 < account.tokens.output_tokens < 200   # output kept across the preemption
 
 
 # -- through the HTTP gateway and the ledger ---------------------------------------------------------
@@ -337,12 +337,13 @@ async def test_a_client_that_leaves_mid_prefill_is_billed_the_engine_computed_to
         unsubscribe()
     assert account is not None and account.finish_reason == "abort"
     assert 0 < account.computed_tokens < 1500 and account.computed_tokens % CHUNK == 0
-    assert account.generation_tokens == 0  # it left before the first token
+    assert account.tokens.output_tokens == 0  # it left before the first token
     (event,) = _rows(runtime, "SELECT * FROM usage_events FINAL WHERE request_id = {rid:String}", rid=rid)
     assert event["outcome"] == "aborted" and event["finish_reason"] == "abort"
     assert event["token_source"] == "engine_hooks"
-    assert event["prompt_tokens"] == account.prompt_tokens == account.computed_tokens
-    assert event["completion_tokens"] == 0 and event["reserved_prompt_tokens"] == 1500
+    assert event["input_tokens"] == account.tokens.input_tokens == account.computed_tokens
+    assert event["output_tokens"] == 0 and event["reserved_input_tokens"] == 1500
     (engine_row,) = _rows(runtime, "SELECT * FROM engine_requests FINAL WHERE request_id = {rid:String}", rid=rid)
-    assert (engine_row["prompt_tokens"], engine_row["generation_tokens"]) == (event["prompt_tokens"], 0)
+    assert (engine_row["input_tokens"], engine_row["output_tokens"]) == (event["input_tokens"], 0)
     assert engine_row["tenant_id"] == event["tenant_id"]  # the engine view matches the bill
+    assert account.attribution.tenant_id == event["tenant_id"]  # the abort's account carries the attribution

@@ -26,6 +26,7 @@ from kvmeter.exporters.prometheus import METRICS, rule_files
 from kvmeter.exporters.prometheus.rules import generate_slo
 from kvmeter.stats import ReconciliationStats
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -135,7 +136,7 @@ def test_burn_rates_follow_the_sre_workbook():
 LEDGER_RULES = next(p for p in RULE_FILES if p.name == "ledger.yml")
 T0 = 1_790_000_000.0  # the injected clock's wall time at start (2026-09)
 ACME_KEY = "sk-demo-acme-0001"  # a demo tenant's public key
-GHOST_TOKENS = (300, 50)  # prompt, output of the engine work nobody billed
+GHOST_TOKENS = (300, 50)  # input, output of the engine work nobody billed
 
 
 async def _real_run(tmp_path: Path, *, ghost: bool) -> tuple[str, float, ReconciliationStats, int]:
@@ -168,7 +169,9 @@ async def _real_run(tmp_path: Path, *, ghost: bool) -> tuple[str, float, Reconci
                 assert r.status_code == 200, r.text
                 billed += r.json()["usage"]["total_tokens"]
             if ghost:
-                runtime.bus.publish(EngineRequestStats("ghost-1", "stop", *GHOST_TOKENS, wall_ts=clock.wall()))
+                runtime.bus.publish(EngineRequestStats(
+                    "ghost-1", "stop", TokenCounts(input_tokens=GHOST_TOKENS[0], output_tokens=GHOST_TOKENS[1]),
+                    wall_ts=clock.wall()))
             assert await asyncio.to_thread(runtime.recorder.ledger.flush, 30.0)
             assert runtime.reconciler.interval_s == 1800  # serve's config reaches its reconciler
             clock.advance(119)

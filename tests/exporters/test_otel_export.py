@@ -28,14 +28,24 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvmeter.attribution import Attribution
 from kvmeter.exporters.otel import install_otel
 from kvmeter.stats import RequestCompletion
+from kvmeter.tokens import TokenCounts
 
 
 def completion(tenant="acme", outcome="ok", prompt=1200, cached=512, out=101, ttft=0.4, e2e=4.4, **kw):
-    return RequestCompletion(tenant_id=tenant, tier="paid_interactive", model="smollm2", outcome=outcome,
-                             prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=out,
-                             ttft_s=ttft, e2e_s=e2e, queue_s=0.05, slo_met=True, wall_ts=1_750_000_100.0, **kw)
+    return RequestCompletion(
+        attribution=Attribution(tenant, tier="paid_interactive", model="smollm2"),
+        tokens=TokenCounts(input_tokens=prompt, cached_input_tokens=cached, output_tokens=out),
+        outcome=outcome,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        queue_s=0.05,
+        slo_met=True,
+        wall_ts=1750000100.0,
+        **kw,
+    )
 
 
 @pytest.fixture

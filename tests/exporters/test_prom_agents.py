@@ -4,6 +4,7 @@ metrics with bounded labels (a value outside its fixed set is ``other``; tenants
 from __future__ import annotations
 
 from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus
+from kvmeter.attribution import Attribution
 from kvmeter.stats import AgentRunStopped, ApprovalEvent, ToolCallDecided
 
 
@@ -14,8 +15,8 @@ def value(registry, name, **labels):
 def test_agent_metrics(bus, registry, clock):
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=1, tenant_refresh_s=10))
     for decision in ("allowed", "allowed", "blocked", "made_up"):
-        bus.publish(ToolCallDecided("acme", "free", "k", "r1", "search", "read_only", "reported", decision))
-    bus.publish(ToolCallDecided("acme", "free", "k", "r1", "x", "weird", "emitted", "blocked"))
+        bus.publish(ToolCallDecided(Attribution("acme", tier="free", api_key_id="k", agent_run_id="r1"), "search", "read_only", "reported", decision))
+    bus.publish(ToolCallDecided(Attribution("acme", tier="free", api_key_id="k", agent_run_id="r1"), "x", "weird", "emitted", "blocked"))
     assert value(registry, "kvmeter_agent_tool_calls_total", source="reported", risk_class="read_only",
                  decision="allowed") == 2
     assert value(registry, "kvmeter_agent_tool_calls_total", source="reported", risk_class="read_only",
@@ -23,15 +24,15 @@ def test_agent_metrics(bus, registry, clock):
     assert value(registry, "kvmeter_agent_tool_calls_total", source="emitted", risk_class="other",
                  decision="blocked") == 1
     assert value(registry, "kvmeter_agent_approval_events_total", event="approved") == 0  # present from the start
-    bus.publish(ApprovalEvent("acme", "free", "a1", "requested"))
-    bus.publish(ApprovalEvent("acme", "free", "a1", "approved", wait_s=42.0))
+    bus.publish(ApprovalEvent(Attribution("acme", tier="free"), "a1", "requested"))
+    bus.publish(ApprovalEvent(Attribution("acme", tier="free"), "a1", "approved", wait_s=42.0))
     assert value(registry, "kvmeter_agent_approval_events_total", event="requested") == 1
     assert value(registry, "kvmeter_agent_approval_wait_seconds_count", event="approved") == 1
     assert value(registry, "kvmeter_agent_approval_wait_seconds_bucket", event="approved", le="60.0") == 1
     assert value(registry, "kvmeter_agent_approval_wait_seconds_bucket", event="approved", le="30.0") == 0
-    bus.publish(AgentRunStopped("acme", "free", "r1", "tool_cycle"))
-    bus.publish(AgentRunStopped("acme", "free", "r2", "tool_cycle"))
-    bus.publish(AgentRunStopped("globex", "free", "r3", "repeated_prompt"))
+    bus.publish(AgentRunStopped(Attribution("acme", tier="free", agent_run_id="r1"), "tool_cycle"))
+    bus.publish(AgentRunStopped(Attribution("acme", tier="free", agent_run_id="r2"), "tool_cycle"))
+    bus.publish(AgentRunStopped(Attribution("globex", tier="free", agent_run_id="r3"), "repeated_prompt"))
     stops = {tuple(sorted(s.labels.items())): s.value for fam in registry.collect() for s in fam.samples
              if s.name == "kvmeter_agent_stopped_runs_total"}
     assert sum(stops.values()) == 3

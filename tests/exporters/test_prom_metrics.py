@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmeter.attribution import Attribution
 from kvmeter.collectors.gpu import (
     CaptureNvml,
     NvmlCollector,
@@ -26,6 +27,7 @@ from kvmeter.exporters.prometheus import buckets as B
 from kvmeter.exporters.prometheus.rules.generate_slo import SLO_CLASSES
 from kvmeter.stats import (AdmissionDecision, EngineRequestStats, EngineStepStats, GpuCollectorStatus,
                            GpuProcessSample, GpuSample, RequestCompletion, XidEvent)
+from kvmeter.tokens import TokenCounts
 
 MIB = 1024 * 1024
 
@@ -45,10 +47,10 @@ def test_engine_step(bus, registry, exporter):
     bus.publish(EngineStepStats(wall_ts=1.0, kv_watermark_ratio=0.625, kv_blocks_total=5816,
                                 kv_block_size_tokens=16, num_running=12, num_waiting=3, num_preempted=2,
                                 prefix_cache_queries_tokens=400, prefix_cache_hits_tokens=320,
-                                scheduled_tokens=140, batch_size=12, prompt_tokens=128, generation_tokens=12,
+                                scheduled_tokens=140, batch_size=12, input_tokens=128, output_tokens=12,
                                 ttfts_s=[0.21, 0.35], itls_s=[0.02] * 10))
     bus.publish(EngineStepStats(wall_ts=2.0, kv_watermark_ratio=0.7, kv_blocks_total=5816, num_running=13,
-                                num_preempted=1, generation_tokens=13, batch_size=13, scheduled_tokens=13))
+                                num_preempted=1, output_tokens=13, batch_size=13, scheduled_tokens=13))
     assert value(registry, "kvmeter_engine_kv_watermark_ratio", **e) == 0.7
     assert value(registry, "kvmeter_engine_kv_used_blocks", **e) == round(0.7 * 5816)
     assert value(registry, "kvmeter_engine_kv_capacity_blocks", **e) == 5816
@@ -58,8 +60,8 @@ def test_engine_step(bus, registry, exporter):
     assert value(registry, "kvmeter_engine_preemptions_total", **e) == 3
     assert value(registry, "kvmeter_engine_prefix_cache_queries_tokens_total", **e) == 400
     assert value(registry, "kvmeter_engine_prefix_cache_hits_tokens_total", **e) == 320
-    assert value(registry, "kvmeter_engine_prompt_tokens_total", **e) == 128
-    assert value(registry, "kvmeter_engine_generation_tokens_total", **e) == 25
+    assert value(registry, "kvmeter_engine_input_tokens_total", **e) == 128
+    assert value(registry, "kvmeter_engine_output_tokens_total", **e) == 25
     assert value(registry, "kvmeter_engine_step_batch_size_requests_count", **e) == 2
     assert value(registry, "kvmeter_engine_step_scheduled_tokens_sum", **e) == 153
     assert value(registry, "kvmeter_engine_ttft_seconds_count", **e) == 2
@@ -68,33 +70,51 @@ def test_engine_step(bus, registry, exporter):
 
 
 def test_engine_finished_requests_include_aborts(bus, registry, exporter):
-    bus.publish(EngineRequestStats(request_id="r1", finish_reason="stop", prompt_tokens=900,
-                                   cached_prompt_tokens=512, generation_tokens=128, queued_s=0.4,
-                                   prefill_s=0.3, decode_s=2.5, e2e_s=3.3))
-    bus.publish(EngineRequestStats(request_id="r2", finish_reason="abort", prompt_tokens=100,
-                                   generation_tokens=7, e2e_s=1.0))
-    assert value(registry, "kvmeter_engine_request_tokens_total", type="prompt", finish_reason="stop") == 900
-    assert value(registry, "kvmeter_engine_request_tokens_total", type="cached_prompt", finish_reason="stop") == 512
-    assert value(registry, "kvmeter_engine_request_tokens_total", type="generation", finish_reason="abort") == 7
+    bus.publish(
+        EngineRequestStats(
+            request_id="r1",
+            finish_reason="stop",
+            tokens=TokenCounts(input_tokens=900, cached_input_tokens=512, output_tokens=128),
+            queued_s=0.4,
+            prefill_s=0.3,
+            decode_s=2.5,
+            e2e_s=3.3,
+        )
+    )
+    bus.publish(
+        EngineRequestStats(
+            request_id="r2", finish_reason="abort", tokens=TokenCounts(input_tokens=100, output_tokens=7), e2e_s=1.0
+        )
+    )
+    assert value(registry, "kvmeter_engine_request_tokens_total", type="input", finish_reason="stop") == 900
+    assert value(registry, "kvmeter_engine_request_tokens_total", type="cached_input", finish_reason="stop") == 512
+    assert value(registry, "kvmeter_engine_request_tokens_total", type="output", finish_reason="abort") == 7
     assert value(registry, "kvmeter_engine_request_queue_seconds_sum", finish_reason="stop") == pytest.approx(0.4)
     assert value(registry, "kvmeter_engine_request_decode_seconds_bucket", finish_reason="stop", le="5.0") == 1
     assert value(registry, "kvmeter_engine_request_e2e_seconds_count", finish_reason="abort") == 1
 
 
 def test_an_abort_accounted_by_the_scheduler_hook_counts_tokens_but_no_phase_times(bus, registry, exporter):
-    bus.publish(EngineRequestStats(request_id="r3", finish_reason="abort", prompt_tokens=512, generation_tokens=0,
+    bus.publish(EngineRequestStats(request_id="r3", finish_reason="abort", tokens=TokenCounts(input_tokens=512),
                                    computed_tokens=512, preempted_tokens=0, phase_times_measured=False))
-    assert value(registry, "kvmeter_engine_request_tokens_total", type="prompt", finish_reason="abort") == 512
+    assert value(registry, "kvmeter_engine_request_tokens_total", type="input", finish_reason="abort") == 512
     for phase in ("queue", "prefill", "decode", "e2e"):  # 0.0 is not a measurement
         assert value(registry, f"kvmeter_engine_request_{phase}_seconds_count", finish_reason="abort") is None
 
 
 def completion(tenant="acme", tier="paid_interactive", outcome="ok", prompt=1000, cached=200, out=100,
                ttft=0.4, itls=(0.03,) * 99, e2e=3.4, queue=0.05, slo=True):
-    return RequestCompletion(tenant_id=tenant, tier=tier, model="smollm2", outcome=outcome,
-                             prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=out,
-                             ttft_s=ttft, itls_s=list(itls), e2e_s=e2e, queue_s=queue, slo_met=slo,
-                             wall_ts=1.75e9)
+    return RequestCompletion(
+        attribution=Attribution(tenant, tier=tier, model="smollm2"),
+        tokens=TokenCounts(input_tokens=prompt, cached_input_tokens=cached, output_tokens=out),
+        outcome=outcome,
+        ttft_s=ttft,
+        itls_s=list(itls),
+        e2e_s=e2e,
+        queue_s=queue,
+        slo_met=slo,
+        wall_ts=1750000000.0,
+    )
 
 
 def test_request_completions(bus, registry, exporter):
@@ -132,10 +152,22 @@ def test_unknown_outcome_and_tier_are_bounded(bus, registry, exporter):
 
 def test_admission(bus, registry, exporter):
     bus.publish(completion(tenant="acme"))  # gives acme work, so it holds its own label
-    bus.publish(AdmissionDecision(tenant_id="acme", tier="free", admitted=True))
-    bus.publish(AdmissionDecision(tenant_id="acme", tier="free", admitted=False, reason="quota_exceeded",
-                                  level="project", dimension="input_tokens_per_minute", status_code=429))
-    bus.publish(AdmissionDecision(tenant_id="acme", tier="free", admitted=False, reason="shed", status_code=503))
+    bus.publish(AdmissionDecision(attribution=Attribution('acme', tier='free'), admitted=True))
+    bus.publish(
+        AdmissionDecision(
+            attribution=Attribution("acme", tier="free"),
+            admitted=False,
+            reason="quota_exceeded",
+            level="project",
+            dimension="input_tokens_per_minute",
+            status_code=429,
+        )
+    )
+    bus.publish(
+        AdmissionDecision(
+            attribution=Attribution("acme", tier="free"), admitted=False, reason="shed", status_code=503
+        )
+    )
     assert value(registry, "kvmeter_admission_admitted_requests_total", tier="free", tenant="acme") == 1
     assert value(registry, "kvmeter_admission_rejected_requests_total", tier="free", tenant="acme", reason="quota_exceeded",
                  level="project", dimension="input_tokens_per_minute") == 1
@@ -216,11 +248,11 @@ def test_remote_engine(bus, registry, exporter, data_dir, clock):
     e = {"engine": "http://vllm-a:8000/metrics#0", "model": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
     assert value(registry, "kvmeter_engine_kv_watermark_ratio", **e) == 0.0
     assert value(registry, "kvmeter_engine_kv_capacity_blocks", **e) == 81767
-    assert value(registry, "kvmeter_engine_generation_tokens_total", **e) == 1000  # deltas, not the total
+    assert value(registry, "kvmeter_engine_output_tokens_total", **e) == 1000  # deltas, not the total
     clock.advance(10)
     scraper.ingest(real.replace("} 955.0", "} 3.0"))  # garbage decrease
     assert value(registry, "kvmeter_engine_scrape_anomalies_total", **e, kind="invalid") == 1
-    assert value(registry, "kvmeter_engine_generation_tokens_total", **e) == 1000
+    assert value(registry, "kvmeter_engine_output_tokens_total", **e) == 1000
     # the truncated histogram has no count: its window quantiles are NaN, not 0
     q = value(registry, "kvmeter_engine_latency_window_seconds", **e, metric="ttft", quantile="0.5")
     assert q is None or math.isnan(q)

@@ -21,24 +21,26 @@ HERE = Path(__file__).resolve().parent
 
 WORKER = textwrap.dedent("""
     import sys
+    from kvmeter.attribution import Attribution
     from kvmeter.bus import StatsBus
     from kvmeter.exporters.prometheus import install_prometheus
     from kvmeter.stats import (EngineStepStats, GpuCollectorStatus, LedgerStats, RequestCompletion,
                                SchedulerStats, TenantSchedulerStats)
+    from kvmeter.tokens import TokenCounts
 
     n, kv, gpu_state = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
     bus = StatsBus()
     install_prometheus(bus)
     for i in range(n):
-        bus.publish(RequestCompletion(tenant_id="acme", tier="free", model="m", outcome="ok",
-                                      prompt_tokens=100, completion_tokens=10, ttft_s=0.2, e2e_s=1.0))
+        bus.publish(RequestCompletion(attribution=Attribution("acme", tier="free", model="m"), outcome="ok",
+                                      tokens=TokenCounts(input_tokens=100, output_tokens=10), ttft_s=0.2, e2e_s=1.0))
     bus.publish(EngineStepStats(wall_ts=0.0, kv_watermark_ratio=kv, num_running=n))
     bus.publish(GpuCollectorStatus(state=gpu_state))
     # this worker's scheduler: acme has n queued, n * 100 active KV tokens, oldest wait n seconds
     bus.publish(SchedulerStats(
         wall_ts=1.75e9, policy="vtc", pressure_level=0, queued_total=n, running_total=1, service_rate_per_s=0.0,
         jain_index=1.0, max_service_gap=0.0, service_gap=0.0, tenants=[TenantSchedulerStats(
-            tenant_id="acme", tier="free", weight=1.0, queue_depth=n, queued_prompt_tokens=n * 10,
+            tenant_id="acme", tier="free", weight=1.0, queue_depth=n, queued_input_tokens=n * 10,
             queue_wait_oldest_s=float(n), queue_wait_mean_s=0.0, projected_wait_s=0.0, running=1,
             active_kv_tokens=n * 100, kv_budget_tokens=0, service_total=float(n), input_tokens_total=0,
             output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0)]))

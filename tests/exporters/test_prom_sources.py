@@ -8,11 +8,13 @@ from decimal import Decimal
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, install_prometheus
 from kvmeter.serving.scheduler import Job, SchedulerCore
 from kvmeter.stats import (AdmissionDecision, ConfigReloaded, EngineLoad, IdempotencyAttempt, LedgerStats, ReconciliationStats,
                            QuotaStoreState, RequestCompletion, ReservationDrift, SchedulerStats,
                            TenantSchedulerStats, ToolCallReported)
+from kvmeter.tokens import TokenCounts
 
 
 def install(bus, registry, clock, k=2, **kw):
@@ -22,7 +24,7 @@ def install(bus, registry, clock, k=2, **kw):
 
 def tenant(tid, tier="free", *, depth=0, queued=0, oldest=0.0, kv=0, service=0.0) -> TenantSchedulerStats:
     return TenantSchedulerStats(
-        tenant_id=tid, tier=tier, weight=1.0, queue_depth=depth, queued_prompt_tokens=queued,
+        tenant_id=tid, tier=tier, weight=1.0, queue_depth=depth, queued_input_tokens=queued,
         queue_wait_oldest_s=oldest, queue_wait_mean_s=0.0, projected_wait_s=0.0, running=1 if kv else 0,
         active_kv_tokens=kv, kv_budget_tokens=0, service_total=service, input_tokens_total=0,
         output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0)
@@ -115,7 +117,15 @@ def test_real_scheduler_snapshot_sums_back_to_the_core(bus, registry, clock):
                                      ("hob2", "free", 2, 70)):
         for _ in range(count):
             n += 1
-            core.submit(Job(f"r{n}", tid, tier, prompt_tokens=prompt, max_tokens=64, arrival_s=clock.monotonic()))
+            core.submit(
+                Job(
+                    f"r{n}",
+                    Attribution(tid, tier=tier),
+                    input_tokens=prompt,
+                    max_tokens=64,
+                    arrival_s=clock.monotonic(),
+                )
+            )
     clock.advance(2.0)
     granted = core.dispatch(max_grants=8)
     assert 0 < len(granted) < n  # some running, some still queued
@@ -133,8 +143,13 @@ def test_real_scheduler_snapshot_sums_back_to_the_core(bus, registry, clock):
 # ---------------------------------------------------------------------------------------- quota
 
 def drift(dimension, reserved, actual, tier="paid_interactive", outcome="ran"):
-    return ReservationDrift(tenant_id="globex", tier=tier, api_key_id="k", dimension=dimension,
-                            reserved=reserved, actual=actual, outcome=outcome)
+    return ReservationDrift(
+        attribution=Attribution("globex", tier=tier, api_key_id="k"),
+        dimension=dimension,
+        reserved=reserved,
+        actual=actual,
+        outcome=outcome,
+    )
 
 
 def test_reservation_drift_by_direction(bus, registry, clock):
@@ -154,9 +169,14 @@ def test_reservation_drift_by_direction(bus, registry, clock):
 
 def test_retries_and_idempotent_replays(bus, registry, clock):
     install(bus, registry, clock, k=5)
-    bus.publish(AdmissionDecision(tenant_id="acme", tier="enterprise", admitted=True))
-    bus.publish(RequestCompletion(tenant_id="acme", tier="enterprise", model="m", outcome="ok",
-                                  prompt_tokens=40, completion_tokens=10))  # work: acme earns a label
+    bus.publish(AdmissionDecision(attribution=Attribution('acme', tier='enterprise'), admitted=True))
+    bus.publish(
+        RequestCompletion(
+            attribution=Attribution("acme", tier="enterprise", model="m"),
+            tokens=TokenCounts(input_tokens=40, output_tokens=10),
+            outcome="ok",
+        )
+    )  # work: acme earns a label
     for outcome, attempt, replayed in (("first", 1, False),        # the original: not a retry
                                        ("joined", 1, True), ("replayed", 1, True),
                                        ("conflict", 1, False), ("in_progress", 1, False),
@@ -179,8 +199,22 @@ def test_quota_store_tool_calls_and_reloads(bus, registry, clock):
     assert registry.get_sample_value("kvmeter_quota_store_pending_settles_requests", {"store": "redis"}) == 3
     bus.publish(QuotaStoreState(store="redis", degraded=False, reason="recovered"))
     assert registry.get_sample_value("kvmeter_quota_store_degraded", {"store": "redis"}) == 0
-    bus.publish(ToolCallReported("acme", "k", "run-1", tool_calls=3, max_tool_calls=5, exceeded=False))
-    bus.publish(ToolCallReported("acme", "k", "run-1", tool_calls=6, max_tool_calls=5, exceeded=True))
+    bus.publish(
+        ToolCallReported(
+            attribution=Attribution("acme", api_key_id="k", agent_run_id="run-1", endpoint="agent_runs.tool_calls"),
+            tool_calls=3,
+            max_tool_calls=5,
+            exceeded=False,
+        )
+    )
+    bus.publish(
+        ToolCallReported(
+            attribution=Attribution("acme", api_key_id="k", agent_run_id="run-1", endpoint="agent_runs.tool_calls"),
+            tool_calls=6,
+            max_tool_calls=5,
+            exceeded=True,
+        )
+    )
     assert registry.get_sample_value("kvmeter_agent_tool_call_reports_total", {"result": "exceeded"}) == 1
     bus.publish(ConfigReloaded(ok=False, version=1, error="orgs.acme: bad"))
     bus.publish(ConfigReloaded(ok=True, version=2, keys=5))

@@ -8,13 +8,19 @@ import random
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, TenantLabels, install_prometheus
 from kvmeter.stats import RequestCompletion
+from kvmeter.tokens import TokenCounts
 
 
 def done(tenant: str, tokens: int, tier: str = "free") -> RequestCompletion:
-    return RequestCompletion(tenant_id=tenant, tier=tier, model="m", outcome="ok",
-                             prompt_tokens=tokens, completion_tokens=0, e2e_s=1.0)
+    return RequestCompletion(
+        attribution=Attribution(tenant, tier=tier, model="m"),
+        tokens=TokenCounts(input_tokens=tokens, output_tokens=0),
+        outcome="ok",
+        e2e_s=1.0,
+    )
 
 
 def exporter_tokens(registry, tenant):
@@ -79,8 +85,8 @@ def test_an_aborted_tenants_counter_survives_a_refresh_with_free_slots(bus, regi
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=20))
     aborted = {"tier": "free", "tenant": "quitter", "outcome": "aborted"}
     for _ in range(2):
-        bus.publish(RequestCompletion(tenant_id="quitter", tier="free", model="m", outcome="aborted",
-                                      prompt_tokens=0, completion_tokens=0, e2e_s=0.2))
+        bus.publish(RequestCompletion(attribution=Attribution("quitter", tier="free", model="m"), outcome="aborted",
+                                      tokens=TokenCounts(), e2e_s=0.2))
     assert registry.get_sample_value("kvmeter_requests_total", aborted) == 2
     clock.advance(20)  # past the 15 s refresh
     bus.publish(done("busy", 500))  # any labelled update runs the refresh first
@@ -93,7 +99,7 @@ def test_a_refused_only_tenants_rejections_survive_every_refresh(bus, registry, 
     from kvmeter.stats import AdmissionDecision
 
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=5))
-    refused = lambda reason: AdmissionDecision(tenant_id="capped", tier="free", admitted=False,  # noqa: E731
+    refused = lambda reason: AdmissionDecision(attribution=Attribution("capped", tier="free"), admitted=False,  # noqa: E731
                                                reason=reason, level="org", dimension="spend_per_day",
                                                status_code=402)
     for minute in range(1, 6):
@@ -118,9 +124,10 @@ def test_every_counter_stays_monotonic_through_demotions(bus, registry, clock):
         for _ in range(20):
             tenant = f"t{rng.randrange(12)}"
             outcome = rng.choice(["ok", "ok", "aborted", "error"])
-            bus.publish(RequestCompletion(tenant_id=tenant, tier="free", model="m", outcome=outcome,
-                                          prompt_tokens=rng.randrange(0, 3000), completion_tokens=rng.randrange(0, 50),
-                                          e2e_s=1.0))
+            bus.publish(RequestCompletion(
+                attribution=Attribution(tenant, tier="free", model="m"), outcome=outcome,
+                tokens=TokenCounts(input_tokens=rng.randrange(0, 3000), output_tokens=rng.randrange(0, 50)),
+                e2e_s=1.0))
         clock.advance(rng.choice([1, 3, 7]))
         after = counter_samples(registry)
         for key, value in before.items():
@@ -221,9 +228,15 @@ def test_a_tenant_only_ever_refused_gets_its_own_label_while_slots_are_free(bus,
 
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=20))
     for _ in range(3):
-        bus.publish(AdmissionDecision(tenant_id="hobbyist", tier="free", admitted=False,
-                                      reason="concurrency_limited", status_code=429))
-    bus.publish(AdmissionDecision(tenant_id="initech", tier="batch", admitted=True))
+        bus.publish(
+            AdmissionDecision(
+                attribution=Attribution("hobbyist", tier="free"),
+                admitted=False,
+                reason="concurrency_limited",
+                status_code=429,
+            )
+        )
+    bus.publish(AdmissionDecision(attribution=Attribution('initech', tier='batch'), admitted=True))
     rejected = {s.labels["tenant"]: s.value for fam in registry.collect() for s in fam.samples
                 if s.name == "kvmeter_admission_rejected_requests_total"}
     admitted = {s.labels["tenant"] for fam in registry.collect() for s in fam.samples

@@ -25,7 +25,17 @@ from kvmeter.serving.selfcheck.bounds import PhysicalBounds
 from kvmeter.serving.selfcheck.checks import (CHECKS, RECONCILIATION_DRIFT_MAX_RATIO, RECONCILIATION_STALE_S,
                                               SPOOL_AGE_MAX_S, parse_exposition, run_checks)
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
+from kvmeter.attribution import Attribution
 from kvmeter.stats import EngineRequestStats, RequestCompletion, ReservationDrift, SelfCheckViolation
+from kvmeter.tokens import TokenCounts
+
+FREE = Attribution("t", tier="free", model="m")
+
+
+def completion(input_tokens: int, output_tokens: int, **kw) -> RequestCompletion:
+    return RequestCompletion(attribution=FREE, outcome="ok",
+                             tokens=TokenCounts(input_tokens=input_tokens, output_tokens=output_tokens), **kw)
+
 
 PROMTOOL = shutil.which("promtool")
 SELFCHECK_RULES = next(p for p in rule_files() if p.name == "selfcheck.yml")
@@ -146,8 +156,8 @@ def test_monitor_flags_a_stream_decoded_faster_than_the_roofline():
     seen: list[SelfCheckViolation] = []
     bus.subscribe(SelfCheckViolation, seen.append)
     SelfCheckMonitor(bus, PhysicalBounds(PARAMS, peak_flops_per_s=1e13))  # roofline ≈ 37,171 tokens/s
-    slow = RequestCompletion("t", "free", "m", "ok", 10, 5, ttft_s=1.0, itls_s=[0.01] * 4, stream=True)
-    fast = RequestCompletion("t", "free", "m", "ok", 10, 5, ttft_s=1.0, itls_s=[1e-6] * 4, stream=True)
+    slow = completion(10, 5, ttft_s=1.0, itls_s=[0.01] * 4, stream=True)
+    fast = completion(10, 5, ttft_s=1.0, itls_s=[1e-6] * 4, stream=True)
     bus.publish(slow)
     bus.publish(fast)
     assert [(v.check, v.value) for v in seen] == [("output_above_roofline", pytest.approx(1e6))]
@@ -158,15 +168,15 @@ def test_monitor_flags_cached_over_input_and_exceeded_reservations():
     seen: list[SelfCheckViolation] = []
     bus.subscribe(SelfCheckViolation, seen.append)
     SelfCheckMonitor(bus, PhysicalBounds(None), input_ratio=0.1)
-    bus.publish(EngineRequestStats("r1", "stop", 100, 5, cached_prompt_tokens=120))
-    bus.publish(EngineRequestStats("r2", "stop", 100, 5, cached_prompt_tokens=100))  # equal: fine
-    bus.publish(RequestCompletion("t", "free", "m", "ok", 50, 3, cached_prompt_tokens=60))
-    bus.publish(ReservationDrift("t", "free", "k", "output_tokens", reserved=10, actual=11))
-    bus.publish(ReservationDrift("t", "free", "k", "output_tokens", reserved=10, actual=10))
-    bus.publish(ReservationDrift("t", "free", "k", "input_tokens", reserved=100, actual=110))  # within 10 %
-    bus.publish(ReservationDrift("t", "free", "k", "input_tokens", reserved=100, actual=111))
+    tokens = TokenCounts(input_tokens=100, cached_input_tokens=100, output_tokens=5)
+    bus.publish(EngineRequestStats("r1", "stop", tokens, attribution=FREE, reported_cached_input_tokens=120))
+    bus.publish(EngineRequestStats("r2", "stop", tokens, attribution=FREE))  # equal: fine
+    bus.publish(ReservationDrift(FREE, "output_tokens", reserved=10, actual=11))
+    bus.publish(ReservationDrift(FREE, "output_tokens", reserved=10, actual=10))
+    bus.publish(ReservationDrift(FREE, "input_tokens", reserved=100, actual=110))  # within 10 %
+    bus.publish(ReservationDrift(FREE, "input_tokens", reserved=100, actual=111))
     assert [(v.check, v.view, v.value, v.bound) for v in seen] == [
-        ("cached_over_input", "engine", 120, 100), ("cached_over_input", "gateway", 60, 50),
+        ("cached_over_input", "engine", 120, 100),
         ("reservation_exceeded", "output", 11, 10), ("reservation_exceeded", "input", 111, pytest.approx(110))]
     assert bus.errors_total == 0
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.collectors.gpu import CaptureNvml, NvmlCollector
@@ -22,6 +23,7 @@ from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
 from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState, RemoteEngineStats,
                            RequestCompletion, SchedulerStats, TenantSchedulerStats)
+from kvmeter.tokens import TokenCounts
 
 MIB = 1024 * 1024
 T0 = 1_790_000_000.0  # 2026-09-21 UTC
@@ -69,7 +71,7 @@ def one(rows, name, **labels) -> float:
 
 def tenant(tid, tier, *, depth=0, kv=0, running=0, oldest=0.0) -> TenantSchedulerStats:
     return TenantSchedulerStats(
-        tenant_id=tid, tier=tier, weight=1.0, queue_depth=depth, queued_prompt_tokens=depth * 100,
+        tenant_id=tid, tier=tier, weight=1.0, queue_depth=depth, queued_input_tokens=depth * 100,
         queue_wait_oldest_s=oldest, queue_wait_mean_s=0.0, projected_wait_s=0.0, running=running,
         active_kv_tokens=kv, kv_budget_tokens=0, service_total=0.0, input_tokens_total=0,
         output_tokens_total=0, vtc_counter=0.0, dispatched_total=0, completed_total=0)
@@ -84,18 +86,22 @@ def sched(tenants, **kw) -> SchedulerStats:
 
 
 def completion(tenant_id, tier, prompt, output, *, outcome="ok", slo_met=True) -> RequestCompletion:
-    return RequestCompletion(tenant_id=tenant_id, tier=tier, model="m", outcome=outcome,
-                             prompt_tokens=prompt, completion_tokens=output, slo_met=slo_met)
+    return RequestCompletion(
+        attribution=Attribution(tenant_id, tier=tier, model="m"),
+        tokens=TokenCounts(input_tokens=prompt, output_tokens=output),
+        outcome=outcome,
+        slo_met=slo_met,
+    )
 
 
 def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
     sampler = SignalSampler(bus, clock=clock, model="smollm2", config=SignalSamplerConfig())
     recorder = SignalRecorder(sampler, ledger.write_signals, clock=clock, interval_s=10)
     bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=7,
-                                num_waiting=2, generation_tokens=100, num_preempted=1,
+                                num_waiting=2, output_tokens=100, num_preempted=1,
                                 prefix_cache_queries_tokens=800, prefix_cache_hits_tokens=200))
     bus.publish(EngineStepStats(wall_ts=T0 + 1, kv_watermark_ratio=0.75, kv_blocks_total=4000, num_running=9,
-                                num_waiting=1, generation_tokens=50))
+                                num_waiting=1, output_tokens=50))
     bus.publish(sched([tenant("acme", "enterprise", depth=2, kv=3000, running=1, oldest=1.5),
                        tenant("hob", "free", depth=5, oldest=40.0),
                        tenant("idle", "free")], pressure_level=1))
@@ -121,7 +127,7 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
     assert one(rows, "kvmeter_engine_kv_watermark_ratio", **e) == 0.75  # the latest step
     assert one(rows, "kvmeter_engine_kv_used_blocks", **e) == 3000
     assert one(rows, "kvmeter_engine_running_requests", **e) == 9
-    assert one(rows, "kvmeter_engine_generation_tokens_per_second", **e) == pytest.approx(15.0)  # 150 / 10 s
+    assert one(rows, "kvmeter_engine_output_tokens_per_second", **e) == pytest.approx(15.0)  # 150 / 10 s
     assert one(rows, "kvmeter_engine_preemptions_per_second", **e) == pytest.approx(0.1)
     assert one(rows, "kvmeter_engine_prefix_cache_hit_ratio", **e) == pytest.approx(0.25)
     assert one(rows, "kvmeter_scheduler_pressure_level") == 1
@@ -154,7 +160,7 @@ def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus
     sampler = SignalSampler(bus, clock=clock, model="m", config=SignalSamplerConfig())
     recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
     bus.publish(EngineStepStats(wall_ts=T0, kv_watermark_ratio=0.5, kv_blocks_total=4000, num_running=3,
-                                generation_tokens=40, num_preempted=1, prefix_cache_queries_tokens=100,
+                                output_tokens=40, num_preempted=1, prefix_cache_queries_tokens=100,
                                 prefix_cache_hits_tokens=25))
     bus.publish(RemoteEngineStats(source="http://upstream:8000/metrics", model_name="m", engine="0", wall_ts=T0,
                                   kv_cache_usage_ratio=0.3, kv_blocks_total=1000, num_running=2.0, num_waiting=0.0))

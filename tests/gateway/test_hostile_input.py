@@ -86,7 +86,7 @@ async def test_stalled_body_is_a_408_logged_in_one_line_and_bills_nothing(instan
         assert 0.2 <= elapsed < 5, elapsed  # the deadline covers the whole body: a trickle too
     timed_out = [a for a in rec.attempts if a.tenant_id == "umbrella" and a.status_code == 408]
     assert [(a.status, a.reason) for a in timed_out] == [("invalid", "request_timeout")] * 3
-    assert {a.endpoint for a in timed_out} == {"chat.completions", "completions"}
+    assert {a.attribution.endpoint for a in timed_out} == {"chat.completions", "completions"}
     lines = [r for r in caplog.records if "request body not received within 0.2 s" in r.getMessage()]
     assert len(lines) == 3 and not any(r.exc_info for r in lines)
     # the tool-call report reads its body under the same limit

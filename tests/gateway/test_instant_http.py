@@ -74,7 +74,7 @@ async def test_json_true_is_read_as_vllm_reads_it_and_billed_by_that_value(insta
     out = 1 if field == "max_tokens" else 3
     assert len(resp.json()["choices"]) == 1 and resp.json()["usage"]["completion_tokens"] == out
     [event] = [e for e in rec.events if e.request_id == resp.headers["x-kvmeter-request-id"]]
-    assert (event.completion_tokens, event.reserved_completion_tokens) == (out, out)
+    assert (event.tokens.output_tokens, event.reserved.output_tokens) == (out, out)
 
 
 @pytest.mark.parametrize("prompt, param", [([-1], "body.prompt.0"), (None, "prompt"), ("", "prompt"),
@@ -111,7 +111,7 @@ async def test_client_leaving_mid_body_is_a_quiet_499_and_bills_nothing(instant_
     for n, path in enumerate(("/v1/chat/completions", "/v1/completions"), start=1):
         await _send_and_hang_up(instant_stack.port, path, "globex")
         await _eventually(lambda: len(gone()) == n)
-    assert {(a.status, a.reason, a.endpoint) for a in gone()} == {
+    assert {(a.status, a.reason, a.attribution.endpoint) for a in gone()} == {
         ("error", "client_disconnected", "chat.completions"), ("error", "client_disconnected", "completions")}
     # any other route that reads a body (here the tool-call report) is as quiet
     await _send_and_hang_up(instant_stack.port, "/v1/agent_runs/run-1/tool_calls", "globex")
@@ -131,7 +131,7 @@ async def test_over_long_header_is_refused_and_its_attempt_recorded_bounded(inst
                               json={"model": instant_stack.model, **GOOD})
     assert resp.status_code == 400, resp.text
     attempt = rec.attempt(resp.headers["x-kvmeter-request-id"])  # recorded, not dropped as InvalidRecord
-    kept = attempt.idempotency_key if header == "idempotency-key" else attempt.agent_run_id
+    kept = attempt.idempotency_key if header == "idempotency-key" else attempt.attribution.agent_run_id
     assert kept.startswith("sha256:") and len(kept) == 71
     assert (attempt.status, attempt.status_code) == ("invalid" if header == "idempotency-key" else "rejected", 400)
     assert rec.billed("acme") == before
@@ -165,3 +165,32 @@ async def test_engine_series_carry_the_served_model_name(model_dir, monkeypatch,
         assert 'model=""' not in text
     finally:
         runtime.exporter.close()
+
+
+async def test_one_attribution_object_is_carried_from_admission_to_every_record(instant_stack, iclient):
+    from kvmeter.stats import AdmissionDecision, RequestCompletion
+
+    seen: list = []
+    bus = instant_stack.runtime.bus
+    unsubscribe = [bus.subscribe(AdmissionDecision, seen.append), bus.subscribe(RequestCompletion, seen.append)]
+    try:
+        resp = await iclient.post("/v1/chat/completions", headers={**auth("acme"), "x-agent-run-id": "run-42"},
+                                  json={"model": instant_stack.model, **GOOD})
+        assert resp.status_code == 200, resp.text
+        rid = resp.headers["x-request-id"]
+        await _eventually(lambda: any(isinstance(s, RequestCompletion) for s in seen))
+    finally:
+        for u in unsubscribe:
+            u()
+    (event,) = [e for e in instant_stack.recorder.events if e.request_id == rid]
+    attempt = instant_stack.recorder.attempt(rid)
+    a = event.attribution
+    # built once from the principal, the run id header, the served model and the endpoint...
+    assert (a.tenant_id, a.agent_run_id, a.model, a.endpoint) == ("acme", "run-42", instant_stack.model,
+                                                                  "chat.completions")
+    assert a.api_key_id and a.tier and a.workspace_id and a.project_id
+    # ...and the same object everywhere it went (a copy would be equal, not identical)
+    assert attempt.attribution is a
+    assert all(s.attribution is a for s in seen), seen
+    assert event.reserved == attempt.reserved and event.tokens.output_tokens == 2
+    assert resp.json()["usage"]["completion_tokens"] == event.tokens.output_tokens  # wire name on the wire only

@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import pytest
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.events import event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.serving.tenancy import TierPolicy
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
-IDENT = RequestIdentity(request_id="kvm-1", tenant_id="acme", tier="enterprise", model="m",
-                        endpoint="chat.completions", stream=True)
+ACME = Attribution("acme", tier="enterprise", model="m", endpoint="chat.completions")
+IDENT = RequestIdentity(request_id="kvm-1", attribution=ACME, stream=True)
 
 
 def _out(total: int, new: int, *, prompt: int = 100, cached: int = 0, finished: bool = False,
          stats: EngineRequestStats | None = None) -> EngineOutput:
     return EngineOutput(new_token_ids=[1] * new, new_text="x" * new, num_output_tokens=total,
-                        num_prompt_tokens=prompt, num_cached_tokens=cached, finished=finished,
+                        num_input_tokens=prompt, num_cached_input_tokens=cached, finished=finished,
                         finish_reason="length" if finished else None, stats=stats)
 
 
 def test_ttft_itl_and_kv_token_seconds_by_hand():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=100, reserved_completion_tokens=4)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=100, output_tokens=4))
     clock.advance(0.5)
     meter.dispatched()                       # queued 0.5 s
     clock.advance(1.0)
@@ -32,8 +34,14 @@ def test_ttft_itl_and_kv_token_seconds_by_hand():
     clock.advance(0.2)
     meter.on_output(_out(3, 2))              # 2 tokens after 0.2 s → two ITLs of 0.1 s; held 101 × 0.2
     clock.advance(0.3)
-    stats = EngineRequestStats("kvm-1", "length", prompt_tokens=100, generation_tokens=4,
-                               cached_prompt_tokens=40, queued_s=0.05, prefill_s=0.9, decode_s=0.5)
+    stats = EngineRequestStats(
+        "kvm-1",
+        "length",
+        TokenCounts(input_tokens=100, cached_input_tokens=40, output_tokens=4),
+        queued_s=0.05,
+        prefill_s=0.9,
+        decode_s=0.5,
+    )
     meter.on_output(_out(4, 1, finished=True, stats=stats))  # held 103 × 0.3, then KV freed
     clock.advance(5.0)                       # time after the engine finished does not hold KV
     event, done = meter.finish("ok", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0, itl_slo_s=0.2))
@@ -42,8 +50,9 @@ def test_ttft_itl_and_kv_token_seconds_by_hand():
     assert event.itl_mean_s == pytest.approx(0.5 / 3)
     assert event.kv_token_seconds == pytest.approx(100 * 1.0 + 101 * 0.2 + 103 * 0.3)
     assert event.queue_s == pytest.approx(0.5 + 0.05)
-    # engine-true counts from the engine's own stats, cached ⊆ prompt
-    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (100, 40, 4)
+    # engine-true counts from the engine's own stats, cached ⊆ input
+    assert event.tokens == stats.tokens == TokenCounts(100, 40, 4, 0) and done.tokens is event.tokens
+    assert event.attribution is done.attribution is ACME  # carried by reference, never copied
     assert event.token_source == "engine_hooks"
     assert event.e2e_s == pytest.approx(7.0)
     assert done.slo_met is True
@@ -52,80 +61,81 @@ def test_ttft_itl_and_kv_token_seconds_by_hand():
 
 def test_abort_bills_what_the_frontend_saw_and_misses_its_slo():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=50, reserved_completion_tokens=500)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=50, output_tokens=500))
     meter.dispatched()
     clock.advance(0.1)
     meter.on_output(_out(7, 7, prompt=50, cached=16))
     clock.advance(0.1)
     event, done = meter.finish("aborted", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0), finish_reason="abort")
-    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (50, 16, 7)
+    assert event.tokens == TokenCounts(input_tokens=50, cached_input_tokens=16, output_tokens=7)
     assert event.token_source == "frontend" and event.outcome == "aborted"
-    assert event.reserved_completion_tokens == 500
+    assert event.reserved == TokenCounts(input_tokens=50, output_tokens=500)
     assert event.kv_token_seconds == pytest.approx(50 * 0.1 + 57 * 0.1)  # held until the abort
     assert done.slo_met is False
 
 
 def test_abort_before_any_output_without_an_engine_account_bills_nothing():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=4000, reserved_completion_tokens=10)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=4000, output_tokens=10))
     meter.dispatched()
     clock.advance(3.0)
     event, _ = meter.finish("aborted", status_code=499, finish_reason="abort")
-    assert (event.prompt_tokens, event.completion_tokens, event.kv_token_seconds) == (0, 0, 0.0)
+    assert (event.tokens, event.kv_token_seconds) == (TokenCounts(), 0.0)
     assert event.ttft_s is None
 
 
 def _abort_account(prompt: int, generated: int, cached: int = 0) -> EngineRequestStats:
     """What the vLLM scheduler hook reports for a request it freed early."""
-    return EngineRequestStats("kvm-1", "abort", prompt_tokens=prompt, generation_tokens=generated,
-                              cached_prompt_tokens=cached, computed_tokens=prompt + generated,
+    return EngineRequestStats("kvm-1", "abort", TokenCounts(input_tokens=prompt, output_tokens=generated,
+                                                            cached_input_tokens=cached),
+                              computed_tokens=prompt + generated,
                               preempted_tokens=0, phase_times_measured=False)
 
 
 def test_abort_before_any_output_bills_the_engines_account_of_its_prefill():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=1500, reserved_completion_tokens=10)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=1500, output_tokens=10))
     clock.advance(0.25)
     meter.dispatched()
     clock.advance(0.5)  # the client leaves mid-prefill; the engine ran two 256-token chunks
     meter.engine_account(_abort_account(512, 0))
     event, done = meter.finish("aborted", status_code=200, finish_reason="abort")
-    assert (event.prompt_tokens, event.completion_tokens, event.cached_prompt_tokens) == (512, 0, 0)
+    assert event.tokens == TokenCounts(input_tokens=512)
     assert event.token_source == "engine_hooks" and event.outcome == "aborted"
-    assert event.reserved_prompt_tokens == 1500
+    assert event.reserved.input_tokens == 1500
     assert event.prefill_s is None and event.decode_s is None  # the account measured no phases
     assert event.queue_s == pytest.approx(0.25) and event.ttft_s is None
-    assert (done.prompt_tokens, done.completion_tokens) == (512, 0)
+    assert done.tokens == TokenCounts(input_tokens=512)
 
 
 def test_abort_mid_stream_bills_what_the_engine_generated_not_what_arrived():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=50, reserved_completion_tokens=500)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=50, output_tokens=500))
     meter.dispatched()
     meter.on_output(_out(7, 7, prompt=50, cached=16))
     meter.engine_account(_abort_account(50, 9, cached=16))  # two tokens were in flight
     event, _ = meter.finish("aborted", status_code=200, finish_reason="abort")
-    assert (event.prompt_tokens, event.cached_prompt_tokens, event.completion_tokens) == (50, 16, 9)
+    assert event.tokens == TokenCounts(input_tokens=50, cached_input_tokens=16, output_tokens=9)
     assert event.token_source == "engine_hooks"
 
 
 def test_an_account_after_the_final_delta_changes_nothing():
     clock = ManualClock()
-    meter = RequestMeter(IDENT, clock, prompt_tokens=100, reserved_completion_tokens=4)
+    meter = RequestMeter(IDENT, clock, reserved=TokenCounts(input_tokens=100, output_tokens=4))
     meter.dispatched()
-    final = EngineRequestStats("kvm-1", "length", prompt_tokens=100, generation_tokens=4, prefill_s=0.2)
+    final = EngineRequestStats("kvm-1", "length", TokenCounts(input_tokens=100, output_tokens=4), prefill_s=0.2)
     meter.on_output(_out(4, 4, finished=True, stats=final))
     meter.engine_account(_abort_account(100, 6))
     meter.engine_account(None)
     event, _ = meter.finish("ok", status_code=200)
-    assert (event.prompt_tokens, event.completion_tokens, event.prefill_s) == (100, 4, 0.2)
+    assert (event.tokens, event.prefill_s) == (TokenCounts(input_tokens=100, output_tokens=4), 0.2)
 
 
 def test_idempotency_key_decides_the_event_id_and_slow_ttft_misses_the_slo():
     clock = ManualClock()
-    ident = RequestIdentity(request_id="kvm-2", tenant_id="acme", tier="t", model="m", endpoint="e",
+    ident = RequestIdentity(request_id="kvm-2", attribution=Attribution("acme", tier="t", model="m", endpoint="e"),
                             stream=False, idempotency_key="order-17", attempt=2)
-    meter = RequestMeter(ident, clock, prompt_tokens=10, reserved_completion_tokens=1)
+    meter = RequestMeter(ident, clock, reserved=TokenCounts(input_tokens=10, output_tokens=1))
     meter.dispatched()
     clock.advance(3.0)
     meter.on_output(_out(1, 1, prompt=10, finished=True))

@@ -20,7 +20,9 @@ from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.engines.finished import merge_stats
 from kvmeter.serving.runtime import ServeRuntime
+from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 from tests.conftest import free_port, start_uvicorn
 from tests.gateway.conftest import MemoryRecorder, auth
 
@@ -28,8 +30,9 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 def _stats(rid: str, prompt: int, gen: int, cached: int = 0, **kw) -> EngineRequestStats:
-    return EngineRequestStats(request_id=rid, finish_reason="length", prompt_tokens=prompt, generation_tokens=gen,
-                              cached_prompt_tokens=cached, **kw)
+    return EngineRequestStats(request_id=rid, finish_reason="length",
+                              tokens=TokenCounts(input_tokens=prompt, output_tokens=gen, cached_input_tokens=cached),
+                              **kw)
 
 
 # -- merging engine records -----------------------------------------------------------------------
@@ -38,15 +41,15 @@ def _stats(rid: str, prompt: int, gen: int, cached: int = 0, **kw) -> EngineRequ
 def test_n_sequences_count_their_prompt_once_and_every_output():
     merged = merge_stats("kvm-1", [[_stats("kvm-1", 30, 8, cached=16, decode_s=0.5, preemptions=1),
                                     _stats("kvm-1", 30, 5, cached=0, decode_s=0.7, preemptions=2)]])
-    assert (merged.request_id, merged.prompt_tokens, merged.generation_tokens) == ("kvm-1", 30, 13)
-    assert merged.cached_prompt_tokens == 0  # never more than every sequence got from the cache
+    assert (merged.request_id, merged.tokens.input_tokens, merged.tokens.output_tokens) == ("kvm-1", 30, 13)
+    assert merged.tokens.cached_input_tokens == 0  # never more than every sequence got from the cache
     assert (merged.decode_s, merged.preemptions) == (0.7, 3)
 
 
 def test_prompts_of_a_prompt_list_add_up_into_the_requests_record():
     merged = merge_stats("kvm-2", [[_stats("kvm-2-0", 4, 6, cached=2)], [_stats("kvm-2-1", 7, 6, cached=3)]])
-    assert (merged.request_id, merged.prompt_tokens, merged.generation_tokens, merged.cached_prompt_tokens) == (
-        "kvm-2", 11, 12, 5)
+    assert (merged.request_id, merged.tokens) == (
+        "kvm-2", TokenCounts(input_tokens=11, output_tokens=12, cached_input_tokens=5))
 
 
 def test_one_record_of_the_request_itself_is_kept_as_it_is():
@@ -69,7 +72,7 @@ async def test_unclaimed_stats_are_published_and_claimed_ones_taken_once_all_arr
     await asyncio.sleep(0)
     assert not taker.done()  # one of two sequences reported
     store.put(_stats("kvm-4", 5, 4))
-    assert [s.generation_tokens for s in await taker] == [3, 4]
+    assert [s.tokens.output_tokens for s in await taker] == [3, 4]
     assert [s.request_id for s in published] == ["other"]
     store.put(_stats("kvm-4", 5, 9))  # the claim ended: a late report is published
     assert [s.request_id for s in published] == ["other", "kvm-4"]
@@ -83,8 +86,21 @@ async def test_a_released_claim_publishes_what_arrived_and_what_comes_later():
     assert published == []
     store.release("kvm-5")  # aborted: the engine's view stays as the engine reported it
     store.put(_stats("kvm-5", 5, 2))
-    assert [s.generation_tokens for s in published] == [1, 2]
+    assert [s.tokens.output_tokens for s in published] == [1, 2]
     assert await store.take("kvm-5", 1, timeout_s=0.01) == []  # nothing claimed any more
+
+
+async def test_a_claims_attribution_is_stamped_on_every_report_even_after_the_release():
+    acme = Attribution("acme", tier="free", api_key_id="k1", model="m", endpoint="chat.completions")
+    published: list[EngineRequestStats] = []
+    store = FinishedStats(published.append)
+    store.claim("kvm-6", acme)
+    store.put(_stats("kvm-6", 5, 1))  # the hooks know only ids: the report comes unattributed
+    store.release("kvm-6")  # the client left: the abort's account arrives with the next step
+    store.put(_stats("kvm-6", 5, 2))
+    store.put(_stats("never-claimed", 5, 3))
+    assert [s.attribution for s in published] == [acme, acme, UNATTRIBUTED]
+    assert (await store.account("kvm-6", timeout_s=0)).attribution is acme
 
 
 # -- the instant engine's stack ---------------------------------------------------------------------
@@ -119,11 +135,12 @@ async def test_n_choices_bill_every_output_once_with_one_engine_record(instant_s
     usage = body["usage"]
     assert usage["completion_tokens"] == 15
     event = _event(instant_stack, resp)
-    assert (event.prompt_tokens, event.completion_tokens, event.token_source) == (
+    assert (event.tokens.input_tokens, event.tokens.output_tokens, event.token_source) == (
         usage["prompt_tokens"], 15, "engine_hooks")
-    assert (event.reserved_prompt_tokens, event.reserved_completion_tokens) == (usage["prompt_tokens"], 15)
+    assert (event.reserved.input_tokens, event.reserved.output_tokens) == (usage["prompt_tokens"], 15)
     [record] = [r for r in records if r.request_id == event.request_id]
-    assert (record.prompt_tokens, record.generation_tokens) == (usage["prompt_tokens"], 15)
+    assert (record.tokens.input_tokens, record.tokens.output_tokens) == (usage["prompt_tokens"], 15)
+    assert record.attribution is event.attribution  # the merged record carries the request's attribution
     assert len(records) == 1  # three sequences, one engine record
 
 
@@ -138,10 +155,11 @@ async def test_a_prompt_list_streamed_is_one_request_billed_as_its_usage_chunk(i
     assert events[-1]["choices"] == [] and usage["completion_tokens"] == 16  # 2 prompts × n=2 × 4
     assert sorted({c["index"] for e in events for c in e["choices"]}) == [0, 1, 2, 3]
     event = _event(instant_stack, resp)
-    assert (event.prompt_tokens, event.completion_tokens, event.stream) == (usage["prompt_tokens"], 16, True)
+    assert (event.tokens.input_tokens, event.tokens.output_tokens, event.stream) == (usage["prompt_tokens"], 16, True)
     [record] = records
-    assert (record.request_id, record.prompt_tokens, record.generation_tokens) == (
+    assert (record.request_id, record.tokens.input_tokens, record.tokens.output_tokens) == (
         event.request_id, usage["prompt_tokens"], 16)
+    assert record.attribution.tenant_id == "globex" and record.attribution is event.attribution
 
 
 async def test_clients_reusing_an_x_request_id_get_it_back_and_distinct_requests(instant_stack, iclient, records):
@@ -239,5 +257,5 @@ async def test_reasoning_tokens_are_reported_and_stored(reasoning_stack, stream)
     thought = usage["completion_tokens_details"]["reasoning_tokens"]
     assert 0 < thought < usage["completion_tokens"] == sentence
     [event] = [e for e in recorder.events if e.request_id == resp.headers["x-kvmeter-request-id"]]
-    assert (event.completion_tokens, event.reasoning_tokens) == (sentence, thought)
+    assert (event.tokens.output_tokens, event.tokens.reasoning_tokens) == (sentence, thought)
     assert "x-request-id" not in resp.headers  # enable_request_id_headers off: none, as vLLM sends none

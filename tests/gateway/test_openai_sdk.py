@@ -42,11 +42,12 @@ def _billed(stack, request_id: str, usage, records: list[EngineRequestStats] | N
     """The one ledger row of ``request_id``: its tokens are the SDK's ``usage``, counted by the
     engine; with ``records``, exactly one engine record of the request carries the same counts."""
     [row] = stack.usage(request_id)
-    assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
+    assert (row["input_tokens"], row["output_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
     assert row["outcome"] == "ok" and row["token_source"] == "engine_hooks"
     if records is not None:
         [engine] = [r for r in records if r.request_id == request_id]
-        assert (engine.prompt_tokens, engine.generation_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+        assert (engine.tokens.input_tokens, engine.tokens.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+        assert engine.attribution.tenant_id == row["tenant_id"]  # stamped on the merged engine record
     return row
 
 
@@ -113,7 +114,7 @@ async def test_n2_bills_every_choice_and_the_prompt_once(stack, engine_records):
     outputs = completion.usage.completion_tokens
     assert outputs == 16  # 2 × 8: two sequences, neither stopped early at top_k=1 on this prompt
     row = _billed(stack, raw.headers["x-kvmeter-request-id"], completion.usage, engine_records)
-    assert row["reserved_completion_tokens"] == 16  # n × max_tokens reserved
+    assert row["reserved_output_tokens"] == 16  # n × max_tokens reserved
 
 
 async def test_logprobs_and_top_logprobs(stack):

@@ -43,7 +43,7 @@ def main() -> None:
             "final": q("SELECT count() FROM usage_events FINAL")[0][0],
             "distinct": q("SELECT uniqExact(event_id) FROM usage_events")[0][0],
             "request_ids": [r[0] for r in q("SELECT request_id FROM usage_events FINAL")],
-            "prompt_tokens": q("SELECT sum(prompt_tokens) FROM usage_events FINAL")[0][0],
+            "input_tokens": q("SELECT sum(input_tokens) FROM usage_events FINAL")[0][0],
         }))
         ledger.close()
 

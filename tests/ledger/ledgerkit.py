@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any, Iterator
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.ledger import AttemptRecord, Ledger, Period, parse_period
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 #: 2026-11-15T00:00:00Z — events of the tests' billing period 2026-11.
 T0 = datetime(2026, 11, 15, tzinfo=timezone.utc).timestamp()
@@ -19,31 +22,57 @@ PERIOD: Period = parse_period("2026-11")
 MODEL = "SmolLM2-135M-Instruct"
 
 
+def make_attribution(tenant: str = "acme", **overrides: Any) -> Attribution:
+    """The attribution of ``tenant``'s requests in the ledger tests (``overrides``: its fields)."""
+    fields: dict[str, Any] = dict(tenant_id=tenant, workspace_id="ws1", project_id="proj1",
+                                  api_key_id=f"{tenant}-key1", tier="paid_interactive", model=MODEL,
+                                  endpoint="chat.completions")
+    fields.update(overrides)
+    return Attribution(**fields)
+
+
+_ATTRIBUTION_FIELDS = {f.name for f in dataclasses.fields(Attribution)}
+_TOKEN_FIELDS = {f.name for f in dataclasses.fields(TokenCounts)}
+
+
 def make_event(i: int, tenant: str = "acme", *, key: str | None = None, **overrides: Any) -> UsageEvent:
-    """A realistic usage event number ``i`` of ``tenant`` (finished at T0 + i seconds)."""
+    """A realistic usage event number ``i`` of ``tenant`` (finished at T0 + i seconds).
+
+    ``overrides`` may name any field of the event, of its attribution (``tier``, ``model``,
+    ``api_key_id``...) or of its token counts (``input_tokens``...)."""
+    attribution = make_attribution(tenant, **{k: overrides.pop(k) for k in list(overrides) if k in _ATTRIBUTION_FIELDS})
+    counts: dict[str, Any] = dict(input_tokens=25, output_tokens=10)
+    counts.update({k: overrides.pop(k) for k in list(overrides) if k in _TOKEN_FIELDS})
     fields: dict[str, Any] = dict(
-        event_id=event_id_for(tenant, key or f"req-{i}"), tenant_id=tenant, request_id=f"{tenant}-r{i}",
-        tier="paid_interactive", model=MODEL, endpoint="chat.completions", outcome="ok", finish_reason="stop",
-        arrival_ts=T0 + i, finish_ts=T0 + i + 0.5, prompt_tokens=25, completion_tokens=10,
-        org_id=tenant, workspace_id="ws1", project_id="proj1", api_key_id=f"{tenant}-key1",
-        reserved_prompt_tokens=25, reserved_completion_tokens=64, ttft_s=0.05, itl_mean_s=0.01, e2e_s=0.5,
-        kv_token_seconds=12.5,
+        event_id=event_id_for(tenant, key or f"req-{i}"), request_id=f"{tenant}-r{i}", attribution=attribution,
+        outcome="ok", finish_reason="stop", arrival_ts=T0 + i, finish_ts=T0 + i + 0.5,
+        tokens=TokenCounts(**counts), reserved=TokenCounts(input_tokens=25, output_tokens=64),
+        ttft_s=0.05, itl_mean_s=0.01, e2e_s=0.5, kv_token_seconds=12.5,
     )
     fields.update(overrides)
     return UsageEvent(**fields)
 
 
 def make_attempt(event: UsageEvent, status: str = "admitted", **overrides: Any) -> AttemptRecord:
-    """The gateway's attempt record for ``event``."""
+    """The gateway's attempt record for ``event`` (same attribution, by reference)."""
     fields: dict[str, Any] = dict(
-        tenant_id=event.tenant_id, request_id=event.request_id, status=status, ts=event.arrival_ts,
-        event_id=event.event_id, tier=event.tier, model=event.model, endpoint=event.endpoint, org_id=event.org_id,
-        workspace_id=event.workspace_id, project_id=event.project_id, api_key_id=event.api_key_id,
-        reserved_prompt_tokens=event.reserved_prompt_tokens,
-        reserved_completion_tokens=event.reserved_completion_tokens,
+        attribution=event.attribution, request_id=event.request_id, status=status, ts=event.arrival_ts,
+        event_id=event.event_id, reserved=event.reserved,
     )
     fields.update(overrides)
     return AttemptRecord(**fields)
+
+
+def engine_stats(event: UsageEvent, *, extra_output: int = 0, **overrides: Any) -> EngineRequestStats:
+    """The engine's account of ``event``'s request, stamped with its attribution (as the engines
+    do); ``extra_output`` tokens more than the event was billed for."""
+    tokens = event.tokens
+    fields: dict[str, Any] = dict(
+        tokens=TokenCounts(input_tokens=tokens.input_tokens, cached_input_tokens=tokens.cached_input_tokens,
+                           output_tokens=tokens.output_tokens + extra_output),
+        wall_ts=event.finish_ts, attribution=event.attribution)
+    fields.update(overrides)
+    return EngineRequestStats(event.request_id, "stop", **fields)
 
 
 
@@ -64,8 +93,7 @@ async def fill_ledger(ledger: Ledger, n: int = 40, *, keys_per_tenant: int = 2, 
         e = make_event(i, "acme" if i % 2 else "globex", api_key_id=f"key-{i % (2 * keys_per_tenant)}",
                        model="mystery-model" if unpriced and i == 0 else MODEL)
         await ledger.record_attempt(make_attempt(e))
-        bus.publish(EngineRequestStats(e.request_id, "stop", e.prompt_tokens,
-                                       e.completion_tokens + (1 if drift and i == 3 else 0), wall_ts=e.finish_ts))
+        bus.publish(engine_stats(e, extra_output=1 if drift and i == 3 else 0))
         await ledger.record(e)
     assert ledger.flush()
 

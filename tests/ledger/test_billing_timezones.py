@@ -14,8 +14,8 @@ from kvmeter.ledger.http_client import LedgerHttpClient
 from kvmeter.serving.tenancy import Principal
 
 ZONES = {"acme": "America/New_York", "nepal": "Asia/Kathmandu"}
-ADMIN = Principal("ops", "enterprise", "ops", "w", "p", "admin", admin=True)
-ACME = Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "acme-key1")
+ADMIN = Principal("ops", "enterprise", "w", "p", "admin", admin=True)
+ACME = Principal("acme", "paid_interactive", "ws1", "proj1", "acme-key1")
 
 
 def ts(iso: str) -> float:

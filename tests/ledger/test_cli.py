@@ -16,7 +16,7 @@ from ledgerkit import fill_ledger, read_api_in_thread
 from kvmeter.cli import build_parser, main
 from kvmeter.serving.tenancy import Principal
 
-ACME = Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")
+ACME = Principal("acme", "paid_interactive", "ws1", "proj1", "k")
 
 
 def kvmeter(*args: str) -> subprocess.CompletedProcess:

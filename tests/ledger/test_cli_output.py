@@ -14,7 +14,7 @@ from ledgerkit import fill_ledger, read_api_in_thread
 
 from kvmeter.serving.tenancy import Principal
 
-ACME = Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "k")
+ACME = Principal("acme", "paid_interactive", "ws1", "proj1", "k")
 
 NO_LEDGER_ENV = ("KVMETER_LEDGER_DSN", "KVMETER_SPOOL_DIR", "KVMETER_API_KEY")
 

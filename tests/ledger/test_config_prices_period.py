@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import decimal
 from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
-from kvmeter.ledger import ConfigError, LedgerConfig, PeriodError, PriceListError, load_price_list, parse_period
+from kvmeter.ledger import (ConfigError, LedgerConfig, PeriodError, PriceListError, UnpricedModel, load_price_list,
+                            parse_period)
 from kvmeter.ledger.config import parse_dsn, require_existing_ledger
 from kvmeter.ledger.prices import parse_price_list
+from kvmeter.tokens import TokenCounts
 
 
 # --------------------------------------------------------------------------- config
@@ -110,6 +113,37 @@ def test_yaml_floats_are_read_as_exact_decimals(tmp_path: Path) -> None:
     assert prices.unit_price("m", "gold", "input") * 10_000_000 == Decimal("0.9")
     assert prices.unit_price("m", "unknown-tier", "input") * 10_000_000 == Decimal("1.0")
     assert prices.unit_price("other", "gold", "input") is None
+
+
+def test_the_price_function_prices_each_part_at_its_own_exact_price(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("version: t\ncurrency: USD\ntiers: {gold: 0.25}\n"
+                    "models:\n  r: {input: 0.75, cached_input: 0.1875, output: 0.99, reasoning: 1.5}\n"
+                    "  plain: {input: 0.30, cached_input: 0.03, output: 0.60}\n")
+    prices = load_price_list(path)
+    tokens = TokenCounts(input_tokens=4_000_001, cached_input_tokens=1_000_000, output_tokens=900_003,
+                         reasoning_tokens=700_001)
+    # (input − cached) × input + cached × cached_input + (output − reasoning) × output + reasoning ×
+    # reasoning, per million, after the tier's discount: exact, never rounded
+    list_price = (Decimal("3000001") * Decimal("0.75") + Decimal("1000000") * Decimal("0.1875")
+                  + Decimal("200002") * Decimal("0.99") + Decimal("700001") * Decimal("1.5")) / 1_000_000
+    assert prices.cost("r", "free", tokens) == list_price == Decimal("3.68550423")
+    assert prices.cost("r", "gold", tokens) == list_price * Decimal("0.75")
+    # a list without a reasoning price prices reasoning tokens as output
+    assert prices.cost("plain", "free", tokens) == prices.cost("plain", "free", TokenCounts(
+        input_tokens=4_000_001, cached_input_tokens=1_000_000, output_tokens=900_003))
+    assert prices.cost("r", "free", TokenCounts()) == 0
+    # the rounding point is the invoice line, not the price function
+    assert prices.round(prices.cost("r", "free", tokens)) == Decimal("3.69")
+    with pytest.raises(UnpricedModel, match="mystery"):
+        prices.cost("mystery", "free", tokens)
+    assert prices.cost_if_priced("mystery", "free", tokens) is None
+    # counts far beyond any invoice stay exact (a 60-digit context that refuses to round)
+    huge = TokenCounts(input_tokens=10**30, output_tokens=10**30 - 1, reasoning_tokens=1)
+    with decimal.localcontext(prec=80):
+        expected = (Decimal(10**30) * Decimal("0.75") + (Decimal(10**30) - 2) * Decimal("0.99")
+                    + Decimal("1.5")) / 1_000_000 * Decimal("0.75")
+    assert prices.cost("r", "gold", huge) == expected and len(expected.as_tuple().digits) > 28
 
 
 @pytest.mark.parametrize("body,match", [

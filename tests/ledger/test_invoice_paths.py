@@ -15,6 +15,7 @@ from typing import Any
 import polars as pl
 from ledgerkit import PERIOD, T0, make_attempt, make_event, read_api_in_thread
 
+from kvmeter.attribution import Attribution
 from kvmeter.dashboards.http_source import HttpSource
 from kvmeter.dashboards.sql import SqlSource
 from kvmeter.ledger import Adjustment, Period
@@ -24,7 +25,7 @@ from kvmeter.ledger.http_client import LedgerHttpClient
 from kvmeter.serving.tenancy import Principal
 
 ADMIN_KEY = "sk-ops-admin"
-ADMIN = Principal("ops", "enterprise", "ops", "", "", "ops-admin", admin=True)
+ADMIN = Principal("ops", "enterprise", "", "", "ops-admin", admin=True)
 
 
 def _report(tmp_path: Path, name: str, *source: str) -> list[dict[str, Any]]:
@@ -49,14 +50,14 @@ async def test_cli_read_api_and_dashboards_show_the_same_invoice(open_ledger, co
     ledger = open_ledger()
     for i in range(12):  # every token type, three API keys per tenant, amounts that round
         tenant = ("acme", "globex")[i % 2]
-        event = make_event(i, tenant, api_key_id=f"{tenant}-key{i % 3}", prompt_tokens=100_000 + 7_777 * i,
-                           cached_prompt_tokens=3_333 * i, completion_tokens=20_000 + 1_111 * i,
+        event = make_event(i, tenant, api_key_id=f"{tenant}-key{i % 3}", input_tokens=100_000 + 7_777 * i,
+                           cached_input_tokens=3_333 * i, output_tokens=20_000 + 1_111 * i,
                            reasoning_tokens=500 * i, tier="enterprise" if i % 4 == 1 else "paid_interactive")
         await ledger.record(event)
         await ledger.record_attempt(make_attempt(event))
     await ledger.record_attempt(make_attempt(make_event(50, "acme"), status="rejected"))
     assert ledger.flush()
-    ledger.adjust(Adjustment(tenant_id="globex", amount=Decimal("-1.25"), ts=T0, reason="outage credit"))
+    ledger.adjust(Adjustment(Attribution("globex"), amount=Decimal("-1.25"), ts=T0, reason="outage credit"))
 
     with read_api_in_thread(ledger, {ADMIN_KEY: ADMIN}) as url:
         with LedgerHttpClient(url, ADMIN_KEY) as client:

@@ -8,13 +8,15 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from ledgerkit import PERIOD, T0, make_attempt, make_event, scalar
+from ledgerkit import PERIOD, T0, make_attempt, make_attribution, make_event, scalar
 
+from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.ledger import Adjustment, InvalidRecord, MigrationError, SignalSample
 from kvmeter.ledger.records import USAGE_STREAM, encode_usage
 from kvmeter.ledger.schema import load_migrations, migrate, render
 from kvmeter.stats import EngineRequestStats, LedgerStats
+from kvmeter.tokens import TokenCounts
 
 
 async def test_record_is_durable_then_drains_and_reads_back(open_ledger) -> None:
@@ -28,7 +30,7 @@ async def test_record_is_durable_then_drains_and_reads_back(open_ledger) -> None
     assert ledger.stats().spool_depth_events == 0
     (row,) = ledger.queries.usage_summary(PERIOD)
     assert row["tenant_id"] == "acme" and row["requests"] == 300
-    assert row["prompt_tokens"] == 300 * 25 and row["completion_tokens"] == 300 * 10
+    assert row["input_tokens"] == 300 * 25 and row["output_tokens"] == 300 * 10
     assert row["kv_token_seconds"] == pytest.approx(300 * 12.5)
     assert row["ttft_p50_s"] == pytest.approx(0.05) and row["itl_p95_s"] == pytest.approx(0.01)
     # 7,500 input at 0.30/M + 3,000 output at 0.60/M, exact
@@ -44,7 +46,7 @@ async def test_same_event_in_two_batches_is_billed_once(open_ledger) -> None:
     assert ledger.stats().events_ingested_total["duplicate"] == 1
     assert scalar(ledger, "SELECT count() FROM usage_events") == 2  # two batches, two tokens: stored twice
     assert ledger.queries.usage_summary(PERIOD)[0]["requests"] == 1  # ...billed once (FINAL)
-    assert ledger.queries.invoice_usage(PERIOD)[0]["prompt_tokens"] == 25
+    assert ledger.queries.invoice_usage(PERIOD)[0]["input_tokens"] == 25
 
 
 async def test_same_batch_ingested_twice_is_stored_once(open_ledger) -> None:
@@ -55,7 +57,8 @@ async def test_same_batch_ingested_twice_is_stored_once(open_ledger) -> None:
     payload = stream.read_batch(batch)
     client = ledger.queries._get()
     for _ in range(2):  # a writer that lost the acknowledgement sends the same batch again
-        client.raw_insert("usage_events", column_names=list(USAGE_STREAM.columns_for(1)), insert_block=payload,
+        client.raw_insert("usage_events", column_names=list(USAGE_STREAM.columns_for(USAGE_STREAM.schema)),
+                          insert_block=payload,
                           fmt="JSONCompactEachRow", settings={"insert_deduplication_token": batch.token})
     assert ledger.flush()  # the writer itself now inserts the batch a third time, same token
     assert scalar(ledger, "SELECT count() FROM usage_events") == 50  # the token dropped the repeats
@@ -74,11 +77,11 @@ async def test_same_event_id_from_two_tenants_is_two_records(open_ledger) -> Non
 
 async def test_a_later_attempt_replaces_the_earlier_one(open_ledger) -> None:
     ledger = open_ledger()
-    await ledger.record(make_event(1, completion_tokens=3, outcome="aborted", finish_reason="abort"))
-    await ledger.record(make_event(1, request_id="acme-r1-retry", completion_tokens=10, attempt=2))
+    await ledger.record(make_event(1, output_tokens=3, outcome="aborted", finish_reason="abort"))
+    await ledger.record(make_event(1, request_id="acme-r1-retry", output_tokens=10, attempt=2))
     assert ledger.flush()
     (row,) = ledger.queries.invoice_usage(PERIOD)
-    assert (row["requests"], row["completion_tokens"], row["aborted_requests"]) == (1, 10, 0)
+    assert (row["requests"], row["output_tokens"], row["aborted_requests"]) == (1, 10, 0)
 
 
 async def test_invalid_event_is_refused_counted_and_never_spooled(open_ledger) -> None:
@@ -114,16 +117,21 @@ async def test_spool_depth_and_age_are_published_on_the_bus(open_ledger, clock) 
     assert seen[-1].drained_records_total["usage"] == 1
 
 
-async def test_engine_stats_from_the_bus_land_in_engine_requests(open_ledger) -> None:
+async def test_engine_stats_from_the_bus_land_in_engine_requests_under_the_stamped_tenant(open_ledger) -> None:
     bus = StatsBus()
     ledger = open_ledger(bus=bus)
-    bus.publish(EngineRequestStats(request_id="acme-r1", finish_reason="stop", prompt_tokens=25,
-                                   generation_tokens=10, wall_ts=T0 + 1.5))
-    bus.publish(EngineRequestStats(request_id="", finish_reason="stop", prompt_tokens=1, generation_tokens=1))
+    # no attempt of these requests was ever recorded: the tenant comes from the stats themselves
+    bus.publish(EngineRequestStats(request_id="acme-r1", finish_reason="stop",
+                                   tokens=TokenCounts(input_tokens=25, output_tokens=10), wall_ts=T0 + 1.5,
+                                   attribution=make_attribution("acme")))
+    bus.publish(EngineRequestStats(request_id="bench-r1", finish_reason="stop",
+                                   tokens=TokenCounts(input_tokens=3, output_tokens=2), wall_ts=T0 + 2))
+    bus.publish(EngineRequestStats(request_id="", finish_reason="stop", tokens=TokenCounts(1, 0, 1, 0)))
     assert ledger.flush()
     assert bus.errors_total == 0  # the invalid one is logged and dropped, never raised into the engine
-    assert scalar(ledger, "SELECT sum(generation_tokens) FROM engine_requests FINAL") == 10
-    assert scalar(ledger, "SELECT count() FROM engine_requests") == 1
+    rows = ledger.queries._get().query("SELECT request_id, tenant_id, output_tokens FROM engine_requests FINAL "
+                                       "ORDER BY request_id").result_rows
+    assert rows == [("acme-r1", "acme", 10), ("bench-r1", "", 2)]  # unattributed: tenant ""
 
 
 async def test_attempts_are_recorded(open_ledger) -> None:
@@ -150,13 +158,17 @@ def test_signals_and_adjustments_are_stored(open_ledger) -> None:
         SignalSample(T0, "bad name!", 1.0)
     assert ledger.flush()
     assert scalar(ledger, "SELECT max(value) FROM signals WHERE labels['engine'] = '0'") == 0.75
-    credit = Adjustment(tenant_id="acme", amount=Decimal("-1.50"), ts=T0, reason="SLO credit", reference="T-1")
+    credit = Adjustment(Attribution("acme", project_id="proj1"), amount=Decimal("-1.50"), ts=T0,
+                        reason="SLO credit", reference="T-1")
     ledger.adjust(credit)
     ledger.adjust(credit)  # idempotent
     (adj,) = ledger.queries.adjustments(PERIOD)
     assert adj["amount"] == Decimal("-1.5") and adj["reason"] == "SLO credit"
+    assert (adj["tenant_id"], adj["project_id"], adj["workspace_id"]) == ("acme", "proj1", "")
     with pytest.raises(InvalidRecord, match="float"):
-        Adjustment(tenant_id="acme", amount=0.1, ts=T0, reason="x")  # type: ignore[arg-type]
+        Adjustment(Attribution("acme"), amount=0.1, ts=T0, reason="x")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRecord, match="tenant_id"):
+        Adjustment(Attribution(""), amount=Decimal(1), ts=T0, reason="x")
 
 
 async def test_hourly_rollups_are_recomputed_from_deduplicated_events(open_ledger) -> None:
@@ -169,7 +181,7 @@ async def test_hourly_rollups_are_recomputed_from_deduplicated_events(open_ledge
     assert ledger.flush()
     ledger.refresh_rollups()
     series = ledger.queries.usage_timeseries(PERIOD)
-    assert [(r["requests"], r["prompt_tokens"]) for r in series] == [(10, 250), (1, 25)]
+    assert [(r["requests"], r["input_tokens"]) for r in series] == [(10, 250), (1, 25)]
     assert ledger.queries.usage_timeseries(PERIOD, step="day")[0]["requests"] == 11
 
 

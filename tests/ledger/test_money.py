@@ -25,7 +25,7 @@ async def test_ten_events_of_ten_cents_total_exactly_one_dollar(open_ledger, tmp
     prices = _dime_prices(tmp_path)
     ledger = open_ledger(prices=prices)
     # ten separate invoice lines (one API key each), each one event of one input token = 0.10
-    await asyncio.gather(*(ledger.record(make_event(i, model="dime-model", prompt_tokens=1, completion_tokens=0,
+    await asyncio.gather(*(ledger.record(make_event(i, model="dime-model", input_tokens=1, output_tokens=0,
                                                      api_key_id=f"key-{i}")) for i in range(10)))
     assert ledger.flush()
     lines = invoice_lines(ledger.queries.invoice_usage(PERIOD), ledger.queries.invoice_attempts(PERIOD),
@@ -40,7 +40,7 @@ async def test_ten_events_of_ten_cents_total_exactly_one_dollar(open_ledger, tmp
 
 async def test_thousand_requests_of_25_input_tokens_at_30_cents_per_million(open_ledger) -> None:
     ledger = open_ledger()
-    await asyncio.gather(*(ledger.record(make_event(i, prompt_tokens=25, completion_tokens=0))
+    await asyncio.gather(*(ledger.record(make_event(i, input_tokens=25, output_tokens=0))
                            for i in range(1000)))
     assert ledger.flush()
     lines = invoice_lines(ledger.queries.invoice_usage(PERIOD), [], [], ledger.prices, PERIOD)
@@ -54,9 +54,9 @@ def test_rounding_happens_once_per_line_half_even(tmp_path: Path) -> None:
     path = tmp_path / "half.yaml"
     path.write_text("version: h\ncurrency: USD\nmodels:\n  m: {input: 5000, cached_input: 0, output: 0}\n")
     half = load_price_list(path)  # one input token = 0.005
-    usage = [{"tenant_id": "t", "org_id": "t", "workspace_id": "w", "project_id": "p", "api_key_id": k, "model": "m",
-              "tier": "free", "requests": 1, "aborted_requests": 0, "error_requests": 0, "prompt_tokens": n,
-              "cached_prompt_tokens": 0, "completion_tokens": 0, "reasoning_tokens": 0, "kv_token_seconds": 0.0}
+    usage = [{"tenant_id": "t", "workspace_id": "w", "project_id": "p", "api_key_id": k, "model": "m",
+              "tier": "free", "requests": 1, "aborted_requests": 0, "error_requests": 0, "input_tokens": n,
+              "cached_input_tokens": 0, "output_tokens": 0, "reasoning_tokens": 0, "kv_token_seconds": 0.0}
              for k, n in (("a", 1), ("b", 1), ("c", 3))]
     lines = invoice_lines(usage, [], [], half, PERIOD)
     assert lines["subtotal"].to_list() == [Decimal("0.005"), Decimal("0.005"), Decimal("0.015")]
@@ -67,11 +67,11 @@ def test_rounding_happens_once_per_line_half_even(tmp_path: Path) -> None:
 
 def test_cached_and_reasoning_tokens_are_parts_not_additions() -> None:
     prices = load_price_list()
-    usage = [{"tenant_id": "t", "org_id": "t", "workspace_id": "w", "project_id": "p", "api_key_id": "k",
+    usage = [{"tenant_id": "t", "workspace_id": "w", "project_id": "p", "api_key_id": "k",
               "model": "DeepSeek-R1-Distill-Qwen-32B", "tier": "enterprise", "requests": 3, "aborted_requests": 0,
-              "error_requests": 0, "prompt_tokens": 1_000_000, "cached_prompt_tokens": 400_000,
-              "completion_tokens": 500_000, "reasoning_tokens": 200_000, "kv_token_seconds": 1.0}]
-    attempts = [{k: usage[0][k] for k in ("tenant_id", "org_id", "workspace_id", "project_id", "api_key_id",
+              "error_requests": 0, "input_tokens": 1_000_000, "cached_input_tokens": 400_000,
+              "output_tokens": 500_000, "reasoning_tokens": 200_000, "kv_token_seconds": 1.0}]
+    attempts = [{k: usage[0][k] for k in ("tenant_id", "workspace_id", "project_id", "api_key_id",
                                            "model", "tier")} | {"attempts": 5, "rejected_attempts": 2,
                                                                 "replayed_attempts": 0}]
     (line,) = invoice_lines(usage, attempts, [], prices, PERIOD).to_dicts()
@@ -85,9 +85,9 @@ def test_cached_and_reasoning_tokens_are_parts_not_additions() -> None:
 
 
 def test_unpriced_models_are_flagged_not_silently_zero() -> None:
-    usage = [{"tenant_id": "t", "org_id": "t", "workspace_id": "", "project_id": "", "api_key_id": "",
+    usage = [{"tenant_id": "t", "workspace_id": "", "project_id": "", "api_key_id": "",
               "model": "mystery-model", "tier": "free", "requests": 1, "aborted_requests": 0, "error_requests": 0,
-              "prompt_tokens": 5, "cached_prompt_tokens": 0, "completion_tokens": 5, "reasoning_tokens": 0,
+              "input_tokens": 5, "cached_input_tokens": 0, "output_tokens": 5, "reasoning_tokens": 0,
               "kv_token_seconds": 0.0}]
     (line,) = invoice_lines(usage, [], [], load_price_list(), PERIOD).to_dicts()
     assert line["priced"] is False and line["cost"] is None and "price list" in line["note"]

@@ -127,4 +127,4 @@ def test_kill_9_while_recording_and_draining_then_restart_bills_each_request_onc
     assert set(range(acked1)) <= billed and set(range(1000, acked2)) <= billed  # every acknowledged event
     assert result["final"] == result["distinct"] == len(billed)  # one billable record per logical request
     assert max(billed) < acked2 + 50 and billed == set(range(len(billed)))  # nothing invented, no gaps
-    assert result["prompt_tokens"] == 25 * len(billed)
+    assert result["input_tokens"] == 25 * len(billed)

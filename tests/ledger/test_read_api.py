@@ -15,15 +15,17 @@ from ledgerkit import PERIOD, T0, make_attempt, make_event
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
+from kvmeter.attribution import Attribution
 from kvmeter.ledger import Adjustment
 from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError
 from kvmeter.ledger.read_api import dumps, read_routes
 from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
+from kvmeter.tokens import TokenCounts
 
 KEYS = {
-    hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "acme", "ws1", "proj1", "acme-key1"),
-    hash_api_key("sk-globex"): Principal("globex", "free", "globex", "ws1", "proj1", "globex-key1"),
-    hash_api_key("sk-admin"): Principal("ops", "enterprise", "ops", "", "", "ops-admin", admin=True),
+    hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "ws1", "proj1", "acme-key1"),
+    hash_api_key("sk-globex"): Principal("globex", "free", "ws1", "proj1", "globex-key1"),
+    hash_api_key("sk-admin"): Principal("ops", "enterprise", "", "", "ops-admin", admin=True),
 }
 
 
@@ -46,7 +48,7 @@ async def app(open_ledger) -> Starlette:
     assert ledger.flush()
     ledger.refresh_rollups()
     for tenant in ("acme", "globex"):
-        ledger.adjust(Adjustment(tenant_id=tenant, amount=Decimal("-0.50"), ts=T0, reason="credit"))
+        ledger.adjust(Adjustment(Attribution(tenant), amount=Decimal("-0.50"), ts=T0, reason="credit"))
     return Starlette(routes=read_routes(ledger.queries, authenticate))
 
 
@@ -124,7 +126,9 @@ def test_money_is_exact_and_in_plain_notation() -> None:
 
 async def test_a_zero_cost_is_not_written_0e_8(open_ledger) -> None:
     ledger = open_ledger()
-    await ledger.record(make_event(0, "zero", prompt_tokens=0, completion_tokens=0, reserved_prompt_tokens=0))
+    await ledger.record(
+        make_event(0, "zero", input_tokens=0, output_tokens=0, reserved=TokenCounts(output_tokens=64))
+    )
     await ledger.record(make_event(1, "acme"))
     assert ledger.flush()
     app = Starlette(routes=read_routes(ledger.queries, authenticate))
@@ -163,7 +167,7 @@ def test_http_client_over_a_real_loopback_server(app: Starlette) -> None:
             (row,) = reader.usage_summary(PERIOD)
             assert (row["tenant_id"], row["requests"]) == ("globex", 20)
             assert isinstance(row["cost"], Decimal)
-            assert reader.invoice_usage(PERIOD)[0]["prompt_tokens"] == 20 * 25
+            assert reader.invoice_usage(PERIOD)[0]["input_tokens"] == 20 * 25
             assert reader.reconcile_views(PERIOD)[0]["gateway_admitted"] == 20
             with pytest.raises(ReadApiError) as err:
                 reader.usage_summary(PERIOD, tenant_id="acme")

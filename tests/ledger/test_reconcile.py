@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
-from ledgerkit import PERIOD, T0, make_attempt, make_event, scalar
+from ledgerkit import PERIOD, T0, engine_stats, make_attempt, make_event, scalar
 
 
 def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
@@ -15,14 +15,13 @@ from kvmeter.bus import StatsBus
 from kvmeter.ledger import parse_period
 from kvmeter.ledger.reconcile import UNATTRIBUTED, reconcile
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 
-def _engine(bus: StatsBus, event, **overrides) -> None:  # noqa: ANN001
-    fields = dict(request_id=event.request_id, finish_reason=event.finish_reason, prompt_tokens=event.prompt_tokens,
-                  generation_tokens=event.completion_tokens, cached_prompt_tokens=event.cached_prompt_tokens,
-                  wall_ts=event.finish_ts + 0.01)
-    fields.update(overrides)
-    bus.publish(EngineRequestStats(**fields))
+def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrides) -> None:  # noqa: ANN001
+    """The engine's stats of ``event``'s request, stamped with its attribution as the engines do."""
+    extra = 0 if output_tokens is None else output_tokens - event.tokens.output_tokens
+    bus.publish(engine_stats(event, extra_output=extra, **{"wall_ts": event.finish_ts + 0.01, **overrides}))
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def scenario(open_ledger):
 
     # aborts: billed from the frontend's counts; vLLM never reports them
     for i in range(3):
-        e = make_event(i, "aborts", outcome="aborted", finish_reason="abort", completion_tokens=4,
+        e = make_event(i, "aborts", outcome="aborted", finish_reason="abort", output_tokens=4,
                        token_source="frontend")
         ledger.record_attempt_sync(make_attempt(e))
         ledger.record_sync(e)
@@ -50,7 +49,7 @@ def scenario(open_ledger):
     for i in range(2):  # the engine generated 12 tokens, the ledger billed 10
         e = make_event(i, "drifty")
         ledger.record_attempt_sync(make_attempt(e))
-        _engine(bus, e, generation_tokens=12)
+        _engine(bus, e, output_tokens=12)
         ledger.record_sync(e)
     lost = make_event(2, "drifty")  # the engine finished, the usage event never arrived
     ledger.record_attempt_sync(make_attempt(lost))
@@ -79,7 +78,7 @@ def scenario(open_ledger):
     ledger.record_sync(again)
 
     # engine work nobody can attribute
-    bus.publish(EngineRequestStats("ghost-1", "stop", 7, 3, wall_ts=T0 + 5))
+    bus.publish(EngineRequestStats("ghost-1", "stop", TokenCounts(input_tokens=7, output_tokens=3), wall_ts=T0 + 5))
     assert ledger.flush()
     return ledger
 
@@ -131,7 +130,7 @@ def test_the_fast_set_check_agrees_with_the_per_request_pass(scenario) -> None:
             {k: v for k, v in slow[tenant].items() if k != "checked"}, tenant
 
 
-def test_engine_records_are_attributed_through_the_admitted_attempt(scenario) -> None:
+def test_engine_records_carry_the_tenant_the_engine_stamped(scenario) -> None:
     tenants = dict(scalar_rows(scenario, "SELECT request_id, tenant_id FROM engine_requests"))
     assert tenants["clean-r0"] == "clean" and tenants["drifty-r2"] == "drifty" and tenants["ghost-1"] == ""
 

@@ -9,12 +9,17 @@ from ledgerkit import PERIOD, make_attempt, make_event
 from kvmeter.bus import StatsBus
 from kvmeter.ledger.reconcile import reconcile
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
+
+RESERVED = TokenCounts(input_tokens=1500, output_tokens=64)
 
 
 def _abort_account(event, prompt: int, generated: int) -> EngineRequestStats:  # noqa: ANN001
-    return EngineRequestStats(request_id=event.request_id, finish_reason="abort", prompt_tokens=prompt,
-                              generation_tokens=generated, computed_tokens=prompt + generated,
-                              preempted_tokens=0, phase_times_measured=False, wall_ts=event.finish_ts + 0.01)
+    """The scheduler hook's account, stamped with the request's attribution (as the engine does)."""
+    return EngineRequestStats(request_id=event.request_id, finish_reason="abort",
+                              tokens=TokenCounts(input_tokens=prompt, output_tokens=generated),
+                              computed_tokens=prompt + generated, preempted_tokens=0, phase_times_measured=False,
+                              wall_ts=event.finish_ts + 0.01, attribution=event.attribution)
 
 
 def test_engine_accounted_aborts_match_and_a_bill_that_ignores_them_is_drift(open_ledger) -> None:
@@ -22,13 +27,13 @@ def test_engine_accounted_aborts_match_and_a_bill_that_ignores_them_is_drift(ope
     ledger = open_ledger(bus=bus)
     for i in range(3):  # left mid-prefill (2 chunks of 256) or mid-decode: billed the engine's count
         prompt, out = (512, 0) if i < 2 else (25, 6)
-        e = make_event(i, "accounted", outcome="aborted", finish_reason="abort", prompt_tokens=prompt,
-                       completion_tokens=out, reserved_prompt_tokens=1500, token_source="engine_hooks")
+        e = make_event(i, "accounted", outcome="aborted", finish_reason="abort", input_tokens=prompt,
+                       output_tokens=out, reserved=RESERVED, token_source="engine_hooks")
         ledger.record_attempt_sync(make_attempt(e))
         bus.publish(_abort_account(e, prompt, out))
         ledger.record_sync(e)
-    unbilled = make_event(0, "ignored", outcome="aborted", finish_reason="abort", prompt_tokens=0,
-                          completion_tokens=0, reserved_prompt_tokens=1500, token_source="frontend")
+    unbilled = make_event(0, "ignored", outcome="aborted", finish_reason="abort", input_tokens=0,
+                          output_tokens=0, reserved=RESERVED, token_source="frontend")
     ledger.record_attempt_sync(make_attempt(unbilled))
     bus.publish(_abort_account(unbilled, 512, 0))  # the engine prefilled 512 tokens of it
     ledger.record_sync(unbilled)

@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 import pytest
-from ledgerkit import T0, make_attempt, make_event
+from ledgerkit import T0, engine_stats, make_attempt, make_event
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
@@ -18,19 +18,19 @@ from kvmeter.ledger.queries import LedgerQueries
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.stats import ReconciliationStats
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 
 async def serve_like(ledger, bus: StatsBus, n: int = 10) -> int:
     """What serve writes for ``n`` requests of acme: admitted attempt, engine record (on the bus),
-    usage event; returns their prompt + output tokens."""
+    usage event; returns their input + output tokens."""
     tokens = 0
     for i in range(n):
-        event = make_event(i, "acme", prompt_tokens=100 + i, completion_tokens=20)
+        event = make_event(i, "acme", input_tokens=100 + i, output_tokens=20)
         await ledger.record_attempt(make_attempt(event))
-        bus.publish(EngineRequestStats(event.request_id, "stop", event.prompt_tokens, event.completion_tokens,
-                                       wall_ts=event.finish_ts))
+        bus.publish(engine_stats(event))
         await ledger.record(event)
-        tokens += event.prompt_tokens + event.completion_tokens
+        tokens += event.tokens.total_tokens
     return tokens
 
 
@@ -71,7 +71,9 @@ async def test_drift_per_view_against_the_ledger(open_ledger, clock: ManualClock
     ledger = open_ledger(bus=bus)
     tokens = await serve_like(ledger, bus)
     # engine work nobody billed (no attempt, no usage event), and an admitted request that never finished
-    bus.publish(EngineRequestStats("ghost-1", "stop", 300, 50, wall_ts=T0 + 20))
+    bus.publish(
+        EngineRequestStats("ghost-1", "stop", TokenCounts(input_tokens=300, output_tokens=50), wall_ts=T0 + 20)
+    )
     lost = make_event(99, "acme")
     await ledger.record_attempt(make_attempt(lost))
     assert ledger.flush()

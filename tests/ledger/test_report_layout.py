@@ -20,7 +20,7 @@ from kvmeter.serving.tenancy import Principal
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
-ADMIN = Principal("ops", "enterprise", "ops", "w", "p", "admin", admin=True)
+ADMIN = Principal("ops", "enterprise", "w", "p", "admin", admin=True)
 
 
 def kvmeter(*args: str, cwd: Path) -> subprocess.CompletedProcess:

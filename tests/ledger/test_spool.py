@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import threading
 from pathlib import Path
 
 import pytest
-from ledgerkit import T0, make_attempt, make_event
+from ledgerkit import T0, make_attempt, make_attribution, make_event
 
 from kvmeter.clock import ManualClock
 from kvmeter.ledger import InvalidRecord, LedgerLocked
-from kvmeter.ledger.records import STREAMS, USAGE_STREAM, encode_attempt, encode_engine, encode_usage
+from kvmeter.ledger.records import (STREAMS, USAGE_COLUMNS, USAGE_STREAM, encode_attempt, encode_engine,
+                                    encode_usage)
 from kvmeter.ledger.spool import HEADER, Spool
 from kvmeter.stats import EngineRequestStats
+from kvmeter.tokens import TokenCounts
 
 
 def _open(root: Path, clock: ManualClock | None = None, **kw) -> Spool:
@@ -32,21 +35,31 @@ def _lines(spool: Spool, name: str = "usage") -> list[bytes]:
 
 
 def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
-    event = make_event(1)
-    row = json.loads(encode_usage(event))
-    assert len(row) == len(USAGE_STREAM.columns_for(1))
-    assert dict(zip(USAGE_STREAM.columns_for(1), row)) == event.to_dict()
+    event = make_event(1, cached_input_tokens=5, workspace_id="ws9", agent_run_id="run-7")
+    row = dict(zip(USAGE_COLUMNS, json.loads(encode_usage(event))))
+    assert len(row) == len(USAGE_STREAM.columns_for(USAGE_STREAM.schema))
+    # every field of the event, its attribution and its token counts is one column (flattened once)
+    nested = {"attribution": event.attribution, "tokens": event.tokens}
+    expected = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)
+                if f.name not in ("attribution", "tokens", "reserved")}
+    for obj in nested.values():
+        expected.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    expected.update(reserved_input_tokens=25, reserved_output_tokens=64)
+    assert row == expected
+    assert (row["tenant_id"], row["workspace_id"], row["cached_input_tokens"]) == ("acme", "ws9", 5)
 
 
 @pytest.mark.parametrize("change,field", [
     ({"ttft_s": math.nan}, "ttft_s"), ({"ttft_s": math.inf}, "ttft_s"), ({"event_id": "not-a-uuid"}, "event_id"),
-    ({"tenant_id": 7}, "tenant_id"), ({"prompt_tokens": 2**33}, "prompt_tokens"), ({"arrival_ts": 12.0}, "arrival_ts"),
+    ({"tenant_id": 7}, "tenant_id"), ({"input_tokens": 2**33}, "input_tokens"), ({"arrival_ts": 12.0}, "arrival_ts"),
+    ({"reserved": TokenCounts(output_tokens=2**32)}, "reserved_output_tokens"),
     ({"finish_ts": T0 - 10}, "finish_ts"), ({"status_code": 1000}, "status_code"), ({"model": "x" * 5000}, "model"),
 ])
 def test_unstorable_events_are_refused_naming_the_field(change: dict, field: str) -> None:
     event = make_event(1)
-    for name, value in change.items():  # bypass UsageEvent's own checks: test the ledger's layer
-        object.__setattr__(event, name, value)
+    for name, value in change.items():  # bypass the types' own checks: test the ledger's layer
+        owner = next((o for o in (event.attribution, event.tokens) if name in o.__dataclass_fields__), event)
+        object.__setattr__(owner, name, value)
     with pytest.raises(InvalidRecord, match=field):
         encode_usage(event)
 
@@ -56,11 +69,13 @@ def test_attempt_and_engine_records_encode_and_validate() -> None:
     row = json.loads(encode_attempt(attempt))
     assert row[1] == "00000000-0000-0000-0000-000000000000"  # no event id → nil UUID
     assert row[0] == attempt.attempt_id
-    assert json.loads(encode_engine(EngineRequestStats("r1", "stop", 5, 6), now_wall=T0))[-2:] == [T0, ""]
-    assert json.loads(encode_engine(EngineRequestStats("r1", "stop", 5, 6, wall_ts=T0 + 1), T0, "acme"))[-2:] == \
-        [T0 + 1, "acme"]
+    tokens = TokenCounts(input_tokens=5, cached_input_tokens=2, output_tokens=6)
+    row = json.loads(encode_engine(EngineRequestStats("r1", "stop", tokens), now_wall=T0))
+    assert row[2:5] == [5, 6, 2] and row[-2:] == [T0, ""]  # unattributed: tenant ""
+    stamped = EngineRequestStats("r1", "stop", tokens, wall_ts=T0 + 1, attribution=make_attribution("acme"))
+    assert json.loads(encode_engine(stamped, T0))[-2:] == [T0 + 1, "acme"]
     with pytest.raises(InvalidRecord, match="request_id"):
-        encode_engine(EngineRequestStats("", "stop", 5, 6), now_wall=T0)
+        encode_engine(EngineRequestStats("", "stop", tokens), now_wall=T0)
     with pytest.raises(InvalidRecord, match="status"):
         make_attempt(make_event(3), status="maybe")
 

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from kvmeter.clock import ManualClock
 from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected, RedisQuotaStore, UsageEstimate
 from kvmeter.serving.tenancy import TenantDirectory
+from kvmeter.tokens import TokenCounts
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -32,7 +33,8 @@ async def main(args: argparse.Namespace) -> None:
 
     async def one() -> tuple[int, str]:
         try:
-            await gate.reserve(principal, UsageEstimate("m", args.prompt, 0))
+            await gate.reserve(principal, UsageEstimate(principal.attribution(model="m"),
+                                                        TokenCounts(input_tokens=args.prompt)))
             return 1, ""
         except QuotaRejected as e:
             return 0, f"{e.status_code}:{e.reason}:{e.level}/{e.dimension}"

@@ -5,6 +5,7 @@ Named uniquely (not ``conftest``/``helpers``) so it cannot clash with other test
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import redis
+
+from kvmeter.attribution import Attribution
+from kvmeter.ledger.prices import parse_price_list
+from kvmeter.serving.quota import UsageEstimate
+from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 
 REDIS_BIN = shutil.which("redis-server")
 NO_REDIS = "redis-server not on PATH (Debian: apt-get install -y redis-server)"
@@ -65,12 +72,34 @@ class RedisServer:
 #: Prices per token (exact decimals): input 0.50 / 1M, cached input 0.25 / 1M, output 1.50 / 1M.
 P_IN, P_CACHED, P_OUT = Decimal("0.0000005"), Decimal("0.00000025"), Decimal("0.0000015")
 
+#: The quota tests' price list (model ``m``, alias ``smollm2``; reasoning at the output price).
+PRICES = parse_price_list({"version": "quota-tests", "currency": "USD", "models": {
+    "m": {"input": "0.50", "cached_input": "0.25", "output": "1.50", "aliases": ["smollm2"]}}}, "quota_testlib")
 
-def price(model: str, tier: str, prompt: int, cached: int, completion: int) -> Decimal:
-    """A real price function shaped like the ledger's (not a stub: exact per-token arithmetic)."""
-    if model not in ("m", "smollm2"):
-        raise KeyError(f"unknown model {model!r}")
-    return P_IN * (prompt - cached) + P_CACHED * cached + P_OUT * completion
+#: The ledger's price function over :data:`PRICES`, as ``kvmeter serve`` hands it to the quota.
+price = PRICES.cost
+
+#: The attribution of the estimates below when a test names no principal (acme's key k1).
+ACME_K1 = Attribution("acme", workspace_id="ws", project_id="proj", api_key_id="k1", tier="enterprise",
+                      model="m", endpoint="chat.completions")
+
+
+def estimate(model: str = "m", input_tokens: int = 100, max_output_tokens: int = 100, *, agent_run_id: str = "",
+             request_id: str = "", attempt: int = 1, principal: Principal | None = None) -> UsageEstimate:
+    """An admission estimate as the gateway builds it: ``principal``'s attribution (default acme's
+    k1) for ``model`` and ``agent_run_id``, ``input_tokens`` and ``max_output_tokens`` as output."""
+    attribution = (principal.attribution(model=model, endpoint="chat.completions", agent_run_id=agent_run_id)
+                   if principal is not None else
+                   dataclasses.replace(ACME_K1, model=model, agent_run_id=agent_run_id))
+    return UsageEstimate(attribution, TokenCounts(input_tokens=input_tokens, output_tokens=max_output_tokens),
+                         request_id=request_id, attempt=attempt)
+
+
+def used(input_tokens: int = 0, cached_input_tokens: int = 0, output_tokens: int = 0) -> TokenCounts:
+    """Engine-true usage to reconcile a reservation to (``used()``: nothing ran)."""
+    return TokenCounts(
+        input_tokens=input_tokens, cached_input_tokens=cached_input_tokens, output_tokens=output_tokens
+    )
 
 
 def tree(org_limits: str = "{}", key_limits: str = "{}", *, extra: str = "", tier: str = "enterprise",

@@ -20,7 +20,7 @@ from kvmeter.serving.quota.plan import (
     SETTLE_ADJUST,
     SETTLE_KEEP,
     SETTLE_RELEASE,
-    SRC_PROMPT,
+    SRC_INPUT,
     SRC_REQUEST,
     SRC_ZERO,
     PlanItem,
@@ -81,10 +81,10 @@ def test_period_end_in_utc():
 ITEMS = [
     PlanItem(RATE, "org", "requests_per_minute", SRC_REQUEST, SETTLE_ADJUST, 7, period_s=60.0,
              interval_s=60.0 / 7),
-    PlanItem(RATE, "api_key", "input_tokens_per_minute", SRC_PROMPT, SETTLE_ADJUST, 1000, period_s=60.0,
+    PlanItem(RATE, "api_key", "input_tokens_per_minute", SRC_INPUT, SETTLE_ADJUST, 1000, period_s=60.0,
              interval_s=0.06),
     PlanItem(COUNTER, "org", "concurrent_requests", SRC_REQUEST, SETTLE_RELEASE, 3),
-    PlanItem(COUNTER, "org", "spend_per_day", SRC_PROMPT, SETTLE_ADJUST, 2500, ttl_s=172800, period="day",
+    PlanItem(COUNTER, "org", "spend_per_day", SRC_INPUT, SETTLE_ADJUST, 2500, ttl_s=172800, period="day",
              money=True),
     PlanItem(DEADLINE, "agent_run", "runtime_seconds", SRC_ZERO, SETTLE_KEEP, 0, period_s=90.0, ttl_s=86400),
 ]

@@ -11,11 +11,11 @@ from kvmeter.bus import StatsBus
 from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.quota import (FailoverQuotaStore, HierarchicalQuota, MemoryIdempotencyManager,
                                    MemoryQuotaStore, QuotaRejected, QuotaStoreURLError, RedisIdempotencyManager,
-                                   RedisQuotaStore, UsageEstimate, open_quota_backend)
+                                   RedisQuotaStore, open_quota_backend)
 from kvmeter.serving.quota.backends import known_schemes, register_scheme
 from kvmeter.serving.runtime import ServeRuntime
 from kvmeter.serving.tenancy import TenantDirectory
-from quota_testlib import price, tree
+from quota_testlib import estimate, price, tree
 
 
 async def _reserve_and_remember(backend, clock) -> None:
@@ -23,10 +23,10 @@ async def _reserve_and_remember(backend, clock) -> None:
     directory = TenantDirectory(tree(key_limits="{requests_per_minute: 1}"), clock=clock)
     gate = HierarchicalQuota(directory, backend.store, price=price, clock=clock)
     principal = directory.authenticate("sk-test-key-one")
-    estimate = UsageEstimate(model="m", prompt_tokens=10, max_output_tokens=5)
-    await gate.reserve(principal, estimate)
+    call = estimate("m", 10, 5, principal=principal)
+    await gate.reserve(principal, call)
     with pytest.raises(QuotaRejected) as info:  # the store kept the first one
-        await gate.reserve(principal, estimate)
+        await gate.reserve(principal, call)
     assert (info.value.code, info.value.dimension) == ("rate_limited", "requests_per_minute")
     ticket = await backend.idempotency.begin(principal.tenant_id, "idem-1", fingerprint="f")
     assert not ticket.replayed and ticket.attempt == 1

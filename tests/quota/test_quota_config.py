@@ -140,7 +140,7 @@ def test_plain_key_is_hashed_at_load_and_never_in_repr(caplog):
 def test_authenticate_resolves_the_principal_path_and_refuses_unknown_keys():
     d = TenantDirectory(tree())
     assert d.authenticate("sk-test-key-two") == Principal(
-        tenant_id="acme", tier="enterprise", org_id="acme", workspace_id="ws", project_id="proj",
+        tenant_id="acme", tier="enterprise", workspace_id="ws", project_id="proj",
         api_key_id="k2", admin=False)
     for bad, code in ((None, "missing_api_key"), ("", "missing_api_key"), ("sk-test-key-on", "invalid_api_key"),
                       ("x" * 10_000, "invalid_api_key"), (b"sk-test-key-one", "invalid_api_key")):
@@ -159,7 +159,7 @@ def test_admin_keys_may_read_every_tenant():
 
 
 def test_constant_time_lookup_still_matches_the_digest_map():
-    p = Principal("t", "free", "t", "w", "p", "k")
+    p = Principal("t", "free", "w", "p", "k")
     assert constant_time_lookup({hash_api_key(SECRET): p}, SECRET) is p
     assert constant_time_lookup({hash_api_key(SECRET): p}, SECRET + "x") is None
 

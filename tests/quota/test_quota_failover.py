@@ -10,17 +10,15 @@ import pytest
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.quota import (
-    ActualUsage,
     FailoverQuotaStore,
     HierarchicalQuota,
     MemoryQuotaStore,
     QuotaRejected,
     RedisQuotaStore,
-    UsageEstimate,
 )
 from kvmeter.serving.tenancy import TenantDirectory
 from kvmeter.stats import QuotaStoreState
-from quota_testlib import TcpProxy, price, tree
+from quota_testlib import TcpProxy, estimate, price, tree, used
 
 ACME, OTHER = "sk-test-key-one", "sk-test-other-one"
 
@@ -43,8 +41,8 @@ async def test_outage_policy_degraded_signal_and_recovery(own_redis_server, cloc
     gate = HierarchicalQuota(directory, store, price=price, clock=clock)
     acme, other = directory.authenticate(ACME), directory.authenticate(OTHER)
     try:
-        before = await gate.reserve(acme, UsageEstimate("m", 10, 10))        # held on Redis
-        await gate.reserve(other, UsageEstimate("m", 10, 10))
+        before = await gate.reserve(acme, estimate("m", 10, 10, principal=acme))        # held on Redis
+        await gate.reserve(other, estimate("m", 10, 10, principal=other))
         assert not store.degraded and states == []
 
         own_redis_server.stop()                                             # the outage
@@ -53,7 +51,7 @@ async def test_outage_policy_degraded_signal_and_recovery(own_redis_server, cloc
         admitted = []
         for _ in range(12):
             try:
-                admitted.append(await gate.reserve(acme, UsageEstimate("m", 10, 10)))
+                admitted.append(await gate.reserve(acme, estimate("m", 10, 10, principal=acme)))
             except QuotaRejected as e:
                 assert (e.status_code, e.reason, e.level, e.dimension) == (
                     429, "rate_limited", "org", "requests_per_minute")
@@ -63,31 +61,31 @@ async def test_outage_policy_degraded_signal_and_recovery(own_redis_server, cloc
 
         # spend fails closed: 503 naming the dimension, Retry-After = the probe interval
         with pytest.raises(QuotaRejected) as info:
-            await gate.reserve(other, UsageEstimate("m", 10, 10))
+            await gate.reserve(other, estimate("m", 10, 10, principal=other))
         e = info.value
         assert (e.status_code, e.reason, e.level, e.dimension) == (503, "quota_store_unavailable", "org",
                                                                   "spend_per_day")
         assert e.headers["retry-after"] == "5"
 
         # a reservation taken on Redis before the outage is reconciled later, not lost
-        await gate.reconcile(before, ActualUsage(10, 0, 5))
+        await gate.reconcile(before, used(10, 0, 5))
         assert store.pending_settles == 1
         assert gate.reconcile_errors == 0
         # a local reservation reconciles locally
-        await gate.reconcile(admitted[0], ActualUsage(10, 0, 5))
+        await gate.reconcile(admitted[0], used(10, 0, 5))
 
         own_redis_server.start()                                            # Redis is back
         with pytest.raises(QuotaRejected):  # before the probe interval: still local (and still full)
-            await gate.reserve(acme, UsageEstimate("m", 10, 10))
+            await gate.reserve(acme, estimate("m", 10, 10, principal=acme))
         clock.advance(5.0)
-        await gate.reserve(other, UsageEstimate("m", 10, 10))               # probe → Redis again
+        await gate.reserve(other, estimate("m", 10, 10, principal=other))               # probe → Redis again
         assert not store.degraded and store.pending_settles == 0
         assert [(s.degraded, s.reason) for s in states][-1] == (False, "recovered")
         # the pre-outage hold was released on Redis by the replayed reconciliation
         # (the fresh redis-server lost its data with the restart, so the counter is simply absent)
         (conc,) = await redis_store.get_values(["kvq:o:acme:conc"])
         assert conc is None
-        r = await gate.reserve(acme, UsageEstimate("m", 10, 10))
+        r = await gate.reserve(acme, estimate("m", 10, 10, principal=acme))
         # counted on Redis again: the org's full 40/min (a local count would show this replica's 10)
         assert (r.headers["x-ratelimit-limit-requests"], r.headers["x-ratelimit-remaining-requests"]) == ("40", "39")
     finally:
@@ -107,19 +105,19 @@ async def test_replayed_reconciliation_releases_holds_that_survived_the_outage(o
     direct = RedisQuotaStore.from_url(own_redis_server.url)
     key = "kvq:k:acme/ws/proj/k1:conc"
     try:
-        held = await gate.reserve(pr, UsageEstimate("m", 10, 10))
+        held = await gate.reserve(pr, estimate("m", 10, 10, principal=pr))
         assert await direct.get_values([key]) == [1]
         await proxy.stop()                                   # the network path is cut
-        await gate.reconcile(held, ActualUsage(10, 0, 10))
+        await gate.reconcile(held, used(10, 0, 10))
         assert store.degraded and store.pending_settles == 1
         assert await direct.get_values([key]) == [1]         # Redis still holds the slot
         await proxy.start()                                  # the path is back
         clock.advance(1.0)
-        await gate.reserve(pr, UsageEstimate("m", 10, 10))   # probe succeeds; the queue replays first
+        await gate.reserve(pr, estimate("m", 10, 10, principal=pr))   # probe succeeds; the queue replays first
         assert not store.degraded and store.pending_settles == 0
         assert await direct.get_values([key]) == [1]         # old hold released, the new one held
         with pytest.raises(QuotaRejected) as info:           # and the limit of 1 holds on Redis again
-            await gate.reserve(pr, UsageEstimate("m", 10, 10))
+            await gate.reserve(pr, estimate("m", 10, 10, principal=pr))
         assert info.value.dimension == "concurrent_requests"
     finally:
         await store.aclose()
@@ -138,7 +136,7 @@ async def test_open_policy_and_policy_validation(clock):
                              price=price, clock=clock)
     pr = gate.directory.authenticate(ACME)
     for _ in range(3):  # spend not enforced while degraded under "open"
-        await gate.reserve(pr, UsageEstimate("m", 100, 100))
+        await gate.reserve(pr, estimate("m", 100, 100, principal=pr))
     assert store.degraded_reserves == 3
     with pytest.raises(ValueError, match="closed, local or open"):
         FailoverQuotaStore(Down(), policy={"spend_per_day": "maybe"})
@@ -154,7 +152,7 @@ async def test_plain_redis_store_down_is_a_503_and_reconcile_never_raises(clock)
     pr = gate.directory.authenticate(ACME)
     try:
         with pytest.raises(QuotaRejected) as info:
-            await gate.reserve(pr, UsageEstimate("m", 10, 10))
+            await gate.reserve(pr, estimate("m", 10, 10, principal=pr))
         assert (info.value.status_code, info.value.reason) == (503, "quota_store_unavailable")
         with pytest.raises(QuotaRejected) as info:
             await gate.report_tool_call(pr, "run-1")

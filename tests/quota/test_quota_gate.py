@@ -6,18 +6,21 @@ from decimal import Decimal
 
 import pytest
 
-from quota_testlib import P_IN, P_OUT, price, tree
+from quota_testlib import ACME_K1, P_IN, P_OUT, estimate, price, tree, used
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, UsageEstimate
+from kvmeter.ledger.prices import parse_price_list
+from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected, UsageEstimate
+from kvmeter.serving.quota.money import to_units
 from kvmeter.serving.tenancy import TenantDirectory
 from kvmeter.stats import AdmissionDecision, ReservationDrift
+from kvmeter.tokens import TokenCounts
 
 
 K1, K2, O1 = "sk-test-key-one", "sk-test-key-two", "sk-test-other-one"
 
 
 def est(p: int = 100, m: int = 100, **kw) -> UsageEstimate:
-    return UsageEstimate(model="m", prompt_tokens=p, max_output_tokens=m, **kw)
+    return estimate("m", p, m, **kw)
 
 
 def key_of(gate: HierarchicalQuota, level: str, node: str, code: str) -> str:
@@ -37,8 +40,8 @@ async def test_reserve_then_reconcile_moves_every_counter_to_actual(make_gate, c
     pr = gate.directory.authenticate(K1)
     node = "acme/ws/proj/k1"
     k = lambda code: key_of(gate, "k", node, code)  # noqa: E731
-    res = await gate.reserve(pr, est(300, 200, request_id="r1"))
-    assert res.reserved_prompt_tokens == 300 and res.reserved_completion_tokens == 200
+    res = await gate.reserve(pr, est(300, 200, request_id="r1", principal=pr))
+    assert res.reserved == used(input_tokens=300, output_tokens=200)
     assert res.reserved_cost == P_IN * 300 + P_OUT * 200
     now = clock.wall()
     conc, kv, sd, sm = await gate.store.get_values([k("conc"), k("kv"), k("sd:2024-05-17"), k("sm:2024-05")])
@@ -47,7 +50,7 @@ async def test_reserve_then_reconcile_moves_every_counter_to_actual(make_gate, c
     itpm, otpm = await gate.store.get_values([k("itpm"), k("otpm")])
     assert itpm == pytest.approx(now + 300 * 0.01) and otpm == pytest.approx(now + 200 * 0.01)
 
-    await gate.reconcile(res, ActualUsage(prompt_tokens=300, cached_prompt_tokens=100, completion_tokens=50))
+    await gate.reconcile(res, used(input_tokens=300, cached_input_tokens=100, output_tokens=50))
     conc, kv, sd, sm = await gate.store.get_values([k("conc"), k("kv"), k("sd:2024-05-17"), k("sm:2024-05")])
     assert conc is None and kv is None  # released
     actual_cost = P_IN * 200 + Decimal("0.00000025") * 100 + P_OUT * 50
@@ -61,7 +64,7 @@ async def test_rate_limit_retry_after_is_the_exact_refill_time(make_gate, clock)
     pr = gate.directory.authenticate(K1)
     remaining = []
     for _ in range(6):
-        r = await gate.reserve(pr, est())
+        r = await gate.reserve(pr, est(principal=pr))
         remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
         assert r.headers["x-ratelimit-limit-requests"] == "6"
     assert remaining == [5, 4, 3, 2, 1, 0]
@@ -74,19 +77,19 @@ async def test_rate_limit_retry_after_is_the_exact_refill_time(make_gate, clock)
     e = await rejected(gate, K1, est())
     assert e.retry_after_s == pytest.approx(2.5) and e.headers["retry-after"] == "3"
     clock.advance(2.5)
-    r = await gate.reserve(pr, est())
+    r = await gate.reserve(pr, est(principal=pr))
     assert r.headers["x-ratelimit-remaining-requests"] == "0"
 
 
 async def test_output_reserved_at_max_tokens_and_unused_part_returned(make_gate):
     gate = make_gate(tree(key_limits="{output_tokens_per_minute: 1000}"))
     pr = gate.directory.authenticate(K1)
-    first = await gate.reserve(pr, est(m=600))
+    first = await gate.reserve(pr, est(m=600, principal=pr))
     e = await rejected(gate, K1, est(m=600))
     assert (e.reason, e.dimension) == ("rate_limited", "output_tokens_per_minute")
     assert e.retry_after_s == pytest.approx(12.0)  # 200 tokens over at 1000/60 s per token
-    await gate.reconcile(first, ActualUsage(prompt_tokens=100, completion_tokens=100))
-    second = await gate.reserve(pr, est(m=600))
+    await gate.reconcile(first, used(input_tokens=100, output_tokens=100))
+    second = await gate.reserve(pr, est(m=600, principal=pr))
     assert second.headers["x-ratelimit-remaining-output-tokens"] == "300"
 
 
@@ -101,46 +104,46 @@ async def test_input_tokens_per_minute_binds_at_org_for_all_keys(make_gate):
 async def test_concurrency_limit_estimates_retry_after_and_frees_on_reconcile(make_gate):
     gate = make_gate(tree(project_limits="{concurrent_requests: 2}"), default_hold_s=1.0)
     pr = gate.directory.authenticate(K1)
-    a = await gate.reserve(pr, est())
+    a = await gate.reserve(pr, est(principal=pr))
     await gate.reserve(gate.directory.authenticate(K2), est())
     e = await rejected(gate, K1, est())
     assert (e.status_code, e.reason, e.level, e.dimension) == (429, "concurrency_limited", "project",
                                                               "concurrent_requests")
     assert e.retry_after_s == pytest.approx(0.5)  # Little's law: 1 s mean hold / 2 held
-    await gate.reconcile(a, ActualUsage(100, 0, 10))
-    await gate.reserve(pr, est())
+    await gate.reconcile(a, used(100, 0, 10))
+    await gate.reserve(pr, est(principal=pr))
 
 
 async def test_active_kv_tokens_count_prompt_plus_max_tokens(make_gate):
     gate = make_gate(tree(key_limits="{active_kv_tokens: 1000}"))
     pr = gate.directory.authenticate(K1)
-    a = await gate.reserve(pr, est(300, 300))
+    a = await gate.reserve(pr, est(300, 300, principal=pr))
     e = await rejected(gate, K1, est(300, 200))
     assert (e.reason, e.dimension) == ("kv_budget_exceeded", "active_kv_tokens")
-    await gate.reserve(pr, est(200, 200))  # exactly 1000
-    await gate.reconcile(a, ActualUsage(300, 0, 300))
-    await gate.reserve(pr, est(300, 300))
+    await gate.reserve(pr, est(200, 200, principal=pr))  # exactly 1000
+    await gate.reconcile(a, used(300, 0, 300))
+    await gate.reserve(pr, est(300, 300, principal=pr))
 
 
 async def test_spend_per_day_is_402_with_retry_after_at_utc_midnight(make_gate, clock):
     gate = make_gate(tree(org_limits="{spend_per_day: '0.001'}"))
     pr = gate.directory.authenticate(K1)
-    held = [await gate.reserve(pr, est(100, 100)) for _ in range(5)]  # 0.0002 each
+    held = [await gate.reserve(pr, est(100, 100, principal=pr)) for _ in range(5)]  # 0.0002 each
     e = await rejected(gate, K2, est(100, 100))
     assert (e.status_code, e.reason, e.level, e.dimension) == (402, "spend_exhausted", "org", "spend_per_day")
     assert e.retry_after_s == pytest.approx(12 * 3600)  # clock is at 12:00 UTC
     assert e.headers["retry-after"] == "43200"
-    await gate.reconcile(held[0], ActualUsage(100, 0, 0))  # actual 0.00005: frees 0.00015
+    await gate.reconcile(held[0], used(100, 0, 0))  # actual 0.00005: frees 0.00015
     e = await rejected(gate, K2, est(100, 100))            # 0.00085 + 0.0002 > 0.001
     assert "0.00085 of 0.001" in e.message
-    await gate.reconcile(held[1], ActualUsage(100, 0, 0))
-    await gate.reserve(pr, est(100, 100))                  # 0.0008 + 0.0002 = exactly the limit
+    await gate.reconcile(held[1], used(100, 0, 0))
+    await gate.reserve(pr, est(100, 100, principal=pr))                  # 0.0008 + 0.0002 = exactly the limit
 
 
 async def test_spend_per_month_can_answer_429_when_configured(make_gate):
     gate = make_gate(tree(key_limits="{spend_per_month: '0.0003'}"), spend_status_code=429)
     pr = gate.directory.authenticate(K1)
-    await gate.reserve(pr, est(100, 100))
+    await gate.reserve(pr, est(100, 100, principal=pr))
     e = await rejected(gate, K1, est(100, 100))
     assert (e.status_code, e.reason, e.dimension) == (429, "spend_exhausted", "spend_per_month")
     assert e.retry_after_s == pytest.approx(14.5 * 86400)  # 2024-05-17 12:00 → 2024-06-01 00:00
@@ -161,7 +164,7 @@ async def test_prompt_over_context_limit_is_400_and_holds_nothing(make_gate):
 async def test_reservation_is_all_or_nothing_across_levels(make_gate, clock):
     gate = make_gate(tree(org_limits="{concurrent_requests: 1}", key_limits="{requests_per_minute: 100}"))
     pr = gate.directory.authenticate(K1)
-    await gate.reserve(pr, est())
+    await gate.reserve(pr, est(principal=pr))
     for _ in range(3):
         e = await rejected(gate, K1, est())
         assert (e.level, e.dimension) == ("org", "concurrent_requests")
@@ -181,20 +184,20 @@ async def test_request_larger_than_a_limit_is_refused_without_retry_after(make_g
 async def test_zero_actual_usage_releases_everything_including_the_request(make_gate):
     gate = make_gate(tree(key_limits="{requests_per_minute: 1, concurrent_requests: 1, spend_per_day: '0.0002'}"))
     pr = gate.directory.authenticate(K1)
-    r = await gate.reserve(pr, est(100, 100))
+    r = await gate.reserve(pr, est(100, 100, principal=pr))
     await rejected(gate, K1, est(100, 100))
-    await gate.reconcile(r, ActualUsage())
-    r2 = await gate.reserve(pr, est(100, 100))
+    await gate.reconcile(r, used())
+    r2 = await gate.reserve(pr, est(100, 100, principal=pr))
     assert r2.headers["x-ratelimit-remaining-requests"] == "0"
 
 
 async def test_second_reconcile_of_one_reservation_is_a_no_op(make_gate):
     gate = make_gate(tree(key_limits="{output_tokens_per_minute: 1000, concurrent_requests: 1}"))
     pr = gate.directory.authenticate(K1)
-    r = await gate.reserve(pr, est(m=500))
-    await gate.reconcile(r, ActualUsage(100, 0, 0))
-    await gate.reconcile(r, ActualUsage(100, 0, 0))  # must not refund twice
-    a = await gate.reserve(pr, est(m=1000))
+    r = await gate.reserve(pr, est(m=500, principal=pr))
+    await gate.reconcile(r, used(100, 0, 0))
+    await gate.reconcile(r, used(100, 0, 0))  # must not refund twice
+    a = await gate.reserve(pr, est(m=1000, principal=pr))
     assert a.headers["x-ratelimit-remaining-output-tokens"] == "0"
     e = await rejected(gate, K1, est(m=0))
     assert e.dimension == "concurrent_requests"  # the slot of the first was released only once
@@ -242,17 +245,19 @@ async def test_signals_name_level_dimension_reason_and_drift(make_gate):
     bus.subscribe(ReservationDrift, drift.append)
     gate = make_gate(tree(key_limits="{requests_per_minute: 1}"), bus=bus)
     pr = gate.directory.authenticate(K1)
-    r = await gate.reserve(pr, est(100, 300))
+    r = await gate.reserve(pr, est(100, 300, principal=pr))
     await rejected(gate, K1, est())
-    await gate.reconcile(r, ActualUsage(100, 0, 40))
+    await gate.reconcile(r, used(100, 0, 40))
     assert [(d.admitted, d.reason, d.level, d.dimension, d.status_code) for d in decisions] == [
         (True, "admitted", "", "", 200), (False, "rate_limited", "api_key", "requests_per_minute", 429)]
-    assert decisions[0].tenant_id == "acme" and decisions[0].tier == "enterprise"
+    assert decisions[0].attribution is r.handle.attribution  # the request's, by reference
+    assert (decisions[0].attribution.tenant_id, decisions[0].attribution.tier) == ("acme", "enterprise")
+    assert drift[0].attribution is decisions[0].attribution
     by_dim = {d.dimension: d for d in drift}
     assert (by_dim["output_tokens"].reserved, by_dim["output_tokens"].actual) == (300, 40)
     assert (by_dim["input_tokens"].reserved, by_dim["input_tokens"].actual) == (100, 100)
-    assert by_dim["cost"].reserved == price("m", "", 100, 0, 300)
-    assert by_dim["cost"].actual == price("m", "", 100, 0, 40)
+    assert by_dim["cost"].reserved == price("m", "", used(100, 0, 300))
+    assert by_dim["cost"].actual == price("m", "", used(100, 0, 40))
     # a gateway that publishes its own decisions turns the gate's off
     quiet = make_gate(tree(key_limits="{requests_per_minute: 1}"), bus=bus, publish_decisions=False)
     before = len(decisions)
@@ -260,16 +265,16 @@ async def test_signals_name_level_dimension_reason_and_drift(make_gate):
     assert len(decisions) == before
 
 
-@pytest.mark.parametrize("p,m,attempt", [(-1, 10, 1), (10, -5, 1), (True, 10, 1), (10, 10, 0), (1.5, 10, 1)])
-async def test_malformed_estimates_get_a_clear_400(make_gate, p, m, attempt):
-    gate = make_gate(tree())
-    e = await rejected(gate, K1, UsageEstimate("m", p, m, attempt=attempt))  # type: ignore[arg-type]
+@pytest.mark.parametrize("tokens,attempt", [((100, 0, 10, 0), 1), (used(10, 0, 10), 0), (used(10, 0, 10), True)])
+async def test_malformed_estimates_get_a_clear_400(make_gate, tokens, attempt):
+    gate = make_gate(tree())  # (bad counts cannot exist: TokenCounts refuses them when built)
+    e = await rejected(gate, K1, UsageEstimate(ACME_K1, tokens, attempt=attempt))  # type: ignore[arg-type]
     assert (e.status_code, e.reason) == (400, "invalid_request")
 
 
 async def test_unpriced_model_is_400_not_a_crash(make_gate):
     gate = make_gate(tree(org_limits="{spend_per_day: '1'}"))
-    e = await rejected(gate, K1, UsageEstimate("no-such-model", 10, 10))
+    e = await rejected(gate, K1, estimate("no-such-model", 10, 10))
     assert (e.status_code, e.reason) == (400, "unpriced_model")
     gate2 = make_gate(tree(org_limits="{spend_per_day: '1'}"), price=lambda *a: 0.5)  # float money
     e = await rejected(gate2, K1, est())
@@ -280,7 +285,7 @@ async def test_bad_reservation_handle_is_logged_not_raised(make_gate):
     from kvmeter.serving.quota import Reservation
 
     gate = make_gate(tree())
-    await gate.reconcile(Reservation(request_id="x", handle="not ours"), ActualUsage(1, 0, 1))
+    await gate.reconcile(Reservation(request_id="x", handle="not ours"), used(1, 0, 1))
     assert gate.reconcile_errors == 1
 
 
@@ -296,12 +301,36 @@ async def test_redis_server_time_mode_uses_redis_clock(redis_server, clock):
         pr = gate.directory.authenticate(K1)
         await store.client.flushdb()
         before = time.time()
-        r = await gate.reserve(pr, est())
+        r = await gate.reserve(pr, est(principal=pr))
         (tat,) = await store.get_values(["srvtime:k:acme/ws/proj/k1:rpm"])
         assert before - 1 < tat - 30 < time.time() + 1  # one request = 30 s after Redis's now
-        await gate.reserve(pr, est())
+        await gate.reserve(pr, est(principal=pr))
         e = await rejected(gate, K1, est())
         assert 0 < e.retry_after_s <= 30
-        await gate.reconcile(r, ActualUsage(1, 0, 1))
+        await gate.reconcile(r, used(1, 0, 1))
     finally:
         await store.aclose()
+
+
+async def test_spend_uses_the_ledger_price_function_reasoning_tokens_at_their_own_price(make_gate):
+    # a model whose reasoning tokens cost more than its plain output: per 1M, input 1.00,
+    # cached 0.10, output 2.00, reasoning 8.00
+    prices = parse_price_list({"version": "t", "currency": "USD", "models": {
+        "think": {"input": "1.00", "cached_input": "0.10", "output": "2.00", "reasoning": "8.00"}}})
+    bus = StatsBus()
+    drift: list[ReservationDrift] = []
+    bus.subscribe(ReservationDrift, drift.append)
+    gate = make_gate(tree(org_limits="{spend_per_day: '1.00'}"), price=prices.cost, bus=bus)
+    pr = gate.directory.authenticate(K1)
+    r = await gate.reserve(pr, estimate("think", 1000, 500, principal=pr))
+    # the reservation holds the dearest the output can turn out: all 500 as reasoning
+    assert r.reserved_cost == prices.cost("think", "enterprise", TokenCounts(1000, 0, 500, 500)) \
+        == Decimal("0.005") > prices.cost("think", "enterprise", TokenCounts(1000, 0, 500, 0))
+    actual = TokenCounts(input_tokens=1000, cached_input_tokens=400, output_tokens=300, reasoning_tokens=200)
+    await gate.reconcile(r, actual)
+    (cost,) = [d for d in drift if d.dimension == "cost"]
+    # engine-true counts priced by the same function: reasoning at 8.00, the rest of the output at 2.00
+    assert cost.actual == prices.cost("think", "enterprise", actual) == \
+        (600 * Decimal("1.00") + 400 * Decimal("0.10") + 100 * Decimal("2.00") + 200 * Decimal("8.00")) / 10**6
+    (spent,) = await gate.store.get_values([key_of(gate, "o", "acme", "sd:2024-05-17")])
+    assert spent == to_units(cost.actual)

@@ -11,7 +11,6 @@ import pytest_asyncio
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.quota import (
-    ActualUsage,
     AttemptOutcome,
     HierarchicalQuota,
     IdempotencyConflict,
@@ -22,12 +21,11 @@ from kvmeter.serving.quota import (
     MemoryIdempotencyManager,
     RedisIdempotencyManager,
     StoredResponse,
-    UsageEstimate,
     redis_client,
 )
 from kvmeter.serving.quota.money import to_units
 from kvmeter.stats import IdempotencyAttempt
-from quota_testlib import free_port, price, tree
+from quota_testlib import estimate, free_port, price, tree, used
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":100}'
 SSE = b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\ndata: {"choices":[{"delta":{"content":"lo"}}]}\n\ndata: [DONE]\n\n'
@@ -77,11 +75,11 @@ class MiniGateway:
         ticket = await self.idem.begin(pr.tenant_id, key, fingerprint=fp(body))
         if ticket.outcome is not AttemptOutcome.FIRST:
             return ticket
-        res = await self.gate.reserve(pr, UsageEstimate("m", 100, 100, attempt=ticket.attempt))
+        res = await self.gate.reserve(pr, estimate("m", 100, 100, attempt=ticket.attempt, principal=pr))
         self.engine_runs += 1  # the work the client is billed for
         if self.release is not None:
             await self.release.wait()
-        await self.gate.reconcile(res, ActualUsage(100, 0, 40))
+        await self.gate.reconcile(res, used(100, 0, 40))
         await self.idem.complete(ticket, RESPONSE)
         ticket.response = RESPONSE
         return ticket
@@ -92,7 +90,7 @@ async def billed(gate: HierarchicalQuota) -> int:
     return units or 0
 
 
-ONE_BILL = to_units(price("m", "", 100, 0, 40))
+ONE_BILL = to_units(price("m", "", used(100, 0, 40)))
 
 
 async def test_sequential_retries_replay_the_first_result_and_are_billed_once(make_gate, make_idem):

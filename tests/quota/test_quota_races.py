@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvmeter.serving.quota import MemoryQuotaStore, QuotaRejected, Reservation, UsageEstimate
+from kvmeter.serving.quota import MemoryQuotaStore, QuotaRejected, Reservation
 from kvmeter.serving.quota.money import to_units
-from quota_testlib import price, tree
+from quota_testlib import estimate, price, tree, used
 
 K1 = "sk-test-key-one"
-ONE_COST = price("m", "", 100, 0, 100)  # 0.0002: what one request reserves
+ONE_COST = price("m", "", used(100, 0, 100))  # 0.0002: what one request reserves
 
 BUDGETS = {
     "spend_per_day": (f"{{spend_per_day: '{ONE_COST}'}}", "sd:2024-05-17", to_units(ONE_COST)),
@@ -34,7 +34,7 @@ async def test_1000_concurrent_first_requests_admit_exactly_one(make_gate, dimen
     pr = gate.directory.authenticate(K1)
 
     async def attempt(i: int) -> Reservation:
-        return await gate.reserve(pr, UsageEstimate("m", 100, 100, request_id=f"r{i}"))
+        return await gate.reserve(pr, estimate("m", 100, 100, request_id=f"r{i}", principal=pr))
 
     results = await asyncio.gather(*(attempt(i) for i in range(1000)), return_exceptions=True)
     admitted = [r for r in results if isinstance(r, Reservation)]
@@ -62,7 +62,7 @@ def test_1000_requests_from_8_os_threads_on_the_memory_store(clock):
         async def run() -> None:
             for _ in range(125):
                 try:
-                    admitted.append(await gate.reserve(pr, UsageEstimate("m", 100, 100)))
+                    admitted.append(await gate.reserve(pr, estimate("m", 100, 100, principal=pr)))
                 except QuotaRejected as e:
                     assert e.reason == "spend_exhausted"
         start.wait()

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, UsageEstimate
+from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected
 from kvmeter.serving.tenancy import AuthError, ConfigError, TenantDirectory
 from kvmeter.stats import ConfigReloaded
-from quota_testlib import price, tree
+from quota_testlib import estimate, price, tree, used
 
 
 
@@ -28,9 +28,9 @@ async def test_reload_swaps_limits_and_keys_while_reservations_stay_valid(tmp_pa
     directory = TenantDirectory(path=cfg, bus=bus, clock=clock)
     gate = HierarchicalQuota(directory, store, price=price, clock=clock)
     k1 = directory.authenticate("sk-test-key-one")
-    held = await gate.reserve(k1, UsageEstimate("m", 10, 10))
+    held = await gate.reserve(k1, estimate("m", 10, 10, principal=k1))
     with pytest.raises(QuotaRejected):
-        await gate.reserve(k1, UsageEstimate("m", 10, 10))
+        await gate.reserve(k1, estimate("m", 10, 10, principal=k1))
 
     # new file: k1's limit raised to 2, k2 removed, k9 added
     text = tree(key_limits="{concurrent_requests: 2}").replace(
@@ -43,13 +43,13 @@ async def test_reload_swaps_limits_and_keys_while_reservations_stay_valid(tmp_pa
     with pytest.raises(AuthError):
         directory.authenticate("sk-test-key-two")
 
-    second = await gate.reserve(k1, UsageEstimate("m", 10, 10))  # same counter, new limit 2
+    second = await gate.reserve(k1, estimate("m", 10, 10, principal=k1))  # same counter, new limit 2
     with pytest.raises(QuotaRejected) as info:
-        await gate.reserve(k1, UsageEstimate("m", 10, 10))
+        await gate.reserve(k1, estimate("m", 10, 10, principal=k1))
     assert info.value.dimension == "concurrent_requests"
     # the reservation taken under version 1 reconciles against the same counters
-    await gate.reconcile(held, ActualUsage(10, 0, 5))
-    await gate.reconcile(second, ActualUsage(10, 0, 5))
+    await gate.reconcile(held, used(10, 0, 5))
+    await gate.reconcile(second, used(10, 0, 5))
     (conc,) = await store.get_values([f"{store.key_prefix}k:acme/ws/proj/k1:conc"])
     assert conc is None
 
@@ -58,12 +58,12 @@ async def test_a_removed_key_is_refused_by_the_gate_with_401(store, clock):
     directory = TenantDirectory(tree(), clock=clock)
     gate = HierarchicalQuota(directory, store, price=price, clock=clock)
     k2 = directory.authenticate("sk-test-key-two")
-    held = await gate.reserve(k2, UsageEstimate("m", 10, 10))
+    held = await gate.reserve(k2, estimate("m", 10, 10, principal=k2))
     directory.reload(tree().replace("k2: {key: sk-test-key-two", "k8: {key: sk-test-key-eight"))
     with pytest.raises(QuotaRejected) as info:
-        await gate.reserve(k2, UsageEstimate("m", 10, 10))
+        await gate.reserve(k2, estimate("m", 10, 10, principal=k2))
     assert (info.value.status_code, info.value.reason) == (401, "invalid_api_key")
-    await gate.reconcile(held, ActualUsage(10, 0, 10))  # still settles
+    await gate.reconcile(held, used(10, 0, 10))  # still settles
     assert gate.reconcile_errors == 0
 
 

@@ -7,15 +7,15 @@ from decimal import Decimal
 import pytest
 
 from kvmeter.bus import StatsBus
-from kvmeter.serving.quota import ActualUsage, QuotaRejected, UsageEstimate
+from kvmeter.serving.quota import QuotaRejected, UsageEstimate
 from kvmeter.stats import ToolCallReported
-from quota_testlib import tree
+from quota_testlib import estimate, tree, used
 
 K1 = "sk-test-key-one"
 
 
 def call(run: str = "run-1", p: int = 100, m: int = 100, attempt: int = 1) -> UsageEstimate:
-    return UsageEstimate("m", p, m, agent_run_id=run, attempt=attempt)
+    return estimate("m", p, m, agent_run_id=run, attempt=attempt)
 
 
 async def refused(gate, e: UsageEstimate) -> QuotaRejected:
@@ -29,13 +29,13 @@ async def test_max_model_calls(make_gate):
     pr = gate.directory.authenticate(K1)
     for _ in range(3):
         r = await gate.reserve(pr, call())
-        await gate.reconcile(r, ActualUsage(100, 0, 10))
+        await gate.reconcile(r, used(100, 0, 10))
     e = await refused(gate, call())
     assert (e.status_code, e.reason, e.level, e.dimension, e.retry_after_s) == (
         429, "run_budget_exceeded", "agent_run", "model_calls", None)
     assert "model_calls is at 3 of 3" in e.message
     await gate.reserve(pr, call(run="run-2"))          # another run has its own budget
-    await gate.reserve(pr, UsageEstimate("m", 10, 10))  # calls outside any run are not counted
+    await gate.reserve(pr, estimate("m", 10, 10, principal=pr))  # calls outside any run are not counted
     usage = await gate.run_usage(pr, "run-1")
     assert usage.model_calls == 3 and usage.retries is not None
 
@@ -87,7 +87,7 @@ async def test_max_cost_reserves_then_reconciles_to_actual(make_gate):
     await gate.reserve(pr, call())
     e = await refused(gate, call())
     assert (e.reason, e.dimension) == ("run_budget_exceeded", "cost")
-    await gate.reconcile(a, ActualUsage(100, 0, 0))  # actual 0.00005
+    await gate.reconcile(a, used(100, 0, 0))  # actual 0.00005
     await gate.reserve(pr, call())
     assert (await gate.run_usage(pr, "run-1")).cost == Decimal("0.00045")
 
@@ -110,7 +110,7 @@ async def test_max_parallel_branches_is_released_at_reconcile(make_gate):
     e = await refused(gate, call())
     assert (e.reason, e.dimension) == ("run_budget_exceeded", "parallel_branches")
     assert e.retry_after_s == pytest.approx(1.0)  # 2 s mean hold / 2 in flight
-    await gate.reconcile(a, ActualUsage())
+    await gate.reconcile(a, used())
     await gate.reserve(pr, call())
 
 
@@ -123,7 +123,7 @@ async def test_per_run_rate_limits_and_context(make_gate):
     assert e.retry_after_s == pytest.approx(20.0)
     e = await refused(gate, call(run="r2", p=400, m=200))
     assert (e.status_code, e.reason, e.level) == (400, "context_length_exceeded", "agent_run")
-    await gate.reserve(pr, UsageEstimate("m", 400, 200))  # the run's limit binds only calls of runs
+    await gate.reserve(pr, estimate("m", 400, 200, principal=pr))  # the run's limit binds only calls of runs
     assert gate.context_limit(pr, "r2") == 500
 
 

@@ -7,18 +7,17 @@ from datetime import datetime, timezone
 
 import pytest
 
-from quota_testlib import P_IN, P_OUT, tree
+from quota_testlib import P_IN, P_OUT, estimate, tree
 from kvmeter.clock import ManualClock
-from kvmeter.serving.quota import ActualUsage, HierarchicalQuota, QuotaRejected, UsageEstimate
+from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected
+from kvmeter.tokens import TokenCounts
 from kvmeter.serving.quota.plan import period_end_s
 from kvmeter.serving.tenancy import ConfigError, TenantDirectory, parse_config
 
 K1, O1 = "sk-test-key-one", "sk-test-other-one"
-ONE = P_IN * 100 + P_OUT * 100      # the price of est() below
+ONE = P_IN * 100 + P_OUT * 100      # the price of estimate() (100 in, 100 out)
 
 
-def est() -> UsageEstimate:
-    return UsageEstimate(model="m", prompt_tokens=100, max_output_tokens=100)
 
 
 def at(iso: str) -> float:
@@ -43,17 +42,17 @@ async def test_new_york_spend_day_starts_at_local_midnight_and_is_23_hours_on_sp
     gate = gate_at(make_gate, clock, "2026-03-08T04:59:00+00:00",   # 23:59 EST on 2026-03-07
                    zoned("America/New_York", f"{{spend_per_day: '{ONE}'}}"))
     principal = gate.directory.authenticate(K1)
-    r = await gate.reserve(principal, est())
-    await gate.reconcile(r, ActualUsage(100, 0, 100))
+    r = await gate.reserve(principal, estimate(principal=principal))
+    await gate.reconcile(r, TokenCounts(input_tokens=100, cached_input_tokens=0, output_tokens=100))
     with pytest.raises(QuotaRejected) as info:
-        await gate.reserve(principal, est())
+        await gate.reserve(principal, estimate(principal=principal))
     assert info.value.retry_after_s == pytest.approx(60)                 # to 00:00 EST, not to UTC midnight
     clock.advance(60)                                                   # 2026-03-08T00:00 EST: a new local day
-    r = await gate.reserve(principal, est())
+    r = await gate.reserve(principal, estimate(principal=principal))
     with pytest.raises(QuotaRejected) as info:
-        await gate.reserve(principal, est())
+        await gate.reserve(principal, estimate(principal=principal))
     assert info.value.retry_after_s == pytest.approx(23 * 3600)         # the clocks spring forward: 23 h
-    await gate.reconcile(r, ActualUsage(100, 0, 100))
+    await gate.reconcile(r, TokenCounts(input_tokens=100, cached_input_tokens=0, output_tokens=100))
     assert await spend_keys(gate, "sd", "2026-03-07", "2026-03-08") == [ONE * 10**9, ONE * 10**9]
 
 
@@ -61,24 +60,24 @@ async def test_new_york_fall_back_day_is_25_hours(make_gate, clock):
     gate = gate_at(make_gate, clock, "2026-11-01T04:00:00+00:00",   # 00:00 EDT on 2026-11-01
                    zoned("America/New_York", f"{{spend_per_day: '{ONE}'}}"))
     principal = gate.directory.authenticate(K1)
-    await gate.reserve(principal, est())
+    await gate.reserve(principal, estimate(principal=principal))
     with pytest.raises(QuotaRejected) as info:
-        await gate.reserve(principal, est())
+        await gate.reserve(principal, estimate(principal=principal))
     assert info.value.retry_after_s == pytest.approx(25 * 3600)
     clock.advance(25 * 3600 - 1)                                        # 23:59:59 EST: still 2026-11-01
     with pytest.raises(QuotaRejected):
-        await gate.reserve(principal, est())
+        await gate.reserve(principal, estimate(principal=principal))
     clock.advance(1)
-    await gate.reserve(principal, est())                                # 2026-11-02 local
+    await gate.reserve(principal, estimate(principal=principal))                                # 2026-11-02 local
 
 
 async def test_kathmandu_day_turns_at_18_15_utc_and_month_follows_the_zone(make_gate, clock):
     gate = gate_at(make_gate, clock, "2026-04-30T18:14:00+00:00",   # 23:59 on 2026-04-30 (+05:45)
                    zoned("Asia/Kathmandu", f"{{spend_per_day: '{ONE}', spend_per_month: '{ONE * 10}'}}"))
     principal = gate.directory.authenticate(K1)
-    await gate.reserve(principal, est())
+    await gate.reserve(principal, estimate(principal=principal))
     clock.advance(60)                                                   # 00:00 on 2026-05-01 local
-    await gate.reserve(principal, est())
+    await gate.reserve(principal, estimate(principal=principal))
     assert await spend_keys(gate, "sd", "2026-04-30", "2026-05-01") == [ONE * 10**9] * 2
     assert await spend_keys(gate, "sm", "2026-04", "2026-05") == [ONE * 10**9] * 2
 
@@ -87,8 +86,10 @@ async def test_global_spend_stays_utc_and_other_tenants_keep_utc(make_gate, cloc
     gate = gate_at(make_gate, clock, "2026-03-08T04:59:00+00:00",
                    zoned("Europe/Berlin", f"{{spend_per_day: '{ONE * 5}'}}").replace(
                        "global: {limits: {}}", f"global: {{limits: {{spend_per_day: '{ONE * 5}'}}}}"))
-    await gate.reserve(gate.directory.authenticate(K1), est())
-    await gate.reserve(gate.directory.authenticate(O1), est())
+    k1 = gate.directory.authenticate(K1)
+    await gate.reserve(k1, estimate(principal=k1))
+    o1 = gate.directory.authenticate(O1)
+    await gate.reserve(o1, estimate(principal=o1))
     prefix = gate.store.key_prefix
     assert await gate.store.get_values([f"{prefix}g::sd:2026-03-08", f"{prefix}o:acme:sd:2026-03-08"]) == \
         [2 * ONE * 10**9, ONE * 10**9]                                  # 05:59 in Berlin is 2026-03-08 too
@@ -98,11 +99,11 @@ async def test_a_reload_moves_the_spend_window_to_the_new_zone(make_gate, clock)
     gate = gate_at(make_gate, clock, "2026-06-15T02:00:00+00:00",   # 22:00 EDT on 2026-06-14
                    tree(f"{{spend_per_day: '{ONE}'}}"))
     principal = gate.directory.authenticate(K1)
-    await gate.reserve(principal, est())
+    await gate.reserve(principal, estimate(principal=principal))
     with pytest.raises(QuotaRejected):                                  # UTC day 2026-06-15 is spent
-        await gate.reserve(principal, est())
+        await gate.reserve(principal, estimate(principal=principal))
     gate.directory.reload(zoned("America/New_York", f"{{spend_per_day: '{ONE}'}}"))
-    await gate.reserve(principal, est())                                # local day 2026-06-14: fresh
+    await gate.reserve(principal, estimate(principal=principal))                                # local day 2026-06-14: fresh
     assert await spend_keys(gate, "sd", "2026-06-14", "2026-06-15") == [ONE * 10**9] * 2
 
 

@@ -56,9 +56,9 @@ def tenants(body: str, *, extra_top: str = "") -> str:
         textwrap.dedent(body).strip("\n"), "  ") + "\n"
 
 
-def completion(n_prompt: int, max_tokens: int, **extra) -> dict:
-    """A /v1/completions body with an exact prompt of ``n_prompt`` token ids."""
-    return {"model": MODEL, "prompt": [100 + (i % 500) for i in range(n_prompt)],
+def completion(n_input: int, max_tokens: int, **extra) -> dict:
+    """A /v1/completions body with an exact prompt of ``n_input`` token ids."""
+    return {"model": MODEL, "prompt": [100 + (i % 500) for i in range(n_input)],
             "max_tokens": max_tokens, **extra}
 
 
@@ -75,10 +75,10 @@ class QuotaStack(Stack):
         self.clock = clock
         self.client = client
 
-    async def complete(self, secret: str, n_prompt: int = 10, max_tokens: int = 5, *,
+    async def complete(self, secret: str, n_input: int = 10, max_tokens: int = 5, *,
                        headers: dict[str, str] | None = None, **extra) -> httpx.Response:
         return await self.client.post("/v1/completions", headers=bearer(secret, **(headers or {})),
-                                      json=completion(n_prompt, max_tokens, **extra))
+                                      json=completion(n_input, max_tokens, **extra))
 
     def billed(self, **where: str) -> list[dict]:
         """Usage events in the ledger (billed view) matching column = value filters."""

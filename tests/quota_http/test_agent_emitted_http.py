@@ -122,7 +122,7 @@ async def test_an_emitted_blocked_call_is_withheld_with_the_refusal_in_its_place
     assert await metric(s, "kvmeter_agent_tool_calls_total", source="emitted", decision="allowed") == 1
     # the model's tokens are billed as generated, withheld call included
     [row] = s.billed(tenant_id="acme")
-    assert row["completion_tokens"] == len(s.engine.tokenizer.encode(s.script.text))
+    assert row["output_tokens"] == len(s.engine.tokenizer.encode(s.script.text))
 
     # only blocked calls: no tool call is left, so the choice no longer ends in tool_calls
     s.script.text = hermes(("shell_exec", {"q": "ls"}))

@@ -164,7 +164,7 @@ async def test_a_loop_stops_the_run_with_a_metric_and_a_ledger_record(serve, quo
 async def test_the_run_rollup_in_the_read_api_is_scoped_to_the_tenant(serve):
     s = await serve(CFG)
     for i in range(2):
-        assert (await s.complete(AGENT, n_prompt=50, max_tokens=5, headers={"x-agent-run-id": "big"})).status_code == 200
+        assert (await s.complete(AGENT, n_input=50, max_tokens=5, headers={"x-agent-run-id": "big"})).status_code == 200
     assert (await s.complete(AGENT, headers={"x-agent-run-id": "small"})).status_code == 200
     assert (await s.complete(GLOBEX, headers={"x-agent-run-id": "theirs"})).status_code == 200
     await report(s, "big", {"tool": "search_web", "arguments": {"q": 1}})
@@ -178,9 +178,9 @@ async def test_the_run_rollup_in_the_read_api_is_scoped_to_the_tenant(serve):
     runs = mine.json()
     assert [r["agent_run_id"] for r in runs] == ["big", "small"]  # most expensive first
     big = runs[0]
-    assert (big["model_calls"], big["prompt_tokens"], big["tool_calls"], big["tool_calls_by_tool"],
+    assert (big["model_calls"], big["input_tokens"], big["tool_calls"], big["tool_calls_by_tool"],
             big["refused_tool_calls"], big["approvals_requested"]) == (2, 100, 1, {"search_web": 1}, 1, 1)
-    # exact money: 100 prompt × 1.00 + 10 completion × 2.00 per 1M tokens, as a decimal string
+    # exact money: 100 input × 1.00 + 10 output × 2.00 per 1M tokens, as a decimal string
     assert big["currency"] == "USD" and Decimal(big["subtotal"]) == Decimal("0.00012")
     theirs = await s.client.get("/v1/usage/agent_runs", params={"period": period, "tenant_id": "acme"},
                                 headers=auth(GLOBEX))

@@ -94,10 +94,10 @@ async def test_max_runtime_counts_from_the_first_call(serve):
 
 async def test_max_cost_is_reserved_and_reconciled_like_spend(serve):
     s = await serve(CFG)
-    assert (await s.complete(MONEY, n_prompt=100, max_tokens=100, headers=run("r-cost"))).status_code == 200
-    err = _stopped(await s.complete(MONEY, n_prompt=100, max_tokens=100, headers=run("r-cost")), "cost")
+    assert (await s.complete(MONEY, n_input=100, max_tokens=100, headers=run("r-cost"))).status_code == 200
+    err = _stopped(await s.complete(MONEY, n_input=100, max_tokens=100, headers=run("r-cost")), "cost")
     assert "0.0005" in err["message"]
-    assert (await s.complete(MONEY, n_prompt=100, max_tokens=50, headers=run("r-cost"))).status_code == 200
+    assert (await s.complete(MONEY, n_input=100, max_tokens=50, headers=run("r-cost"))).status_code == 200
 
 
 async def test_max_retries_counts_attempts_after_the_first(serve):

@@ -58,7 +58,7 @@ async def agent_traffic(s) -> None:
     another tenant, and one stopped as a loop."""
     h = {"x-agent-run-id": "research-1"}
     for _ in range(3):
-        assert (await s.complete(AGENT, n_prompt=200, max_tokens=20, headers=h)).status_code == 200
+        assert (await s.complete(AGENT, n_input=200, max_tokens=20, headers=h)).status_code == 200
     tool = lambda run, body, key=AGENT: s.client.post(f"/v1/agent_runs/{run}/tool_calls",  # noqa: E731
                                                       headers={"authorization": f"Bearer {key}"}, json=body)
     assert (await tool("research-1", {"tool": "search_web", "arguments": {"q": "kv"}})).status_code == 200

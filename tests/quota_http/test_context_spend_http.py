@@ -31,8 +31,8 @@ SHORT, SPENDER, OTHER = "sk-test-short-0001", "sk-test-spend-0001", "sk-test-oth
 
 async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
     s = await serve(CFG)
-    long_prompt = await s.complete(SHORT, n_prompt=80, max_tokens=5)
-    too_much = await s.complete(SHORT, n_prompt=50, max_tokens=20)
+    long_prompt = await s.complete(SHORT, n_input=80, max_tokens=5)
+    too_much = await s.complete(SHORT, n_input=50, max_tokens=20)
     for resp in (long_prompt, too_much):
         assert resp.status_code == 400
         err = resp.json()["error"]
@@ -45,7 +45,7 @@ async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
     assert s.runtime.engine.requests_total == 0
 
     # a completion without max_tokens runs to vLLM's default of 16 (OpenAI's): 50 + 16 > 64, refused
-    default = await s.complete(SHORT, n_prompt=50, max_tokens=None)
+    default = await s.complete(SHORT, n_input=50, max_tokens=None)
     assert default.status_code == 400 and "66 tokens" in default.json()["error"]["message"]
     # a chat without an output ceiling (vLLM's default: what the window leaves) has its output
     # reservation bounded by the node's limit, not refused
@@ -55,18 +55,18 @@ async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
     usage = fits.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
     [event] = s.billed(api_key_id="short")
-    assert (event["reserved_prompt_tokens"], event["reserved_completion_tokens"]) == (
+    assert (event["reserved_input_tokens"], event["reserved_output_tokens"]) == (
         usage["prompt_tokens"], 64 - usage["prompt_tokens"])
     # the engine's own window still answers its own 400 (no quota level)
-    over_engine = await s.complete(SPENDER, n_prompt=50, max_tokens=5000)
+    over_engine = await s.complete(SPENDER, n_input=50, max_tokens=5000)
     assert over_engine.status_code == 400 and "level" not in over_engine.json()["error"]
 
 
 async def test_exhausted_spend_budget_is_a_402_until_the_next_utc_day(serve):
     s = await serve(CFG)
     # prices: 1.00 / 2.00 per 1M input / output tokens → 100 + 2 × 100 = 0.0003 per request
-    assert (await s.complete(SPENDER, n_prompt=100, max_tokens=100)).status_code == 200
-    refused = await s.complete(SPENDER, n_prompt=100, max_tokens=100)  # 0.0006 > 0.0005
+    assert (await s.complete(SPENDER, n_input=100, max_tokens=100)).status_code == 200
+    refused = await s.complete(SPENDER, n_input=100, max_tokens=100)  # 0.0006 > 0.0005
     assert refused.status_code == 402
     err = refused.json()["error"]
     assert (err["type"], err["code"], err["level"], err["dimension"]) == (
@@ -74,13 +74,13 @@ async def test_exhausted_spend_budget_is_a_402_until_the_next_utc_day(serve):
     assert "0.0005" in err["message"] and "0.0003" in err["message"]
     assert refused.headers.get_list("retry-after") == [str(12 * 3600)]  # T0 is 12:00 UTC
     # the budget is money, not requests: a cheaper request still fits (0.0003 + 0.0001)
-    assert (await s.complete(SPENDER, n_prompt=50, max_tokens=25)).status_code == 200
-    assert (await s.complete(OTHER, n_prompt=100, max_tokens=100)).status_code == 200  # another org
+    assert (await s.complete(SPENDER, n_input=50, max_tokens=25)).status_code == 200
+    assert (await s.complete(OTHER, n_input=100, max_tokens=100)).status_code == 200  # another org
 
     s.clock.advance(12 * 3600)  # the next UTC day: the daily budget is back
-    assert (await s.complete(SPENDER, n_prompt=100, max_tokens=100)).status_code == 200
+    assert (await s.complete(SPENDER, n_input=100, max_tokens=100)).status_code == 200
     events = s.billed(tenant_id="acme")
-    spent = sum(Decimal(e["prompt_tokens"]) / 10**6 + 2 * Decimal(e["completion_tokens"]) / 10**6
+    spent = sum(Decimal(e["input_tokens"]) / 10**6 + 2 * Decimal(e["output_tokens"]) / 10**6
                 for e in events)
     assert len(events) == 3 and spent == Decimal("0.0007")  # 0.0003 + 0.0001 + 0.0003
     assert s.runtime.engine.requests_total == 4
@@ -91,11 +91,11 @@ async def test_exhausted_spend_budget_is_a_402_until_the_next_utc_day(serve):
 async def test_monthly_budget_binds_when_the_daily_one_does_not(serve):
     s = await serve(CFG)
     for _ in range(5):  # 200 + 2 × 100 = 0.0004 a request: one a day fits 0.0005, five the month
-        assert (await s.complete(SPENDER, n_prompt=200, max_tokens=100)).status_code == 200
-        daily = await s.complete(SPENDER, n_prompt=200, max_tokens=100)
+        assert (await s.complete(SPENDER, n_input=200, max_tokens=100)).status_code == 200
+        daily = await s.complete(SPENDER, n_input=200, max_tokens=100)
         assert daily.status_code == 402 and daily.json()["error"]["dimension"] == "spend_per_day"
         s.clock.advance(24 * 3600)
-    refused = await s.complete(SPENDER, n_prompt=200, max_tokens=100)  # 0.0024 > 0.0020
+    refused = await s.complete(SPENDER, n_input=200, max_tokens=100)  # 0.0024 > 0.0020
     assert refused.status_code == 402
     assert refused.json()["error"]["dimension"] == "spend_per_month"
     # T0 + 5 days is 2024-05-22 12:00 UTC: 9.5 days to June 1st

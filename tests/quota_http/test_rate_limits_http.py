@@ -80,11 +80,11 @@ async def test_retry_after_follows_the_binding_request_limit(serve):
 async def test_token_limit_of_an_ancestor_binds_both_siblings(serve):
     s = await serve(CFG)
     for _ in range(3):  # 3 × 200 prompt tokens = the project's 600 per minute
-        ok = await s.complete(T1, n_prompt=200, max_tokens=1)
+        ok = await s.complete(T1, n_input=200, max_tokens=1)
         assert ok.status_code == 200
     assert ok.headers["x-ratelimit-limit-input-tokens"] == "600"
     assert ok.headers["x-ratelimit-remaining-input-tokens"] == "0"
-    big, small = await s.complete(T2, n_prompt=200, max_tokens=1), await s.complete(T2, n_prompt=50, max_tokens=1)
+    big, small = await s.complete(T2, n_input=200, max_tokens=1), await s.complete(T2, n_input=50, max_tokens=1)
     for resp, wait_s in ((big, 20), (small, 5)):  # 600 tokens / 60 s: 10 tokens per second
         assert resp.status_code == 429
         assert resp.headers["retry-after"] == str(wait_s)
@@ -94,8 +94,8 @@ async def test_token_limit_of_an_ancestor_binds_both_siblings(serve):
         assert (err["code"], err["level"], err["dimension"]) == ("rate_limited", "project",
                                                                   "input_tokens_per_minute")
     s.clock.advance(5)
-    assert (await s.complete(T2, n_prompt=50, max_tokens=1)).status_code == 200
-    assert (await s.complete(T1, n_prompt=50, max_tokens=1)).status_code == 429
+    assert (await s.complete(T2, n_input=50, max_tokens=1)).status_code == 200
+    assert (await s.complete(T1, n_input=50, max_tokens=1)).status_code == 429
 
 
 async def test_output_reservation_is_reconciled_to_what_the_engine_produced(serve, tokenizer):
@@ -115,7 +115,7 @@ async def test_output_reservation_is_reconciled_to_what_the_engine_produced(serv
     assert too_big.status_code == 400 and _error(too_big)["code"] == "request_exceeds_limit"
     assert "retry-after" not in too_big.headers
     events = s.billed(api_key_id="o1")
-    assert [(e["reserved_completion_tokens"], e["completion_tokens"]) for e in events] == [(60, 10), (60, 10)]
+    assert [(e["reserved_output_tokens"], e["output_tokens"]) for e in events] == [(60, 10), (60, 10)]
 
 
 async def test_streamed_responses_carry_the_headers_too(serve):

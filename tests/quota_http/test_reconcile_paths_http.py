@@ -50,7 +50,7 @@ async def test_client_leaving_while_queued_releases_everything(serve, tokenizer)
     assert [(a["attempt"], a["status"], a["status_code"]) for a in attempts] == [
         (1, "error", 499), (2, "admitted", 200)]
     [billed] = s.billed(idempotency_key="left-1")  # one logical request, billed once
-    assert (billed["outcome"], billed["completion_tokens"], billed["attempt"]) == ("ok", 5, 2)
+    assert (billed["outcome"], billed["output_tokens"], billed["attempt"]) == ("ok", 5, 2)
 
 
 async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer):
@@ -76,7 +76,7 @@ async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer)
     assert [d.admitted for d in decisions] == [True] * 4  # one decision per request
     events = s.billed(api_key_id="one")
     assert len(events) == 3  # the two attempts of "boom" are one logical request
-    assert {(e["outcome"], e["prompt_tokens"], e["completion_tokens"]) for e in events} == {("error", 0, 0)}
+    assert {(e["outcome"], e["input_tokens"], e["output_tokens"]) for e in events} == {("error", 0, 0)}
     assert [a["attempt"] for a in s.attempts(idempotency_key="boom")] == [1, 2]
 
 
@@ -112,7 +112,7 @@ async def test_client_gone_before_the_stream_starts_releases_the_hold(serve):
     except Exception:  # noqa: BLE001 — the app may re-raise the client's disconnect
         pass
     [event] = s.billed(idempotency_key="gone-1")
-    assert (event["outcome"], event["completion_tokens"]) == ("aborted", 0)
+    assert (event["outcome"], event["output_tokens"]) == ("aborted", 0)
     # the key's single concurrency slot is free and the idempotency key can run again
     retry = await s.complete(ONE, headers={"idempotency-key": "gone-1"}, stream=True)
     assert retry.status_code == 200 and "x-kvmeter-idempotent-replay" not in retry.headers

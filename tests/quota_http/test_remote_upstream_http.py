@@ -77,14 +77,14 @@ async def test_remote_engine_reuses_its_upstream_connection(serve, model_dir):
         engine = RemoteEngine(f"http://127.0.0.1:{port}", model_dir=model_dir, model_name=MODEL)
         s = await serve(CFG, engine=engine)
         for _ in range(5):
-            resp = await s.complete("sk-test-remote-001", n_prompt=30, max_tokens=4)
+            resp = await s.complete("sk-test-remote-001", n_input=30, max_tokens=4)
             assert resp.status_code == 200, resp.text
             assert resp.json()["usage"]["prompt_tokens"] == 30
             assert resp.json()["usage"]["completion_tokens"] == 4
             assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
         assert len(ports) == 1, f"{len(ports)} upstream connections for 5 requests"
         events = s.billed(api_key_id="k1")
-        assert [(e["prompt_tokens"], e["completion_tokens"], e["cached_prompt_tokens"]) for e in events] == [(30, 4, 2)] * 5
+        assert [(e["input_tokens"], e["output_tokens"], e["cached_input_tokens"]) for e in events] == [(30, 4, 2)] * 5
     finally:
         server.should_exit = True
         await task
@@ -113,7 +113,7 @@ async def test_the_upstreams_kv_load_holds_dispatch_back_until_it_has_room(serve
         s = await serve(CFG, engine=engine, bus=bus)
         scheduler = s.runtime.scheduler
         assert scheduler.snapshot().engines_kv_watermark == [0.95]  # the gate sees the upstream's KV
-        request = asyncio.create_task(s.complete("sk-test-remote-001", n_prompt=30, max_tokens=4))
+        request = asyncio.create_task(s.complete("sk-test-remote-001", n_input=30, max_tokens=4))
         for _ in range(500):  # until the request waits in the scheduler (real time: the HTTP round trip)
             if scheduler.snapshot().queued_total == 1:
                 break

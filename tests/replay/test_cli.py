@@ -29,14 +29,20 @@ def _closed_port() -> int:
 @pytest.mark.parametrize("argv,flag", [
     (["--requests", "-5"], "--requests"),      # once blamed the trace file ("can't convert negative int")
     (["--requests", "0"], "--requests"),
-    (["--noisy-prompt-tokens", "0"], "--noisy-prompt-tokens"),
+    (["--noisy-input-tokens", "0"], "--noisy-input-tokens"),
+    (["--noisy-prompt-tokens", "0"], "--noisy-input-tokens"),  # the old spelling is the same option
     (["--server", "127.0.0.1:8000"], "--server"),
 ])
 def test_bad_arguments_are_argparse_errors(argv: list[str], flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         _parse(*(["--server", "http://127.0.0.1:8000"] if "--server" not in argv else []), *argv)
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"error: argument {flag}:" in err and "AzureLLMInferenceTrace" not in err
+    assert exit_.value.code == 2 and f"error: argument {flag}" in err and "AzureLLMInferenceTrace" not in err
+
+
+def test_the_old_noisy_flag_spelling_still_sets_the_input_tokens() -> None:
+    args = _parse("--server", "http://127.0.0.1:8000", "--noisy-prompt-tokens", "100")
+    assert args.noisy_input_tokens == 100
 
 
 def test_a_refused_connection_names_the_url(capsys, tmp_path: Path) -> None:

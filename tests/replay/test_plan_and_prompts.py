@@ -12,14 +12,14 @@ TENANTS = [ReplayTenant("a", "k-a", 3.0), ReplayTenant("b", "k-b", 1.0), ReplayT
 
 
 def test_scaling_rule_by_hand():
-    rule = ScalingRule(time_compression=2.0, token_scale=0.125, max_prompt_tokens=2048,
-                       max_output_tokens=1024, noisy_prompt_tokens=4096, min_prompt_tokens=31)
+    rule = ScalingRule(time_compression=2.0, token_scale=0.125, max_input_tokens=2048,
+                       max_output_tokens=1024, noisy_input_tokens=4096, min_input_tokens=31)
     trace = [TraceRequest(10.0, 374, 44), TraceRequest(20.0, 100, 3), TraceRequest(30.0, 90_000, 20_000)]
     plan = build_plan(trace, [ReplayTenant("a", "k")], rule)
     assert [p.arrival_s for p in plan] == [5.0, 10.0, 15.0]
-    assert [p.prompt_tokens for p in plan] == [47, 31, 2048]     # round(374/8)=47; floor 31; cap 2048
+    assert [p.input_tokens for p in plan] == [47, 31, 2048]     # round(374/8)=47; floor 31; cap 2048
     assert [p.output_tokens for p in plan] == [6, 1, 1024]       # round(5.5)=6 (half-even), floor 1, cap
-    assert plan[0].trace_prompt_tokens == 374
+    assert plan[0].trace_input_tokens == 374
 
 
 def test_plan_is_deterministic_and_follows_shares_and_noisy_prompts():
@@ -27,11 +27,11 @@ def test_plan_is_deterministic_and_follows_shares_and_noisy_prompts():
     rule = ScalingRule()
     a = build_plan(trace, TENANTS, rule, seed=3)
     b = build_plan(trace, TENANTS, rule, seed=3)
-    assert [(p.tenant.name, p.prompt_tokens) for p in a] == [(p.tenant.name, p.prompt_tokens) for p in b]
+    assert [(p.tenant.name, p.input_tokens) for p in a] == [(p.tenant.name, p.input_tokens) for p in b]
     share = sum(p.tenant.name == "a" for p in a) / len(a)
     assert 0.55 < share < 0.65                     # 3 / (3 + 1 + 1)
-    assert all(p.prompt_tokens == 4096 for p in a if p.tenant.noisy)
-    assert all(p.prompt_tokens <= 2048 for p in a if not p.tenant.noisy)
+    assert all(p.input_tokens == 4096 for p in a if p.tenant.noisy)
+    assert all(p.input_tokens <= 2048 for p in a if not p.tenant.noisy)
     assert repr(TENANTS[0]).find("k-a") == -1      # keys never printed
 
 

@@ -8,6 +8,7 @@ full engine model; these tests isolate the scheduler.
 
 from __future__ import annotations
 
+from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
 from kvmeter.stats import EngineLoad
@@ -24,7 +25,7 @@ def make_core(policy: str = "vtc", *, capacity: int = 1_000_000, num_engines: in
 
 def job(rid: str, tenant: str, prompt: int = 100, max_tokens: int = 10, *, tier: str = "paid_interactive",
         arrival: float = 0.0, deadline: float | None = None) -> Job:
-    return Job(request_id=rid, tenant_id=tenant, tier=tier, prompt_tokens=prompt, max_tokens=max_tokens,
+    return Job(request_id=rid, attribution=Attribution(tenant, tier=tier), input_tokens=prompt, max_tokens=max_tokens,
                arrival_s=arrival, deadline_s=deadline)
 
 
@@ -53,7 +54,7 @@ class StepEngine:
             else:
                 still.append(g)
         self.running = still
-        used = sum(g.job.prompt_tokens + g.output_tokens for g in self.running)
+        used = sum(g.job.input_tokens + g.output_tokens for g in self.running)
         self.core.on_engine_load(EngineLoad(min(1.0, used / self.capacity), self.capacity,
                                             len(self.running), 0))
         self.dispatch()

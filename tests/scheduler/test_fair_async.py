@@ -127,7 +127,9 @@ async def test_fair_scheduler_in_front_of_the_simulated_engine_on_a_manual_clock
         grant = await sched.acquire(j)
         n = 0
         try:
-            req = EngineRequest(rid, [1] * 500, max_tokens=20, priority=grant.priority, tenant_id=tenant)
+            req = EngineRequest(
+                rid, [1] * 500, max_tokens=20, priority=grant.priority, attribution=grant.job.attribution
+            )
             async for out in engine.generate(req):
                 sched.charge_output(grant, len(out.new_token_ids))
                 n = out.num_output_tokens

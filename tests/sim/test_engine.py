@@ -31,8 +31,8 @@ async def test_generate_streams_exactly_max_tokens_with_engine_true_counts():
     assert sum(len(o.new_token_ids) for o in outs) == 7
     assert [o.num_output_tokens for o in outs] == list(range(1, 8))
     last = outs[-1]
-    assert last.finished and last.finish_reason == "length" and last.num_prompt_tokens == len(ids)
-    assert last.stats.generation_tokens == 7 and last.stats.prompt_tokens == len(ids)
+    assert last.finished and last.finish_reason == "length" and last.num_input_tokens == len(ids)
+    assert last.stats.tokens.output_tokens == 7 and last.stats.tokens.input_tokens == len(ids)
     assert clock.monotonic() == pytest.approx(last.stats.e2e_s)   # virtual time = the step times
     assert len(steps) == 7 and steps[0].ttfts_s and steps[0].kv_blocks_total == eng.replica.total_blocks
 
@@ -89,8 +89,8 @@ async def test_step_stats_count_scheduled_prompt_and_generated_tokens_like_vllm(
     eng, clock = _engine(bus)
     await eng.start()
 
-    async def run(rid: str, n_prompt: int, n_out: int) -> None:
-        async for _ in eng.generate(EngineRequest(rid, [1] * n_prompt, max_tokens=n_out)):
+    async def run(rid: str, n_input: int, n_out: int) -> None:
+        async for _ in eng.generate(EngineRequest(rid, [1] * n_input, max_tokens=n_out)):
             pass
 
     await asyncio.gather(run("a", 300, 5), run("b", 120, 9))
@@ -98,10 +98,10 @@ async def test_step_stats_count_scheduled_prompt_and_generated_tokens_like_vllm(
     # every prompt token is scheduled once (no preemption here), every output token but the one a
     # prefill samples is a decode token: scheduled = prompts + outputs − first tokens
     assert sum(s.scheduled_tokens for s in steps) == 300 + 120 + (5 - 1) + (9 - 1)
-    assert sum(s.generation_tokens for s in steps) == 5 + 9
+    assert sum(s.output_tokens for s in steps) == 5 + 9
     # vLLM counts a request's whole prompt in the step that samples its first token
     # (both prompts fit the first step's 4,096-token budget, so both sample a token there)
-    assert [s.prompt_tokens for s in steps] == [420] + [0] * (len(steps) - 1)
+    assert [s.input_tokens for s in steps] == [420] + [0] * (len(steps) - 1)
     assert len(steps[0].ttfts_s) == 2 and not any(s.ttfts_s for s in steps[1:])
     # one ITL per token after a request's first, each the length of the step that produced it
     # (the engine is never idle here, so a step lasts from the previous step's stats to its own)

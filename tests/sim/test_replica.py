@@ -76,7 +76,7 @@ def test_kv_pressure_preempts_by_recompute_lowest_priority_first_and_still_finis
     assert sum(r.preemptions for r in lo) >= 1 and sum(r.preemptions for r in hi) == 0
     assert all(r.out == 200 for r in hi + lo)
     assert any(r.gap_itls for r in lo)                 # the recompute gap shows up as one long ITL
-    assert rep.prompt_tokens_computed > 4 * 100        # recompute re-prefills prompt + output
+    assert rep.input_tokens_computed > 4 * 100        # recompute re-prefills prompt + output
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_steps_within_the_token_budget():
@@ -115,13 +115,13 @@ def test_prefix_cache_hits_on_repeated_hashes_and_skips_that_prefill():
     first = SimRequest("first", 2100, 3, hash_ids=[11, 12, 13, 14, 15])
     rep.add(first, 0.0)
     now = _drain(rep)
-    computed_before = rep.prompt_tokens_computed
+    computed_before = rep.input_tokens_computed
     second = SimRequest("second", 2100, 3, hash_ids=[11, 12, 13, 99, 98])  # shares 3 groups
     rep.add(second, now)
     _drain(rep)
     assert first.cached_tokens == 0
     assert second.cached_tokens == 3 * 512
-    assert rep.prompt_tokens_computed - computed_before == 2100 - 3 * 512
+    assert rep.input_tokens_computed - computed_before == 2100 - 3 * 512
     assert rep.cache.hits_tokens == 3 * 512 and rep.cache.queries_tokens == 4200
 
 

@@ -44,7 +44,7 @@ def test_mooncake_trace_carries_hash_ids_and_durations_filter():
 def test_data_dir_env_override_and_kvmeter_csv_format(tmp_path, monkeypatch):
     (tmp_path / "traces").mkdir()
     p = tmp_path / "traces" / "mine.csv"
-    p.write_text("arrival_s,prompt_tokens,output_tokens,tenant_id,tier,deadline_s\n"
+    p.write_text("arrival_s,input_tokens,output_tokens,tenant_id,tier,deadline_s\n"
                  "5.0,10,3,acme,free,\n1.0,20,4,zed,batch,9.5\n2.0,0,4,tiny,,\n")
     monkeypatch.setenv("KVMETER_DATA_DIR", str(tmp_path))
     assert data_dir() == tmp_path
@@ -64,7 +64,7 @@ def test_data_dir_env_override_and_kvmeter_csv_format(tmp_path, monkeypatch):
 
 def test_the_simulator_replays_a_kvmeter_csv_with_its_tenants_tiers_and_deadlines(tmp_path):
     p = tmp_path / "w.csv"
-    p.write_text("arrival_s,prompt_tokens,output_tokens,tenant_id,tier,deadline_s\n"
+    p.write_text("arrival_s,input_tokens,output_tokens,tenant_id,tier,deadline_s\n"
                  "0.0,100,10,acme,enterprise,\n0.5,200,20,zed,free,\n1.0,50,5,,,\n")
     res = Simulation(load_trace(p), policy="vtc", sim=SimConfig(model="smollm2-135m", gpu="cpu", tp=1)).run()
     got = sorted((r.tenant_id, r.tier, r.outcome, r.generated) for r in res.records)

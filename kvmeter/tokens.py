@@ -1,0 +1,102 @@
+"""The token counts of one request (or of a sum of requests): input, cached input, output, reasoning.
+
+One type for every place where these counts appear together — the usage event, the quota's
+estimate, reservation and actual usage, the engine's and the gateway's stats, the price function.
+Its invariants are checked here and nowhere else (docs/ARCHITECTURE.md, "Metering rules"):
+
+* every count is an ``int`` ≥ 0 (``bool`` is refused);
+* **parts, not additions**: ``cached_input_tokens`` is the part of ``input_tokens`` served from the
+  prefix cache (``cached ≤ input``), ``reasoning_tokens`` the part of ``output_tokens`` spent on
+  reasoning (``reasoning ≤ output``).
+
+The words are OpenTelemetry's ``gen_ai.usage.input_tokens`` / ``output_tokens``. OpenAI's wire
+names (``usage.prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``,
+``completion_tokens_details.reasoning_tokens``) exist only on the wire: the usage blocks vLLM's
+serving layer writes, the one kvmeter writes on ``--engine remote``
+(:func:`kvmeter.serving.gateway.remote_path.usage_block`), and where kvmeter reads one from an
+upstream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["TokenCounts", "TOKEN_FIELDS", "PRICED_PARTS", "NO_TOKENS"]
+
+#: The field names, in order (the ledger's token columns carry the same names).
+TOKEN_FIELDS = ("input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens")
+
+#: The four disjoint parts :meth:`TokenCounts.parts` returns, in order: input not served from the
+#: cache, cached input, output that is not reasoning, reasoning. They are the price list's token
+#: types (:data:`kvmeter.ledger.prices.TOKEN_TYPES`).
+PRICED_PARTS = ("input", "cached_input", "output", "reasoning")
+
+
+def _count(name: str, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """Engine-true (or estimated, or reserved) token counts.
+
+    Attributes:
+        input_tokens: tokens the engine read: the prompt after the chat template (≥ 0).
+        cached_input_tokens: of those, tokens served from the prefix cache (0 ≤ cached ≤ input).
+        output_tokens: tokens the engine generated (≥ 0).
+        reasoning_tokens: of those, tokens spent on reasoning (0 ≤ reasoning ≤ output).
+    Raises:
+        ValueError: naming the field, for a count that is not an int ≥ 0 or a part larger than
+            its whole.
+    """
+
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _count("input_tokens", self.input_tokens)
+        _count("cached_input_tokens", self.cached_input_tokens)
+        _count("output_tokens", self.output_tokens)
+        _count("reasoning_tokens", self.reasoning_tokens)
+        if self.cached_input_tokens > self.input_tokens:
+            raise ValueError(
+                f"cached_input_tokens ({self.cached_input_tokens}) is part of input_tokens "
+                f"({self.input_tokens}) and cannot exceed it")
+        if self.reasoning_tokens > self.output_tokens:
+            raise ValueError(
+                f"reasoning_tokens ({self.reasoning_tokens}) is part of output_tokens "
+                f"({self.output_tokens}) and cannot exceed it")
+
+    @property
+    def total_tokens(self) -> int:
+        """input + output (cached and reasoning tokens are already inside those)."""
+        return self.input_tokens + self.output_tokens
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing was read or generated (input and output are 0)."""
+        return self.input_tokens == 0 and self.output_tokens == 0
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> "TokenCounts":
+        """The counts of a row that holds them under their field names (a query's token sums, an
+        invoice line); a missing field is 0.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        return cls(*(int(row.get(name) or 0) for name in TOKEN_FIELDS))
+
+    def parts(self) -> tuple[int, int, int, int]:
+        """The four disjoint parts, in :data:`PRICED_PARTS` order: ``(input − cached, cached,
+        output − reasoning, reasoning)``; they sum to :attr:`total_tokens`."""
+        return (self.input_tokens - self.cached_input_tokens, self.cached_input_tokens,
+                self.output_tokens - self.reasoning_tokens, self.reasoning_tokens)
+
+
+#: Nothing read, nothing generated (what a request that never ran used).
+NO_TOKENS = TokenCounts()
