@@ -34,7 +34,11 @@ so chunk boundaries are not deterministic on a busy machine; when two streams di
 event, both are merged (:func:`merge_chunks`: consecutive chunks of one choice joined, their
 texts, tool-call arguments and logprobs concatenated, the later chunk's ``finish_reason`` and
 ``usage`` kept) and compared again; if the merged streams are equal the case is ``same`` with
-the note that its chunking differs.
+the note that its chunking differs. A stream of several choices (``n > 1``) whose choices'
+chunks interleave differently (which choice's chunk of an engine step the reader gets first moves
+with the same lag) is compared once more with each choice's chunks gathered in order
+(:func:`by_choice`, then merged): each chunk names its choice's ``index``, so no client depends on
+the interleaving; every choice's text, finish reason and the usage must still be equal.
 
 Compared headers (:data:`COMPARED_HEADERS`): ``content-type`` and ``x-request-id``; kvmeter's own
 (``x-ratelimit-*``, ``x-kvmeter-*``, ``retry-after``) and transport headers (``date``, ``server``,
@@ -52,7 +56,7 @@ from bench.parity.cases import Case
 from bench.parity.exchange import Answer
 
 __all__ = ["Difference", "Allowed", "CaseResult", "COMPARED_HEADERS", "MISSING", "view", "diff",
-           "compare_case", "request_id_of", "merge_chunks"]
+           "compare_case", "request_id_of", "merge_chunks", "by_choice"]
 
 #: response headers that are part of the OpenAI surface both servers must agree on
 COMPARED_HEADERS = ("content-type", "x-request-id")
@@ -303,6 +307,19 @@ def merge_chunks(events: list[Any]) -> list[Any]:
     return out
 
 
+def by_choice(events: list[Any]) -> list[Any]:
+    """``events`` with the one-choice chunks gathered by choice ``index`` (stable: each choice's
+    chunks keep their order), choice 0 first; every other event (usage-only chunks, ``[DONE]``)
+    after them, in its order."""
+    def key(event: Any) -> tuple[int, int]:
+        choices = event.get("choices") if isinstance(event, dict) else None
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict) \
+                and isinstance(choices[0].get("index"), int):
+            return (0, choices[0]["index"])
+        return (1, 0)
+    return sorted(events, key=key)
+
+
 def compare_case(case: Case, reference: Answer, target: Answer, allowlist: Iterable[Allowed] = ()) -> CaseResult:
     """Compare the two answers to ``case``; differences covered by ``allowlist`` are set aside
     with their reason. Two streams that differ event by event but not once merged
@@ -315,8 +332,13 @@ def compare_case(case: Case, reference: Answer, target: Answer, allowlist: Itera
         merged_ref = {**ref, "body": merge_chunks(ref["body"])}
         merged_tgt = {**tgt, "body": merge_chunks(tgt["body"])}
         merged = diff(merged_ref, merged_tgt)
+        note = "chunk boundaries differ"
+        if any(d.path.startswith("body.") for d in merged):
+            merged = diff({**ref, "body": merge_chunks(by_choice(ref["body"]))},
+                          {**tgt, "body": merge_chunks(by_choice(tgt["body"]))})
+            note = "chunk boundaries and the interleaving of choices differ"
         if len(merged) < len(differences) and all(not d.path.startswith("body.") for d in merged):
-            result.note = (f"chunk boundaries differ ({len(ref['body'])} vs {len(tgt['body'])} events); "
+            result.note = (f"{note} ({len(ref['body'])} vs {len(tgt['body'])} events); "
                            "the merged streams are equal")
             differences = merged
     for d in differences:

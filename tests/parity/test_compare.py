@@ -10,7 +10,7 @@ import pytest
 
 from bench.parity.allowlist import ALLOWLIST
 from bench.parity.cases import CASES, CHAT, COMPLETIONS, Case, case_named
-from bench.parity.compare import MISSING, Allowed, compare_case, diff, merge_chunks, view
+from bench.parity.compare import MISSING, Allowed, by_choice, compare_case, diff, merge_chunks, view
 from bench.parity.exchange import Answer, parse_sse
 
 PLAIN = case_named("chat_plain")
@@ -171,6 +171,36 @@ def test_merging_keeps_the_role_chunk_usage_and_done_and_joins_tool_call_argumen
 def test_chunks_of_different_choices_are_not_merged():
     events = [_chunk("a", {"content": "x"}, index=0), _chunk("a", {"content": "y"}, index=1)]
     assert merge_chunks(events) == events
+
+
+def _n2(rid: str, order: list[tuple[int, str]], finish: str = "length") -> list:
+    """An n=2 chat stream: both role chunks, the (choice, piece) chunks in ``order``, both finishes."""
+    events = [_chunk(rid, {"role": "assistant", "content": ""}, index=i) for i in (0, 1)]
+    events += [_chunk(rid, {"content": p}, index=i) for i, p in order]
+    events += [_chunk(rid, {}, finish=finish, index=i) for i in (0, 1)]
+    return events + ["[DONE]"]
+
+
+def test_choices_interleaved_otherwise_are_the_same_once_gathered_and_merged():
+    case = case_named("chat_n2_stream")
+    ref = _sse(_n2("aaaa", [(0, "The"), (1, "The"), (0, " capital"), (1, " capital")]))
+    # the target's reader lagged: choice 1's chunk of a step came first, and two steps coalesced
+    lagged = _sse(_n2("bbbb", [(0, "The"), (1, "The capital"), (0, " capital")]))
+    result = compare_case(case, ref, lagged)
+    assert result.verdict == "same", result.differences
+    assert "the interleaving of choices differ" in result.note
+    # one choice's text differs: still different, however the chunks are gathered
+    other = _sse(_n2("bbbb", [(1, "The capital"), (0, "The"), (0, " capitol")]))
+    assert compare_case(case, ref, other).verdict == "different"
+    # so does a finish reason
+    assert compare_case(case, ref, _sse(_n2("bbbb", [(1, "The capital"), (0, "The capital")], "stop"))).verdict \
+        == "different"
+
+
+def test_by_choice_keeps_each_choice_in_order_and_the_rest_last():
+    events = [_chunk("a", {"content": "x"}, index=1), {"id": "u", "choices": [], "usage": {}},
+              _chunk("a", {"content": "y"}, index=0), _chunk("a", {"content": "z"}, index=1), "[DONE]"]
+    assert by_choice(events) == [events[2], events[0], events[3], events[1], "[DONE]"]
 
 
 def test_parse_sse_reads_data_events_done_comments_and_names():

@@ -7,9 +7,8 @@ on the same model and engine settings (``bench/parity/servers.py``):
   This proves the harness — that its normalisation sets aside only what legitimately differs
   between two runs, and that every case is deterministic — so a difference against kvmeter is a
   difference of kvmeter's.
-* vLLM against kvmeter with the allow-list: no case may be ``different``. Today kvmeter's own
-  protocol layer refuses tools, ``n``, logprobs, ... (issue 13's table), so this is an expected
-  failure until the gateway runs on vLLM's serving layer.
+* vLLM against kvmeter with the allow-list: no case may be ``different`` (kvmeter runs vLLM's
+  serving layer in-process; ``bench/parity/RESULTS.md`` is the latest matrix).
 
 Run time: 6 min for the module on this machine's 2 cores with other work running (load average
 ≈ 11): the two servers load in parallel (~2–4 min), then each table takes 1.5–2.5 min.
@@ -66,7 +65,6 @@ def test_vllm_against_itself_every_case_is_the_same(servers):
     assert tool["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
-@pytest.mark.xfail(strict=False, reason="gateway not yet on vLLM's serving layer (issue 13)")
 def test_kvmeter_answers_every_case_as_vllm_does(servers, tmp_path):
     outcomes = run_table(CASES, servers["vllm"].url, servers["kvmeter"].url, PARITY_KEY, allowlist=ALLOWLIST,
                          progress=None)
