@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import run as overhead  # noqa: E402  (the same server start/stop as run.py)
+import run as overhead  # the same server start/stop as run.py
 
 #: what the report keeps from the client's result dict
 KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
@@ -72,8 +72,9 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, str(overhead.ROOT))
-    from kvmeter.model import resolve_model
     from vllm.benchmarks.serve import main as bench_main
+
+    from kvmeter.model import resolve_model
 
     os.environ["OPENAI_API_KEY"] = overhead.KEY
     model_dir, name = resolve_model(None)
