@@ -43,6 +43,11 @@ def pct(values: list[float], q: float) -> float:
     return ordered[idx]
 
 
+def loadavg() -> float:
+    """The 1-minute load average (recorded per round: the machine is shared)."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def start(kind: str, model_dir: Path, name: str, port: int, args: argparse.Namespace, workdir: Path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "TOKENIZERS_PARALLELISM": "false"}
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
@@ -164,8 +169,10 @@ def main() -> int:
                 try:
                     ready = wait_ready(proc, url, workdir / f"{kind}.log")
                     asyncio.run(load(url, name, prompts[:8], args.output_tokens, args.concurrency))  # warm-up
+                    load_start = loadavg()
                     res = asyncio.run(load(url, name, prompts, args.output_tokens, args.concurrency))
                     res["startup_s"] = ready
+                    res["load_1m_start"], res["load_1m_end"] = load_start, loadavg()
                     results[kind].append(res)
                     print(f"round {rnd} {kind:8s} " + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
                 finally:
