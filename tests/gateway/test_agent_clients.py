@@ -34,12 +34,12 @@ def engine_records(stack):
     unsubscribe()
 
 
-def _billed_as_engine(stack, request_id: str, records, prompt: int, completion: int) -> None:
+def _billed_as_engine(stack, request_id: str, records, input_tokens: int, output_tokens: int) -> None:
     [row] = stack.usage(request_id)
-    assert (row["prompt_tokens"], row["completion_tokens"]) == (prompt, completion)
+    assert (row["input_tokens"], row["output_tokens"]) == (input_tokens, output_tokens)
     assert row["outcome"] == "ok" and row["token_source"] == "engine_hooks"
     [engine] = [r for r in records if r.request_id == request_id]
-    assert (engine.prompt_tokens, engine.generation_tokens) == (prompt, completion)
+    assert (engine.tokens.input_tokens, engine.tokens.output_tokens) == (input_tokens, output_tokens)
 
 
 async def test_langchain_bind_tools_loop_is_billed_as_the_engine_counted(stack, engine_records):
@@ -123,9 +123,9 @@ async def test_openai_agents_two_tool_loop_is_one_agent_run(stack, engine_record
                       r=run_id)
     assert len(rows) == 2 and all(r["tenant_id"] == "acme" and r["outcome"] == "ok" for r in rows)
     sdk = [(u.input_tokens, u.output_tokens) for u in result.context_wrapper.usage.request_usage_entries]
-    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == sdk
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == sdk
     for row in rows:
-        _billed_as_engine(stack, row["request_id"], engine_records, row["prompt_tokens"], row["completion_tokens"])
+        _billed_as_engine(stack, row["request_id"], engine_records, row["input_tokens"], row["output_tokens"])
 
     # the agent-run budget counted the run: two model calls, one tool call (the permit)
     principal = stack.runtime.directory.authenticate(KEYS["acme"])
@@ -141,4 +141,4 @@ async def test_openai_agents_two_tool_loop_is_one_agent_run(stack, engine_record
     [run] = answer.json()
     assert (run["model_calls"], run["tool_calls"]) == (2, 1)
     assert run["tool_calls_by_tool"] == {called[0][0]: 1}
-    assert run["prompt_tokens"] == sum(p for p, _ in sdk)
+    assert run["input_tokens"] == sum(p for p, _ in sdk)
