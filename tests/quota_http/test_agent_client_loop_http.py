@@ -2,8 +2,8 @@
 pattern of the OpenAI Agents SDK (a tool marked ``needs_approval`` interrupts the run; the
 application approves or rejects; the run resumes) with the decision held by the gateway.
 
-The Agents SDK itself (``pip install openai-agents``) is not installed in this environment, so the
-loop below is the equivalent written with ``openai.AsyncOpenAI``: model calls through
+The loop below is the equivalent written with ``openai.AsyncOpenAI`` (the Agents SDK's own tool
+loop through kvmeter, on the real engine, is ``tests/gateway/test_agent_clients.py``): model calls through
 ``chat.completions`` with the run id in ``X-Agent-Run-Id``, tool calls through the report
 endpoint (the permit), decisions through the approvals API. Here the loop plays the model's tool
 choice itself (the calls are reported, not emitted); ``test_agent_emitted_http.py`` runs the same
