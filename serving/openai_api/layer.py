@@ -26,6 +26,7 @@ steps of kvmeter's request flow in its order:
 from __future__ import annotations
 
 import asyncio
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -91,6 +92,9 @@ def layer_args(engine_argv: Sequence[str], flags: ServingFlags) -> Any:
         VllmArgsError: vLLM refuses the arguments.
     """
     args = parse_vllm_argv([*engine_argv, *serving_argv(flags)])
+    # vLLM's parser hands every Namespace the same default StructuredOutputsConfig object: merge the
+    # reasoning parser into a copy, or it would leak into every later layer of the process
+    args.structured_outputs_config = copy.copy(args.structured_outputs_config)
     if args.reasoning_parser:  # what AsyncEngineArgs.create_structured_outputs_config() merges
         args.structured_outputs_config.reasoning_parser = args.reasoning_parser
     return args

@@ -62,3 +62,16 @@ def test_the_engine_is_built_from_its_settings_as_vllm_serve_words():
     assert (args.enable_prefix_caching, args.long_prefill_token_threshold, args.scheduling_policy, args.seed) == (
         False, 32, "priority", 0)
     assert args.enforce_eager is True
+
+
+def test_a_reasoning_parser_stays_with_the_layer_it_was_given_to():
+    """vLLM's parser shares one default StructuredOutputsConfig between Namespaces: a layer built
+    with a reasoning parser must not hand it to a later layer of the same process (it did: a
+    later gateway without one moved every answer into ``reasoning``)."""
+    from kvmeter.serving.openai_api.layer import layer_args
+
+    argv = ["--model", "m"]
+    with_parser = layer_args(argv, ServingFlags(reasoning_parser="deepseek_r1"))
+    without = layer_args(argv, ServingFlags())
+    assert with_parser.structured_outputs_config.reasoning_parser == "deepseek_r1"
+    assert not without.structured_outputs_config.reasoning_parser
