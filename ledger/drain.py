@@ -174,8 +174,16 @@ class Writer:
             client = self._holder.get()
         except LedgerError as exc:
             return self._failed(exc)
-        for stream in self._spool.streams.values():
-            while True:
+        # A round drains each stream up to where it was durable when the round began. Records
+        # made durable during the round's inserts wait for the next round (flush_interval_s
+        # later, or a forced one): draining every stream until it is empty never ended a round
+        # under steady traffic, so the first stream was inserted a few records at a time (each
+        # insert costs ClickHouse milliseconds of CPU, whatever its size) and the streams after
+        # it waited until the traffic stopped (bench/quota/RESULTS.md, "Where the CPU goes on
+        # vLLM's layer").
+        targets = {name: stream.durable_end() for name, stream in self._spool.streams.items()}
+        for name, stream in self._spool.streams.items():
+            while stream.drained_position() < targets[name]:
                 batch = stream.next_batch(self._config.batch_size)
                 if batch is None:
                     break

@@ -221,3 +221,52 @@ def test_cluster_mode_renders_replicated_and_distributed_ddl() -> None:
     assert render("SELECT 1;\n-- comment\nSELECT 2;") == ["SELECT 1", "SELECT 2"]
     with pytest.raises(MigrationError):
         render("CREATE TABLE $nope")
+
+
+class _ArrivalsDuringInserts:
+    """A real chDB client that logs each insert's table; while a ``usage_events`` insert runs,
+    one more usage event becomes durable (traffic that never pauses), up to ``arrivals`` times."""
+
+    def __init__(self, client, arrive) -> None:  # noqa: ANN001
+        self._client = client
+        self._arrive = arrive
+        self.tables: list[str] = []
+
+    def raw_insert(self, table, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        result = self._client.raw_insert(table, *args, **kwargs)
+        self.tables.append(table)
+        if table == "usage_events":
+            self._arrive()
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+async def test_a_round_under_steady_traffic_ends_and_drains_every_stream(open_ledger, config) -> None:
+    # Draining each stream until it was empty never ended a round while usage events kept
+    # arriving: usage_events was inserted one record at a time (an insert's CPU is mostly fixed)
+    # and attempts waited for the traffic to stop. A round drains what was durable when it began.
+    from kvmeter.ledger.connection import connect
+
+    clients: list[_ArrivalsDuringInserts] = []
+    arrived = iter(range(100, 130))
+
+    def arrive() -> None:
+        i = next(arrived, None)
+        if i is not None:
+            ledger.record_sync(make_event(i))
+
+    ledger = open_ledger(client_factory=lambda: clients.append(_ArrivalsDuringInserts(connect(config), arrive))
+                         or clients[-1])
+    event = make_event(1)
+    await ledger.record(event)
+    await ledger.record_attempt(make_attempt(event))
+    assert ledger.flush()  # one forced round
+    tables = [t for c in clients for t in c.tables]
+    assert tables == ["usage_events", "attempts"]  # one insert per stream, nothing starved
+    assert scalar(ledger, "SELECT count() FROM attempts") == 1
+    assert scalar(ledger, "SELECT count() FROM usage_events") == 1  # the arrival waits for the next round
+    assert ledger.flush()  # the next round takes the arrival (and its insert brings one more)
+    assert [t for c in clients for t in c.tables] == ["usage_events", "attempts", "usage_events"]
+    assert scalar(ledger, "SELECT count() FROM usage_events") == 2
