@@ -157,6 +157,15 @@ class AgentRuns(AgentService):
         tier = self.directory.snapshot.tiers.get(entry.principal.tier)
         return tier.loop_stops if tier is not None else None
 
+    def can_withhold(self, principal: Principal) -> bool:
+        """Whether the key's tool policy could refuse or hold a tool call the model emits
+        (:attr:`~kvmeter.serving.tenancy.toolpolicy.ToolPolicy.can_withhold`).
+
+        Raises:
+            AuthError: 401 for a removed key.
+        """
+        return self.entry(principal).tool_policy.can_withhold
+
     def verdict(self, principal: Principal, tool: str) -> ToolVerdict:
         """The key's tool policy on ``tool`` (no side effect).
 

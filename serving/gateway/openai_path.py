@@ -97,7 +97,9 @@ class OpenAIEndpoint(CompletionEndpoint):
             ids = [ei.get("prompt_token_ids") for ei in layer.engine_inputs(rendered, self.chat)]
             prompts = tuple(ids) if all(ids) else ()
         payload = _Payload(layer, vreq, rendered, plan)
-        if names and self.gw.agents is not None:  # the model may emit calls: each is decided
+        # the model may emit calls: each is decided, when the key's policy could withhold one (else
+        # vLLM's answer and stream pass through untouched, as vLLM's own server sends them)
+        if names and self.gw.agents is not None and self.gw.agents.can_withhold(principal):
             payload.emitted = EmittedToolCalls(self.gw.agents, principal, run_id)
         return Prepared(stream=bool(vreq.stream), input_tokens=plan.total_input_tokens,
                         output_tokens=plan.total_output_tokens, payload=payload, tool_names=names,

@@ -296,6 +296,21 @@ class ToolPolicy:
         object.__setattr__(self, "_classifying", tuple(lvl for lvl in reversed(self.levels)
                                                        if lvl.risk_exact or lvl.risk_globs))
 
+    @property
+    def can_withhold(self) -> bool:
+        """True when some tool call could be refused or held under this policy: a level blocks
+        tools, sets an allow list, or classifies a tool (or every unclassified one) ``high_risk``.
+        False for a permissive policy, whose emitted tool calls the gateway passes through as the
+        engine's serving layer streams them."""
+        if self._blocking or (self._allow is not None and self._allow.allow is not None):
+            return True
+        if self.default_risk == "high_risk" or any(lvl.default_risk == "high_risk" for lvl in self.levels):
+            return True
+        for lvl in self.levels:
+            if "high_risk" in lvl.risk_exact.values() or any(c == "high_risk" for c, _ in lvl.risk_globs):
+                return True
+        return False
+
     def evaluate(self, tool: str) -> ToolVerdict:
         """The verdict on ``tool`` (rules in the module docstring); memoised per name.
 

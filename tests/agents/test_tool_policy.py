@@ -159,3 +159,33 @@ def test_loop_stops_are_a_tier_policy_set_field_by_field():
     assert exc.value.problems[0][0] == "tiers.free.loop_stops.max_cycle_length"
     with pytest.raises(ValueError):
         LoopStops(max_identical_tool_calls=0)
+
+
+PLAIN = """
+version: 1
+orgs:
+  acme:
+    tool_policy: {org}
+    workspaces:
+      w:
+        projects:
+          p:
+            api_keys:
+              k: {{key: sk-test-key-00001, tool_policy: {key}}}
+"""
+
+
+@pytest.mark.parametrize("org, key, withholds", [
+    ("{}", "{}", False),                                    # no policy: every call passes through
+    ('{risk: {"get_*": read_only}}', "{}", False),          # classes that never hold a call
+    ('{default_risk: side_effect}', "{}", False),
+    ('{block: ["rm_*"]}', "{}", True),
+    ("{}", '{allow: ["get_*"]}', True),                     # an allow list refuses the rest
+    ('{risk: {"deploy_*": high_risk}}', "{}", True),
+    ("{}", '{risk: {"deploy": high_risk}}', True),
+    ('{default_risk: high_risk}', "{}", True),              # every unclassified call is held
+])
+def test_a_policy_says_whether_it_could_withhold_an_emitted_call(org, key, withholds):
+    d = TenantDirectory(textwrap.dedent(PLAIN).format(org=org, key=key))
+    assert d.snapshot.keys["k"].tool_policy.can_withhold is withholds
+    assert ALLOW_ALL.can_withhold is False
