@@ -178,18 +178,24 @@ def main() -> int:
                 finally:
                     stop(proc)
 
+    summarize(results, args, throughput="output_tok_s", p50="ttft_p50_ms", p99="ttft_p99_ms")
+    return 0
+
+
+def summarize(results: dict, args: argparse.Namespace, *, throughput: str, p50: str, p99: str) -> None:
+    """Print kvmeter's throughput ratio and added TTFT over vLLM's (means over rounds) and write
+    ``args.json`` when given; ``throughput``/``p50``/``p99`` name the result keys (tok/s, ms)."""
     def mean(kind: str, key: str) -> float:
         return statistics.fmean(r[key] for r in results[kind])
 
-    ratio = mean("kvmeter", "output_tok_s") / mean("vllm", "output_tok_s")
-    added_p99 = mean("kvmeter", "ttft_p99_ms") - mean("vllm", "ttft_p99_ms")
-    added_p50 = mean("kvmeter", "ttft_p50_ms") - mean("vllm", "ttft_p50_ms")
+    ratio = mean("kvmeter", throughput) / mean("vllm", throughput)
+    added_p99 = mean("kvmeter", p99) - mean("vllm", p99)
+    added_p50 = mean("kvmeter", p50) - mean("vllm", p50)
     print(f"\nthroughput ratio kvmeter/vLLM = {ratio:.3f}   added TTFT p50 = {added_p50:+.1f} ms   "
           f"added TTFT p99 = {added_p99:+.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio,
                                                "added_ttft_p99_ms": added_p99}, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ client turns into ``Authorization: Bearer``; vLLM's server, started without ``--
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -99,17 +97,7 @@ def main() -> int:
                 finally:
                     overhead.stop(proc)
 
-    def mean(kind: str, key: str) -> float:
-        return statistics.fmean(r[key] for r in results[kind])
-
-    ratio = mean("kvmeter", "output_throughput") / mean("vllm", "output_throughput")
-    added_p99 = mean("kvmeter", "p99_ttft_ms") - mean("vllm", "p99_ttft_ms")
-    added_p50 = mean("kvmeter", "median_ttft_ms") - mean("vllm", "median_ttft_ms")
-    print(f"\nthroughput ratio kvmeter/vLLM = {ratio:.3f}   added TTFT p50 = {added_p50:+.1f} ms   "
-          f"added TTFT p99 = {added_p99:+.1f} ms")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio,
-                                               "added_ttft_p99_ms": added_p99}, indent=2))
+    overhead.summarize(results, args, throughput="output_throughput", p50="median_ttft_ms", p99="p99_ttft_ms")
     return 0
 
 
