@@ -22,6 +22,7 @@ from decimal import Decimal
 
 from kvmeter.attribution import Attribution
 from kvmeter.errors import Refusal
+from kvmeter.serving.tenancy.principal import Principal
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["UsageEstimate", "Reservation", "QuotaRejected", "QuotaGate", "UnlimitedQuota"]
@@ -111,7 +112,7 @@ class QuotaGate(abc.ABC):
     """Admission against quotas."""
 
     @abc.abstractmethod
-    async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
+    async def reserve(self, principal: Principal, estimate: UsageEstimate) -> Reservation:
         """Reserve the estimate on every level and dimension, all or nothing.
 
         Raises:
@@ -123,7 +124,7 @@ class QuotaGate(abc.ABC):
         """Replace the reservation with the engine-true ``actual`` counts and release the rest.
         Never raises into the serving path (failures are logged and published on the bus)."""
 
-    def context_limit(self, principal: object, agent_run_id: str = "") -> int | None:
+    def context_limit(self, principal: Principal, agent_run_id: str = "") -> int | None:
         """Tightest ``max_context_tokens`` (input + ``max_tokens``) the caller may ask for, or
         None (no quota limit). The gateway bounds the output reservation of a request without
         ``max_tokens`` by it. The default has none."""
@@ -137,7 +138,7 @@ class UnlimitedQuota(QuotaGate):
         self.reserved = 0
         self.reconciled = 0
 
-    async def reserve(self, principal: object, estimate: UsageEstimate) -> Reservation:
+    async def reserve(self, principal: Principal, estimate: UsageEstimate) -> Reservation:
         self.reserved += 1
         return Reservation(request_id=estimate.request_id, reserved=estimate.tokens)
 

@@ -344,7 +344,7 @@ class HierarchicalQuota(QuotaGate):
 
         wall = self._clock.wall()
         items: Sequence[PlanItem] = plan.items
-        keys: Sequence[bytes] = plan.keys(wall)
+        keys = plan.keys(wall)
         if run_id:
             items = plan.items + plan.run_items
             keys = keys + plan.run_keys(run_id)

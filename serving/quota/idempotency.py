@@ -51,11 +51,13 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence, TypedDict, Unpack
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.commands.core import AsyncScript
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
@@ -185,6 +187,17 @@ def _check_key(tenant_id: str, key: str) -> None:
         raise InvalidIdempotencyKey(f"Idempotency-Key must be 1-{MAX_KEY_CHARS} printable characters")
 
 
+class _ManagerOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`IdempotencyManager` that its subclasses pass on."""
+
+    window_s: float
+    lease_s: float
+    join_timeout_s: float
+    max_body_bytes: int
+    clock: Clock
+    bus: StatsBus | None
+
+
 class IdempotencyManager(abc.ABC):
     """Deduplicates attempts of one logical request.
 
@@ -284,8 +297,8 @@ class _Entry:
 class MemoryIdempotencyManager(IdempotencyManager):
     """Idempotency within one process (one event loop); the embedded default."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Unpack[_ManagerOptions]) -> None:
+        super().__init__(**kwargs)
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._begins = 0
 
@@ -420,8 +433,9 @@ class RedisIdempotencyManager(IdempotencyManager):
     """
 
     def __init__(self, client: aioredis.Redis, *, key_prefix: str = "kvq:", poll_interval_s: float = 0.05,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 **kwargs: Unpack[_ManagerOptions]) -> None:
+        super().__init__(**kwargs)
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         self._client = client
@@ -440,7 +454,7 @@ class RedisIdempotencyManager(IdempotencyManager):
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
         return f"{self.key_prefix}idem:{tenant_id}:{digest}"
 
-    async def _call(self, script, keys: list[str], args: list) -> object:  # type: ignore[no-untyped-def]
+    async def _call(self, script: AsyncScript, keys: list[str], args: Sequence[EncodableT]) -> object:
         try:
             return await script(keys=keys, args=args)
         except _UNREACHABLE as e:
@@ -457,8 +471,10 @@ class RedisIdempotencyManager(IdempotencyManager):
             token = secrets.token_hex(8)
             res = await self._call(self._begin, [rkey], [repr(self._clock.wall()), fingerprint, token,
                                                          repr(float(self.lease_s)), window_ms])
-            kind = res[0].decode() if isinstance(res[0], bytes) else res[0]  # type: ignore[index]
-            attempt = int(res[1])  # type: ignore[index]
+            if not isinstance(res, list):  # _BEGIN_LUA always answers a table: {kind, attempt, ...}
+                raise TypeError(f"idempotency begin script answered {res!r}, not a list")
+            kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
+            attempt = int(res[1])
             if kind == "first":
                 self._local[rkey] = asyncio.Event()
                 return self._answer(tenant_id, key, AttemptOutcome.FIRST, attempt, token=token)
@@ -466,7 +482,7 @@ class RedisIdempotencyManager(IdempotencyManager):
                 raise self._refuse(tenant_id, IdempotencyConflict(
                     "Idempotency-Key was already used with a different request"), "conflict", attempt)
             if kind == "done":
-                _, _, status, headers, body, streamed, omitted = res  # type: ignore[misc]
+                _, _, status, headers, body, streamed, omitted = res
                 stored = StoredResponse(int(status), tuple(tuple(h) for h in json.loads(headers)),
                                         bytes(body or b""), streamed == b"1", omitted == b"1")
                 outcome = AttemptOutcome.JOINED if waited else AttemptOutcome.REPLAYED

@@ -39,9 +39,9 @@ class MemoryQuotaStore(QuotaStore):
             raise ValueError(f"sweep_interval_s must be > 0, got {sweep_interval_s}")
         self.key_prefix = key_prefix
         self.sweep_interval_s = sweep_interval_s
-        self._v: dict[str, Any] = {}
-        self._exp: dict[str, float] = {}
-        self._rate_keys: set[str] = set()
+        self._v: dict[bytes, Any] = {}  # key -> TAT (rate), count (counter) or start time (deadline)
+        self._exp: dict[bytes, float] = {}
+        self._rate_keys: set[bytes] = set()
         self._lock = threading.Lock()
         self._next_sweep = float("-inf")
 

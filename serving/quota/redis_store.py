@@ -242,7 +242,7 @@ def redis_client(url: str, *, timeout_s: float = 0.25, max_connections: int = 64
     return aioredis.Redis.from_pool(pool)
 
 
-def _number(raw: bytes) -> float | int:
+def _number(raw: bytes | str) -> float | int:
     try:
         return int(raw)
     except ValueError:
