@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence
 
 from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.stats import EngineLoad, EngineRequestStats
@@ -155,7 +155,7 @@ class Engine(abc.ABC):
         """Release the engine; idempotent."""
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Stream :class:`EngineOutput` deltas; the last has ``finished=True``.
 
         Closing the iterator early (client gone) must abort the request in the engine.

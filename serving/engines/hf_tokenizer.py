@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvmeter.serving.engines.base import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as RustTokenizer
 
 __all__ = ["HFTokenizer", "GIL_FREE_CHARS"]
 
@@ -33,39 +37,44 @@ class HFTokenizer(Tokenizer):
         self._vocab_size = len(self._tok)
         # The Rust tokenizer of a fast tokenizer, called directly on the hot path: the same ids as
         # the transformers wrapper (which adds ~0.1 ms of Python per call), see encode_chat.
-        self._backend = getattr(self._tok, "backend_tokenizer", None)
+        self._backend: RustTokenizer | None = getattr(self._tok, "backend_tokenizer", None)
 
-    def _backend_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    @staticmethod
+    def _backend_ids(backend: RustTokenizer, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > GIL_FREE_CHARS:
-            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        if self._backend is not None:
-            return self._backend_ids(text, add_special_tokens)
+        backend = self._backend
+        if backend is not None:
+            return self._backend_ids(backend, text, add_special_tokens)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
+        backend = self._backend
         try:
-            if self._backend is not None:
+            if backend is not None:
                 # What apply_chat_template(tokenize=True) does: render, then encode the text
                 # without adding special tokens (the template writes them).
                 text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                return self._backend_ids(text, False)
+                # transformers annotates every return shape; tokenize=False renders one str
+                return self._backend_ids(backend, text, False)  # type: ignore[arg-type]
             ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)
         except Exception as exc:  # noqa: BLE001 — jinja errors of all kinds
             raise ValueError(f"chat template could not render the messages: {exc}") from exc
-        if hasattr(ids, "keys"):  # some versions return a BatchEncoding regardless
+        if isinstance(ids, Mapping):  # some versions return a BatchEncoding (a UserDict) regardless
             ids = ids["input_ids"]
         return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(list(token_ids), skip_special_tokens=True)
-        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+        # transformers annotates the batch case too (list[str]); one sequence decodes to one str
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)  # type: ignore[return-value]
 
     @property
     def vocab_size(self) -> int:

@@ -27,7 +27,7 @@ directory without loading weights), so the gateway's measured cost includes vLLM
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, Callable
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
@@ -108,7 +108,7 @@ class InstantEngine(Engine):
     def load(self) -> EngineLoad:
         return EngineLoad()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """One delta with all ``max_tokens`` (capped) output tokens, ``finish_reason="length"``
         (a scripted ``reply``: its tokens up to that ceiling, ``stop`` when they all fit); its
         ``stats`` are the ones reported (:attr:`finished`) just before it is yielded.

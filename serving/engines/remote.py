@@ -36,7 +36,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncGenerator, Sequence
 
 import httpx
 
@@ -80,8 +80,8 @@ def upstream_load(stats: Sequence[RemoteEngineStats], model_name: str) -> Engine
         return None
     running = sum(int(s.num_running or 0) for s in mine)
     waiting = sum(int(s.num_waiting or 0) for s in mine)
-    ratios = [s.kv_cache_usage_ratio for s in mine]
-    if any(r is None for r in ratios):
+    ratios = [s.kv_cache_usage_ratio for s in mine if s.kv_cache_usage_ratio is not None]
+    if len(ratios) < len(mine):  # an engine without a KV reading
         return EngineLoad(0.0, 0, running, waiting, per_step=False)
     capacities = [(s.kv_blocks_total or 0) * (s.kv_block_size_tokens or 0) for s in mine]
     if all(capacities):
@@ -259,7 +259,7 @@ class RemoteEngine(Engine):
             if self._clock.monotonic() >= self._next_scrape:
                 await self.scrape()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         body = {"model": self.model_name, "prompt": list(request.prompt_token_ids),
                 "max_tokens": request.max_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "stream": True, "stream_options": {"include_usage": True},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["ServingFlags", "serving_argv", "parse_vllm_argv", "VllmArgsError"]
 
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve", add_help=False))
     parser.exit_on_error = False
 
-    def refuse(message: str) -> None:  # argparse prints the whole usage and exits otherwise
+    def refuse(message: str) -> NoReturn:  # argparse prints the whole usage and exits otherwise
         raise VllmArgsError(message)
 
     parser.error = refuse  # type: ignore[method-assign]

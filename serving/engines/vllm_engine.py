@@ -30,7 +30,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
@@ -38,6 +38,9 @@ from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
 from kvmeter.serving.engines.vllm_args import parse_vllm_argv
 from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "engine_argv", "STATS_WAIT_S"]
 
@@ -115,7 +118,7 @@ class VllmEngine(Engine):
         self.model_name = config.served_name
         self.max_model_len = config.max_model_len or 0
         self._bus = bus or StatsBus()
-        self._llm = None
+        self._llm: AsyncLLM | None = None
         self._tokenizer: HFTokenizer | None = None
         self._load = EngineLoad()
         self.finished = FinishedStats(self._bus.publish)
@@ -154,13 +157,13 @@ class VllmEngine(Engine):
             engine_args = args
             vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
             install_request_accounts(vllm_config)  # the scheduler hook, by qualified name
-            self._llm = AsyncLLM.from_vllm_config(
+            self._llm = llm = AsyncLLM.from_vllm_config(
                 vllm_config, stat_loggers=[stat_logger_factory(self._on_step, self._on_request)],
                 enable_log_requests=engine_args.enable_log_requests, disable_log_stats=False)
         except Exception as exc:  # noqa: BLE001 — translate at the boundary
             raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from exc
-        self.max_model_len = int(self._llm.model_config.max_model_len)
-        cache = self._llm.vllm_config.cache_config
+        self.max_model_len = int(llm.model_config.max_model_len)
+        cache = llm.vllm_config.cache_config
         blocks = int(getattr(cache, "num_gpu_blocks", 0) or 0)
         self._load.kv_capacity_tokens = blocks * int(cache.block_size or 0)
         log.info("vLLM ready: %s, context %d tokens, KV capacity %d tokens", self.model_name,
@@ -172,7 +175,7 @@ class VllmEngine(Engine):
             llm.shutdown()
 
     @property
-    def async_llm(self):  # noqa: ANN201 — vLLM's AsyncLLM (its EngineClient), once started
+    def async_llm(self) -> AsyncLLM:
         """vLLM's ``AsyncLLM`` (an ``EngineClient``).
 
         Raises:
@@ -225,7 +228,7 @@ class VllmEngine(Engine):
         if self._llm is not None:
             await self._llm.abort(request_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         if self._llm is None:
             raise EngineError("engine not started")
         from vllm import SamplingParams

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import aclosing
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncGenerator, Literal
 
 import anyio
 import orjson
@@ -243,7 +243,7 @@ def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
     if isinstance(req, ChatCompletionRequest):
         for i, m in enumerate(req.messages):
             _check_text(m.text(), f"messages.{i}.content")
-    elif isinstance(req.prompt, str):
+    elif isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
         _check_text(req.prompt, "prompt")
     for s in req.stop_list():
         _check_text(s, "stop")
@@ -402,7 +402,7 @@ class RemoteEndpoint(CompletionEndpoint):
         return response
 
     # -- step 7, streaming ---------------------------------------------------------------------------
-    async def _stream(self, adm: Admitted, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    async def _stream(self, adm: Admitted, headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
         created = int(self.gw.clock.wall())
         include_usage = adm.prepared.payload.body.include_usage()
         outputs = self._engine_stream(adm)
@@ -440,7 +440,7 @@ class RemoteEndpoint(CompletionEndpoint):
             if not completed:
                 await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
 
-    async def _engine_stream(self, adm: Admitted) -> AsyncIterator[EngineOutput]:
+    async def _engine_stream(self, adm: Admitted) -> AsyncGenerator[EngineOutput, None]:
         """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
         iterator early closes the engine's, which aborts the engine request."""
         engine_request = adm.prepared.payload.engine_request
@@ -454,7 +454,7 @@ class RemoteEndpoint(CompletionEndpoint):
                 yield out
         finally:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
     # -- response shapes ----------------------------------------------------------------------------
     def _usage(self, event: UsageEvent) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncGenerator, Awaitable, Callable, Sequence
 
 from kvmeter.aio import cancel_and_wait
 from kvmeter.attribution import Attribution
@@ -135,7 +135,7 @@ class SimEngine(Engine):
         if self.replica.abort(st.req, self._clock.monotonic()):
             st.queue.put_nowait(self._output(st, finished=True, reason="abort"))
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         n_input = len(request.prompt_token_ids)
         if n_input < 1 or request.max_tokens < 1:
             raise EngineError("a request needs ≥ 1 prompt token and max_tokens ≥ 1")
