@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvmeter.errors import Refusal
 from kvmeter.serving.gateway.body import CLIENT_CLOSED
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
-from kvmeter.serving.gateway.handler import Gateway
+from kvmeter.serving.gateway.handler import CompletionEndpoint, Gateway
 
 __all__ = ["create_app"]
 
@@ -119,10 +119,13 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
         ok = ready() if ready is not None else True
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
+    endpoint: type[CompletionEndpoint]
     if gateway.openai is not None:  # an in-process engine: vLLM's serving layer
-        from kvmeter.serving.gateway.openai_path import OpenAIEndpoint as endpoint
+        from kvmeter.serving.gateway.openai_path import OpenAIEndpoint
+        endpoint = OpenAIEndpoint
     else:  # the remote engine's path
-        from kvmeter.serving.gateway.remote_path import RemoteEndpoint as endpoint
+        from kvmeter.serving.gateway.remote_path import RemoteEndpoint
+        endpoint = RemoteEndpoint
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", endpoint(gateway, chat=True).handle, methods=["POST"]),
         Route("/v1/completions", endpoint(gateway, chat=False).handle, methods=["POST"]),
@@ -169,6 +172,7 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
                 except Exception:  # noqa: BLE001 — shut down the rest regardless
                     log.exception("shutdown hook %r failed", hook)
 
+    # Starlette types every handler as taking Exception; it calls each with its own class only
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_AnswerCancelledRequests)],
-                     exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone,
-                                         Exception: unexpected})
+                     exception_handlers={HTTPException: http_error,  # type: ignore[dict-item]
+                                         ClientDisconnect: client_gone, Exception: unexpected})

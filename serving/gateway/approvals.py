@@ -21,6 +21,8 @@ requesting key may read its own). Errors: 401 no key, 403 ``approval_forbidden``
 
 from __future__ import annotations
 
+from typing import Any, Awaitable, Callable
+
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,6 +33,7 @@ from kvmeter.serving.gateway.body import CLIENT_CLOSED, read_json_object
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.handler import Gateway
 from kvmeter.serving.gateway.body import json_type
+from kvmeter.serving.tenancy import Principal
 
 __all__ = ["approval_routes", "MAX_DECISION_BYTES"]
 
@@ -39,12 +42,15 @@ MAX_DECISION_BYTES = 16 * 1024
 _ENDPOINT = "approvals"
 _QUERY = ("agent_run_id", "tenant_id", "limit")
 
+#: a route's work for the authenticated caller: the answer's JSON content
+_Work = Callable[[Principal], Awaitable[object]]
+
 
 def approval_routes(gateway: Gateway, desk: ApprovalDesk) -> list[Route]:
     """The approvals API's routes, bound to the gateway's authentication and the approval desk."""
 
-    async def answer(request: Request, work) -> Response:  # type: ignore[no-untyped-def]
-        principal = None
+    async def answer(request: Request, work: _Work) -> Response:
+        principal: Principal | None = None
         try:
             principal = gateway.authenticate(request)
             return JSONResponse(await work(principal))
@@ -56,7 +62,7 @@ def approval_routes(gateway: Gateway, desk: ApprovalDesk) -> list[Route]:
             return error_response(err)
 
     async def list_(request: Request) -> Response:
-        async def work(principal):  # type: ignore[no-untyped-def]
+        async def work(principal: Principal) -> dict[str, Any]:
             q = request.query_params
             unknown = [k for k in q if k not in _QUERY]
             if unknown:
@@ -73,9 +79,9 @@ def approval_routes(gateway: Gateway, desk: ApprovalDesk) -> list[Route]:
     async def get(request: Request) -> Response:
         return await answer(request, lambda principal: desk.get(principal, request.path_params["approval_id"]))
 
-    def decider(approve: bool):  # type: ignore[no-untyped-def]
+    def decider(approve: bool) -> Callable[[Request], Awaitable[Response]]:
         async def decide(request: Request) -> Response:
-            async def work(principal):  # type: ignore[no-untyped-def]
+            async def work(principal: Principal) -> dict[str, Any]:
                 data = await read_json_object(request, MAX_DECISION_BYTES,
                                               timeout_s=gateway.settings.body_read_timeout_s, allow_empty=True)
                 unknown = [k for k in data if k != "reason"]

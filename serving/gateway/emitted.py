@@ -159,7 +159,8 @@ class EmittedToolCalls:
 
     async def _finish(self, choice: dict[str, Any], delta: dict[str, Any], calls: dict[int, _HeldCall],
                       texted: bool) -> None:
-        handed, notes = [], []
+        handed: list[dict[str, Any]] = []
+        notes: list[str] = []
         for _, call in sorted(calls.items()):
             arguments = "".join(call.arguments)
             decision = await self._decide(call.name, arguments, call.id)

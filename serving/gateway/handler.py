@@ -50,7 +50,7 @@ import hashlib
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from typing import Any, AsyncGenerator, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 from starlette.requests import Request
@@ -61,14 +61,14 @@ from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
-from kvmeter.events import UsageEvent
+from kvmeter.events import Outcome, UsageEvent
 from kvmeter.serving.agents import AgentRuns, prompt_digest
 from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.finished import merge_stats
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, InvalidJson, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
-from kvmeter.ledger.records import AttemptRecord
+from kvmeter.ledger.records import AttemptRecord, AttemptStatus
 from kvmeter.serving.gateway.replays import fingerprint, replay_response
 from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
@@ -251,9 +251,10 @@ class ClosingStreamingResponse(StreamingResponse):
     then runs ``on_close``: closing a generator that never started does not run its ``finally``
     (the client left before the first chunk was asked for), so the request is finalized there."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]],
+    def __init__(self, content: AsyncGenerator[bytes, None], *, on_close: Callable[[], Awaitable[None]],
                  **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
+        self._body = content  # Starlette's body_iterator, typed as the generator it is (it has aclose)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,7 +263,7 @@ class ClosingStreamingResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self.body_iterator.aclose()  # type: ignore[union-attr]
+                    await self._body.aclose()
                 finally:
                     await self._on_close()
 
@@ -400,7 +401,7 @@ class CompletionEndpoint:
             if admitted.watch is not None:  # a stream's response watches the client itself
                 admitted.watch.cancel()
 
-    def streaming_response(self, body: AsyncIterator[bytes], adm: Admitted, headers: dict[str, str],
+    def streaming_response(self, body: AsyncGenerator[bytes, None], adm: Admitted, headers: dict[str, str],
                            on_close: Callable[[], Awaitable[None]] | None = None) -> Response:
         """The SSE response of ``body``; closing it (the client left, or it ended) closes ``body``
         and then runs ``on_close`` (default: finalize the request as aborted if it did not end)."""
@@ -409,7 +410,7 @@ class CompletionEndpoint:
             media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
     async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,
-                       status: str | None = None, attempt: int = 1, adm: "Admitted | None" = None) -> None:
+                       status: AttemptStatus | None = None, attempt: int = 1, adm: "Admitted | None" = None) -> None:
         """Record this HTTP attempt in the ledger (any outcome once the tenant is known)."""
         principal = seen.principal
         if principal is None:
@@ -473,7 +474,7 @@ class CompletionEndpoint:
             if agents is not None and run_id:
                 await self._count_prompt(agents, principal, run_id, prepared, reservation)
         except BaseException as exc:
-            if ticket is not None:
+            if ticket is not None and gw.idempotency is not None:  # a ticket comes from the manager
                 await gw.idempotency.abandon(ticket)  # nothing ran: a later retry may run
             if not isinstance(exc, QuotaRejected):
                 raise
@@ -573,7 +574,7 @@ class CompletionEndpoint:
         raise ClientGone()
 
     # -- steps 8–9 ------------------------------------------------------------------------------------
-    async def _finalize(self, adm: Admitted, outcome: str, *, status_code: int,
+    async def _finalize(self, adm: Admitted, outcome: Outcome, *, status_code: int,
                         finish_reason: str | None = None) -> UsageEvent:
         """Record the usage event (durably), release the scheduler slot, reconcile the quota.
 
@@ -582,10 +583,11 @@ class CompletionEndpoint:
         """
         if adm.finalized is not None:
             return adm.finalized
-        with anyio.CancelScope(shield=True):
-            return await self._finalize_now(adm, outcome, status_code, finish_reason)
+        with anyio.CancelScope(shield=True):  # shielded, no deadline: it never swallows an exception
+            event = await self._finalize_now(adm, outcome, status_code, finish_reason)
+        return event
 
-    async def _finalize_now(self, adm: Admitted, outcome: str, status_code: int,
+    async def _finalize_now(self, adm: Admitted, outcome: Outcome, status_code: int,
                             finish_reason: str | None) -> UsageEvent:
         gw = self.gw
         if outcome != "ok" and adm.engine_ids and adm.meter.engine_stats is None:
@@ -593,8 +595,9 @@ class CompletionEndpoint:
             # the engine reports it did, not what reached the client
             wait = gw.settings.engine_account_wait_s
             accounts = await asyncio.gather(*(gw.engine.final_stats(eid, wait) for eid in adm.engine_ids))
-            if all(a is not None for a in accounts):
-                adm.meter.engine_account(merge_stats(adm.meter.identity.request_id, [[a] for a in accounts]))
+            reported = [a for a in accounts if a is not None]
+            if len(reported) == len(accounts):
+                adm.meter.engine_account(merge_stats(adm.meter.identity.request_id, [[a] for a in reported]))
         if adm.before_finish is not None:
             adm.before_finish()
         event, completion = adm.meter.finish(outcome, status_code=status_code,
@@ -615,7 +618,7 @@ class CompletionEndpoint:
         return event
 
     async def _close_unfinished(self, adm: Admitted, *, status_code: int = 499,
-                                outcome: str = "aborted") -> None:
+                                outcome: Outcome = "aborted") -> None:
         """Finalize (reconcile, release the slot, record) a request that did not end normally, and
         abandon its idempotency ticket so a retry runs. A no-op for what already ended."""
         with anyio.CancelScope(shield=True):

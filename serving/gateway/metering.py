@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvmeter.attribution import Attribution
 from kvmeter.clock import Clock
-from kvmeter.events import UsageEvent, event_id_for
+from kvmeter.events import Outcome, UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
 from kvmeter.stats import EngineRequestStats, RequestCompletion
@@ -137,7 +137,7 @@ class RequestMeter:
             self.engine_stats = stats
 
     # -- the end -------------------------------------------------------------------------------
-    def finish(self, outcome: str, *, status_code: int, policy: TierPolicy | None = None,
+    def finish(self, outcome: Outcome, *, status_code: int, policy: TierPolicy | None = None,
                finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
         """Close the meter and build the usage event and completion stats.
 

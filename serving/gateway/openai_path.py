@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,14 +53,13 @@ log = logging.getLogger(__name__)
 class _Payload:
     """The vLLM request, its render and its plan, from admission to the answer."""
 
-    __slots__ = ("layer", "request", "rendered", "plan", "bound", "emitted")
+    __slots__ = ("layer", "request", "rendered", "plan", "emitted")
 
     def __init__(self, layer: Any, request: Any, rendered: Any, plan: Any) -> None:
         self.layer = layer
         self.request = request
         self.rendered = rendered
         self.plan = plan
-        self.bound: BoundRequest | None = None
         #: the emitted-tool-call gate (a chat request that declares tools, under agent runs)
         self.emitted: EmittedToolCalls | None = None
 
@@ -111,9 +110,14 @@ class OpenAIEndpoint(CompletionEndpoint):
         payload: _Payload = adm.prepared.payload
         grant = adm.grant
         scheduler = gw.scheduler
-        bound = payload.bound = BoundRequest(
+
+        def charge(new: int) -> None:
+            if grant is not None:  # as on the remote path: only a dispatched request is charged
+                scheduler.charge_output(grant, new)
+
+        bound = BoundRequest(
             request_id=adm.meter.identity.request_id, engine_inputs=len(payload.plan.input_tokens),
-            meter=adm.meter, charge=lambda new: scheduler.charge_output(grant, new),
+            meter=adm.meter, charge=charge,
             priority=grant.priority if grant is not None else 0,
             finished=getattr(gw.engine, "finished", None), publish=gw.bus.publish,
             on_done=lambda outcome: self._finalize(adm, outcome, status_code=200),
@@ -125,14 +129,13 @@ class OpenAIEndpoint(CompletionEndpoint):
         bound.bind()  # the engine calls vLLM's layer makes inside create() are this request's
         try:
             if adm.prepared.stream:
-                return await self._stream(payload, adm, headers, work)
-            return await self._complete(request, payload, adm, headers, work)
+                return await self._stream(payload, bound, adm, headers, work)
+            return await self._complete(request, payload, bound, adm, headers, work)
         finally:
             bound.unbind()
 
-    async def _complete(self, request: Request, payload: _Payload, adm: Admitted, headers: dict[str, str],
-                        work: Any) -> Response:
-        bound = payload.bound
+    async def _complete(self, request: Request, payload: _Payload, bound: BoundRequest, adm: Admitted,
+                        headers: dict[str, str], work: Any) -> Response:
         try:
             result = await self._until_disconnect(request, work, adm)
         except ClientGone:
@@ -159,8 +162,8 @@ class OpenAIEndpoint(CompletionEndpoint):
             200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
         return response
 
-    async def _stream(self, payload: _Payload, adm: Admitted, headers: dict[str, str], work: Any) -> Response:
-        bound = payload.bound
+    async def _stream(self, payload: _Payload, bound: BoundRequest, adm: Admitted, headers: dict[str, str],
+                      work: Any) -> Response:
         try:
             result = await work  # the stream's generator: nothing has run on the engine yet
         except Exception as exc:  # noqa: BLE001
@@ -178,7 +181,7 @@ class OpenAIEndpoint(CompletionEndpoint):
         return self.streaming_response(self._events(adm, bound, result, headers), adm, headers, on_close)
 
     async def _events(self, adm: Admitted, bound: BoundRequest, events: AsyncIterator[str],
-                      headers: dict[str, str]) -> AsyncIterator[bytes]:
+                      headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
         """vLLM's SSE strings as bytes (kept for an idempotent replay); the usage event is made
         durable by the engine client before vLLM's layer yields the usage chunk and ``[DONE]``."""
         sent: list[bytes] | None = [] if adm.ticket is not None else None
@@ -189,11 +192,12 @@ class OpenAIEndpoint(CompletionEndpoint):
                 if sent is not None:
                     sent.append(data)
                 yield data
-            if adm.finalized is None:  # vLLM's layer ended the stream with an error event
+            finalized = adm.finalized
+            if finalized is None:  # vLLM's layer ended the stream with an error event
                 if bound.failed is not None:
                     log.error("engine failed %s mid-stream: %s", adm.meter.identity.request_id, bound.failed)
-                await self._finalize(adm, "error", status_code=200, finish_reason="error")
-            completed = adm.finalized.outcome == "ok" and bound.failed is None
+                finalized = await self._finalize(adm, "error", status_code=200, finish_reason="error")
+            completed = finalized.outcome == "ok" and bound.failed is None
             if completed and sent is not None:
                 await self._settle_idempotency(adm, StoredResponse(
                     200, stored_headers(headers), b"".join(sent), streamed=True))
@@ -225,10 +229,9 @@ class OpenAIEndpoint(CompletionEndpoint):
     async def _refused_late(self, adm: Admitted, err: Refusal, headers: dict[str, str]) -> Response:
         """vLLM's layer answered an error after admission: finalized as an error (what the
         engine did, if anything, is billed), the reservation reconciled, the answer vLLM's."""
-        outcome = "error"
         if adm.finalized is not None and adm.finalized.outcome == "ok":
             log.warning("request %s: the engine finished but vLLM's layer answered %d: %s",
                         adm.meter.identity.request_id, err.status_code, err.message)
-        await self._finalize(adm, outcome, status_code=err.status_code, finish_reason="error")
+        await self._finalize(adm, "error", status_code=err.status_code, finish_reason="error")
         await self._settle_idempotency(adm, None)
         return error_response(err, headers)

@@ -37,11 +37,12 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 
 from kvmeter.attribution import UNATTRIBUTED, Attribution
+from kvmeter.events import Outcome
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.engines.finished import FinishedStats, merge_stats
 from kvmeter.stats import EngineRequestStats
@@ -103,7 +104,7 @@ class BoundRequest:
     def __init__(self, *, request_id: str, engine_inputs: int, meter: Any, charge: Callable[[int], None],
                  priority: int, finished: FinishedStats | None,
                  publish: Callable[[EngineRequestStats], None],
-                 on_done: Callable[[str], Awaitable[None]],
+                 on_done: Callable[[Outcome], Awaitable[object]],
                  reasoning: Callable[[Sequence[int]], int] | None = None, stats_wait_s: float = 2.0,
                  request: object = None, rendered: object = None, started: list[str] | None = None,
                  attribution: Attribution = UNATTRIBUTED) -> None:
@@ -122,7 +123,7 @@ class BoundRequest:
         self._stats_wait_s = stats_wait_s
         self._started = started  # the caller's list of engine ids handed to the engine
         self._calls: list[_EngineRequest] = []
-        self._generators: list[AsyncIterator[Any]] = []
+        self._generators: list[AsyncGenerator[Any, None]] = []
         self._output_total = 0
         self._input_total = 0
         self._cached_input_total = 0
@@ -167,7 +168,7 @@ class BoundRequest:
             self._finished.claim(engine_id, self.attribution)
         return call
 
-    def track(self, generator: AsyncIterator[Any]) -> None:
+    def track(self, generator: AsyncGenerator[Any, None]) -> None:
         """Remember a ``generate`` generator, so :meth:`aclose` can end it."""
         self._generators.append(generator)
 
@@ -216,8 +217,9 @@ class BoundRequest:
             return
         self.done = True
         merged = None
-        if all(c.stats is not None and len(c.stats) >= c.n for c in self._calls):
-            merged = merge_stats(self.request_id, [c.stats for c in self._calls])  # type: ignore[misc]
+        complete = [c.stats for c in self._calls if c.stats is not None and len(c.stats) >= c.n]
+        if len(complete) == len(self._calls):  # every call's sequences have their stats
+            merged = merge_stats(self.request_id, complete)
             merged.attribution = self.attribution
             self._publish(merged)
         first = self._calls[0]
@@ -249,7 +251,7 @@ class BoundRequest:
         with anyio.CancelScope(shield=True):
             for generator in self._generators:
                 try:
-                    await generator.aclose()  # type: ignore[attr-defined]
+                    await generator.aclose()
                 except RuntimeError:  # still running in a task being cancelled: it ends itself
                     pass
 
@@ -280,7 +282,7 @@ class MeteredEngineClient:
         return generator
 
     async def _metered(self, bound: BoundRequest, prompt: Any, sampling_params: Any,
-                       kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+                       kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         from vllm.sampling_params import RequestOutputKind
 
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
@@ -312,4 +314,4 @@ class MeteredEngineClient:
                 # closing the engine's stream aborts its request (AsyncLLM.generate does on
                 # GeneratorExit); shielded so a cancelled caller still frees the engine's KV
                 with anyio.CancelScope(shield=True):
-                    await stream.aclose()  # type: ignore[attr-defined]
+                    await stream.aclose()  # vLLM's generate is an async generator

@@ -120,7 +120,8 @@ class InstantEngineClient:
                                     max_tokens=int(sampling_params.max_tokens or 1),
                                     min_tokens=int(sampling_params.min_tokens or 0),
                                     ignore_eos=bool(sampling_params.ignore_eos), priority=priority)
-            ids, text = [], ""
+            ids: list[int] = []
+            text = ""
             async for out in self._engine.generate(request):
                 ids.extend(out.new_token_ids)
                 text += out.new_text
@@ -139,7 +140,7 @@ class InstantEngineClient:
                                     max_tokens=int(sampling_params.max_tokens or 1),
                                     min_tokens=int(sampling_params.min_tokens or 0),
                                     ignore_eos=bool(sampling_params.ignore_eos), priority=priority)
-            ids: list[int] = []
+            ids = []
             text = ""
             reason = "length"
             async for out in self._engine.generate(request):

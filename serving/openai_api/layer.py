@@ -28,13 +28,20 @@ from __future__ import annotations
 import asyncio
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeGuard
 
 from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.vllm_args import ServingFlags, parse_vllm_argv, serving_argv
 from kvmeter.serving.openai_api.engine_client import MeteredEngineClient, bound_request
 from kvmeter.serving.openai_api.errors import (from_error_response, from_exception, from_validation_error,
                                                unsupported)
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from kvmeter.serving.engines.instant import InstantEngine
+    from kvmeter.serving.engines.vllm_engine import VllmEngine
 
 __all__ = ["OpenAIApi", "OpenAILayer", "Plan", "layer_args"]
 
@@ -116,7 +123,8 @@ class OpenAILayer:
         self.models = state.openai_serving_models
         for serving in (self.chat, self.completion):
             serving.online_renderer = _RenderOnce(serving.online_renderer)
-        self._kinds = {True: ChatCompletionRequest, False: CompletionRequest}
+        self._kinds: dict[bool, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+            True: ChatCompletionRequest, False: CompletionRequest}
         self._error_response = ErrorResponse
         self.model_config = client.model_config
         self.max_model_len = int(self.model_config.max_model_len)
@@ -135,7 +143,8 @@ class OpenAILayer:
 
         client = MeteredEngineClient(inner_client)
         state = State()
-        await init_app_state(client, state, args, await inner_client.get_supported_tasks())
+        # MeteredEngineClient proxies vLLM's EngineClient (__getattr__) rather than subclassing its ABC
+        await init_app_state(client, state, args, await inner_client.get_supported_tasks())  # type: ignore[arg-type]
         return cls(state, client, args)
 
     def serving(self, chat: bool) -> Any:
@@ -277,16 +286,16 @@ class OpenAIApi:
         VllmArgsError: vLLM refuses the arguments (checked here, before the engine loads).
     """
 
-    def __init__(self, engine: Engine, flags: ServingFlags = ServingFlags()) -> None:
+    def __init__(self, engine: VllmEngine | InstantEngine, flags: ServingFlags = ServingFlags()) -> None:
         self.engine = engine
         self.flags = flags
-        self.args = layer_args(engine.argv, flags)  # type: ignore[attr-defined]
+        self.args = layer_args(engine.argv, flags)
         self.request_id_headers = bool(self.args.enable_request_id_headers)
         self._layer: OpenAILayer | None = None
         self._lock = asyncio.Lock()
 
     @staticmethod
-    def supports(engine: Engine) -> bool:
+    def supports(engine: Engine) -> TypeGuard[VllmEngine | InstantEngine]:
         """Does ``engine`` run vLLM's serving layer in-process (vllm and instant: yes)?"""
         from kvmeter.serving.engines.instant import InstantEngine
         from kvmeter.serving.engines.vllm_engine import VllmEngine
@@ -310,5 +319,5 @@ class OpenAIApi:
             from kvmeter.serving.openai_api.instant_client import InstantEngineClient
 
             return InstantEngineClient(engine, self.args)
-        return engine.async_llm  # type: ignore[attr-defined]
+        return engine.async_llm
 
