@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -70,7 +70,7 @@ DEMO_ENGINE_SETTINGS = {"max_model_len": 8192, "kv_cache_space_gib": 2, "max_num
 #:   refuses new free work, 80 % also drops queued free work.
 #: * ``fcfs``: a plain deployment for contrast — arrival order, no overload control, no budgets, no
 #:   adaptive limit (the engine takes whatever its own caps admit).
-DEMO_SCHEDULER_OPTIONS = {
+DEMO_SCHEDULER_OPTIONS: dict[str, dict[str, float | bool | None]] = {
     "vtc": {"tenant_prefill_budget_tokens": 4096, "elevated_wait_ratio": 0.5, "overload_wait_ratio": 0.8},
     "fcfs": {"overload_control": False, "adaptive_engine_limit": False, "tenant_kv_budget_ratio": None,
              "tenant_prefill_budget_tokens": None, "max_queued_per_tenant": 1_000_000,
@@ -98,9 +98,9 @@ class ServerSettings(_Section):
     """
 
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
-    body_read_timeout_s: float = Field(30.0, gt=0)
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
 
 
@@ -109,14 +109,14 @@ class EngineSettings(_Section):
 
     kind: Literal["vllm", "remote", "instant"] = "vllm"
     model: str | None = None
-    max_model_len: int | None = Field(None, gt=0)
-    kv_cache_space_gib: int | None = Field(2, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_seqs: int = Field(128, gt=0)
-    max_num_batched_tokens: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0)
+    kv_cache_space_gib: int | None = Field(default=2, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    max_num_seqs: int = Field(default=128, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
     #: most prefill tokens one request gets per step while others share it (vLLM's
     #: ``long_prefill_token_threshold``); None = no cap
-    long_prefill_token_threshold: int | None = Field(None, gt=0)
+    long_prefill_token_threshold: int | None = Field(default=None, gt=0)
     enable_prefix_caching: bool = True
     remote_url: str | None = None
     remote_model: str | None = None
@@ -125,7 +125,7 @@ class EngineSettings(_Section):
     #: scraped (dispatch gated on request counts only)
     remote_metrics_url: str = ""
     #: seconds between two scrapes of remote_metrics_url
-    remote_scrape_interval_s: float = Field(1.0, gt=0)
+    remote_scrape_interval_s: float = Field(default=1.0, gt=0)
 
 
 class SchedulerSettings(_Section):
@@ -145,9 +145,9 @@ class ReconciliationSettings(_Section):
             10 minutes before the run (requests still running are not drift).
     """
 
-    interval_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
-    first_run_delay_s: float = Field(60.0, ge=0, allow_inf_nan=False)
-    lookback_s: float = Field(86400.0, gt=0, allow_inf_nan=False)
+    interval_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    first_run_delay_s: float = Field(default=60.0, ge=0, allow_inf_nan=False)
+    lookback_s: float = Field(default=86400.0, gt=0, allow_inf_nan=False)
 
 
 class SelfCheckSettings(_Section):
@@ -167,10 +167,10 @@ class SelfCheckSettings(_Section):
             as a fraction of them (≥ 0).
     """
 
-    ttft_floor_s: float = Field(0.0, ge=0, allow_inf_nan=False)
-    peak_flops_per_s: float = Field(2.0e15, gt=0, allow_inf_nan=False)
-    model_params: int | None = Field(None, gt=0)
-    reservation_input_ratio: float = Field(0.1, ge=0, allow_inf_nan=False)
+    ttft_floor_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    peak_flops_per_s: float = Field(default=2.0e15, gt=0, allow_inf_nan=False)
+    model_params: int | None = Field(default=None, gt=0)
+    reservation_input_ratio: float = Field(default=0.1, ge=0, allow_inf_nan=False)
 
 
 class OpenAISettings(_Section):
@@ -218,11 +218,11 @@ class ServeConfig(_Section):
     scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
     tenants: str | None = None
     quota_store: str = "memory://"
-    quota_replicas: int = Field(1, ge=1)
+    quota_replicas: int = Field(default=1, ge=1)
     ledger_dsn: str | None = None
     spool_dir: str | None = None
     prices: str | None = None
-    metrics_top_k_tenants: int = Field(20, ge=1)
+    metrics_top_k_tenants: int = Field(default=20, ge=1)
     otel: bool = False
     reconciliation: ReconciliationSettings = Field(default_factory=ReconciliationSettings)
     selfcheck: SelfCheckSettings = Field(default_factory=SelfCheckSettings)
@@ -261,7 +261,7 @@ def _has(data: dict, path: tuple[str, ...]) -> bool:
 
 
 def load_serve_config(path: str | os.PathLike | None = None, overrides: dict[tuple[str, ...], Any] | None = None,
-                      env: dict[str, str] | None = None) -> ServeConfig:
+                      env: Mapping[str, str] | None = None) -> ServeConfig:
     """Build the config: ``overrides`` (flags) > file > environment > defaults.
 
     Args:
@@ -271,8 +271,8 @@ def load_serve_config(path: str | os.PathLike | None = None, overrides: dict[tup
     Raises:
         ServeConfigError: unreadable file or invalid values (the message names the field).
     """
-    env = os.environ if env is None else env
-    path = path or env.get("KVMETER_CONFIG")
+    environ: Mapping[str, str] = os.environ if env is None else env
+    path = path or environ.get("KVMETER_CONFIG")
     data: dict[str, Any] = {}
     if path:
         try:
@@ -285,8 +285,8 @@ def load_serve_config(path: str | os.PathLike | None = None, overrides: dict[tup
             raise ServeConfigError(f"config {path} must be a mapping at the top level")
         data = loaded or {}
     for key_path, var in _ENV.items():
-        if var in env and not _has(data, key_path):
-            _set(data, key_path, env[var])
+        if var in environ and not _has(data, key_path):
+            _set(data, key_path, environ[var])
     for key_path, value in (overrides or {}).items():
         if value is not None:
             _set(data, key_path, value)

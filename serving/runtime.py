@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from starlette.applications import Starlette
@@ -49,6 +50,9 @@ from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
 from kvmeter.stats import EngineLoad, EngineStepStats
+
+if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
+    from kvmeter.dashboards.routes import DashboardRoutes
 
 __all__ = ["ServeRuntime", "build_engine", "scheduler_config_from_tiers"]
 
@@ -224,7 +228,7 @@ class ServeRuntime:
         self.reconciler: Reconciler | None = None
         self.ready = False
         self._watch: asyncio.Task | None = None
-        self._dashboard_routes = None
+        self._dashboard_routes: DashboardRoutes | None = None
 
     # -- parts ------------------------------------------------------------------------------------
     def _tier_policy(self, tier: str) -> TierPolicy | None:
@@ -233,14 +237,11 @@ class ServeRuntime:
 
     def ledger_config(self) -> LedgerConfig:
         base = LedgerConfig.from_env()
-        changes = {}
-        if self.config.ledger_dsn:
-            changes["dsn"] = self.config.ledger_dsn
-        if self.config.spool_dir:
-            changes["spool_dir"] = Path(self.config.spool_dir).expanduser().absolute()
-        if self.config.prices:
-            changes["prices_path"] = self.config.prices
-        return dataclasses.replace(base, **changes)
+        cfg = self.config
+        return dataclasses.replace(
+            base, dsn=cfg.ledger_dsn or base.dsn,
+            spool_dir=Path(cfg.spool_dir).expanduser().absolute() if cfg.spool_dir else base.spool_dir,
+            prices_path=Path(cfg.prices) if cfg.prices else base.prices_path)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -130,12 +130,12 @@ class MemoryAgentStore(AgentStore):
                 status = approval.status(now) if approval is not None else "none"
                 if status == "pending":
                     return ReportResult("pending_approval", approval=approval)
-                if status == "rejected" and now < approval.expires_ts:  # type: ignore[union-attr]
+                if approval is not None and status == "rejected" and now < approval.expires_ts:
                     return ReportResult("approval_rejected", approval=approval)
-                if req.approval_id and status in ("consumed", "expired", "rejected"):
+                if approval is not None and req.approval_id and status in ("consumed", "expired", "rejected"):
                     outcome = {"consumed": "approval_used", "expired": "approval_expired",
                                "rejected": "approval_expired"}[status]
-                    return ReportResult(outcome, approval=approval, tool_call_id=approval.tool_call_id)  # type: ignore[union-attr]
+                    return ReportResult(outcome, approval=approval, tool_call_id=approval.tool_call_id)
                 if status != "approved":
                     new = req.new_approval()
                     self._approvals[new.approval_id] = new

@@ -42,6 +42,7 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import asdict, dataclass
+from typing import Mapping
 
 from kvmeter.attribution import Attribution
 from kvmeter.serving.tenancy.limits import LoopStops
@@ -161,7 +162,7 @@ class Approval:
         return d
 
     @classmethod
-    def from_fields(cls, raw: dict[str, object]) -> "Approval":
+    def from_fields(cls, raw: Mapping[str, object]) -> "Approval":
         """From a mapping of field name → value (strings accepted for the numbers)."""
         floats = ("created_ts", "expires_ts", "decided_ts")
         return cls(**{f: (float(raw[f]) if f in floats else str(raw[f]))  # type: ignore[arg-type]

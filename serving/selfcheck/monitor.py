@@ -112,7 +112,8 @@ class SelfCheckMonitor:
         if d.outcome != "ran" or d.dimension not in ("input_tokens", "output_tokens"):
             return
         kind = d.dimension.removesuffix("_tokens")
-        bound = d.reserved * (1 + self.input_ratio) if kind == "input" else d.reserved
+        reserved = float(d.reserved)  # a token count here (an int); Decimal only in the cost dimension
+        bound = reserved * (1 + self.input_ratio) if kind == "input" else reserved
         if d.actual > bound:
-            self._violation(SelfCheckViolation("reservation_exceeded", d.attribution.tier, float(d.actual), float(bound),
+            self._violation(SelfCheckViolation("reservation_exceeded", d.attribution.tier, float(d.actual), bound,
                                                view=kind, wall_ts=d.wall_ts))

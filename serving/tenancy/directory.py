@@ -264,12 +264,12 @@ class TenantDirectory:
         self._clock = clock
         self._file_state: tuple[int, int] | None = None
         self._watch_task: asyncio.Task | None = None
-        if self._path is not None:
+        if config is None:  # path= (exactly one of the two, checked above)
             cfg, sha, state = self._read_file()
             self._snapshot = compile_snapshot(cfg, 1, sha)
             self._file_state = state
         else:
-            cfg = config if isinstance(config, TenancyConfig) else parse_config(config)  # type: ignore[arg-type]
+            cfg = config if isinstance(config, TenancyConfig) else parse_config(config)
             self._snapshot = compile_snapshot(cfg, 1)
 
     @classmethod
@@ -365,7 +365,7 @@ class TenantDirectory:
                 new = compile_snapshot(cfg, old.version + 1, sha)
                 self._file_state = state
             else:
-                cfg = config if isinstance(config, TenancyConfig) else parse_config(config)  # type: ignore[arg-type]
+                cfg = config if isinstance(config, TenancyConfig) else parse_config(config)
                 new = compile_snapshot(cfg, old.version + 1)
         except ConfigError as e:
             log.error("tenancy config reload rejected, keeping version %d: %s", old.version, e)

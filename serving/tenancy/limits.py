@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "LEVELS",
@@ -89,9 +93,9 @@ class Limits:
         return Limits(**_fieldwise_min(self, other))
 
 
-def _fieldwise_min(a: object, b: object) -> dict:
+def _fieldwise_min(a: DataclassInstance, b: DataclassInstance) -> dict[str, Any]:
     out = {}
-    for f in fields(a):  # type: ignore[arg-type]
+    for f in fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         out[f.name] = x if y is None else y if x is None else min(x, y)
     return out

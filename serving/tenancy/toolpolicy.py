@@ -52,7 +52,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Sequence, TypedDict, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -61,7 +61,8 @@ from kvmeter.stats.agents import RISK_CLASSES
 __all__ = [
     "RISK_CLASSES", "RiskClass", "TOOL_NAME_PATTERN", "TOOL_PATTERN_PATTERN", "DEFAULT_RISK",
     "DEFAULT_APPROVAL_TTL_S", "DEFAULT_SIDE_EFFECT_WINDOW_S", "ToolPolicyModel", "ToolVerdict",
-    "ToolPolicy", "NodeToolRules", "compile_node", "compile_tool_policy", "ALLOW_ALL", "valid_tool_name",
+    "ToolPolicy", "NodeToolRules", "NodePolicyData", "compile_node", "compile_tool_policy", "ALLOW_ALL",
+    "valid_tool_name",
 ]
 
 #: Risk classes, least risky first (defined with the stats that label them: kvmeter.stats.agents).
@@ -208,10 +209,24 @@ class _PatternSet:
                 m = rx.match(name)
         if m is None and self.wild is not None:
             m = self.wild.match(name)
-        return None if m is None else self.labels[int(m.lastgroup[1:])]  # type: ignore[index]
+        if m is None or m.lastgroup is None:  # every alternative is a named group: a match has one
+            return None
+        return self.labels[int(m.lastgroup[1:])]
 
     def __bool__(self) -> bool:
         return bool(self.exact) or bool(self.by_first) or bool(self.by_last) or self.wild is not None
+
+
+class NodePolicyData(TypedDict):
+    """One node's ``tool_policy`` as plain data (:attr:`NodeToolRules.canonical`): what it sets,
+    sorted, ``None`` where it sets nothing."""
+
+    allow: list[str] | None
+    block: list[str]
+    risk: Mapping[str, str]
+    default_risk: str | None
+    approval_ttl_s: float | None
+    side_effect_window_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +251,7 @@ class NodeToolRules:
     default_risk: str | None
     approval_ttl_s: float | None
     side_effect_window_s: float | None
-    canonical: Mapping[str, object]
+    canonical: NodePolicyData
 
     def risk_of(self, tool: str) -> tuple[str, str] | None:
         """(class, pattern) of the node's rule classifying ``tool``, or None."""
@@ -256,9 +271,10 @@ def compile_node(path: str, model: ToolPolicyModel | None) -> NodeToolRules:
     exact = {p: c for p, c in m.risk.items() if not _GLOB_CHARS & set(p)}
     globs = tuple((cls, _PatternSet(p for p, c in m.risk.items() if c == cls and p not in exact))
                   for cls in reversed(RISK_CLASSES))
-    canonical = {"allow": None if m.allow is None else sorted(set(m.allow)), "block": sorted(set(m.block)),
-                 "risk": dict(sorted(m.risk.items())), "default_risk": m.default_risk,
-                 "approval_ttl_s": m.approval_ttl_s, "side_effect_window_s": m.side_effect_window_s}
+    canonical: NodePolicyData = {
+        "allow": None if m.allow is None else sorted(set(m.allow)), "block": sorted(set(m.block)),
+        "risk": dict(sorted(m.risk.items())), "default_risk": m.default_risk,
+        "approval_ttl_s": m.approval_ttl_s, "side_effect_window_s": m.side_effect_window_s}
     return NodeToolRules(path=path, block=_PatternSet(m.block),
                          allow=None if m.allow is None else _PatternSet(m.allow), risk_exact=exact,
                          risk_globs=tuple(g for g in globs if g[1]), default_risk=m.default_risk,
@@ -356,9 +372,13 @@ class ToolPolicy:
         return admin or api_key_id in self.approvers
 
 
-def _narrowest(levels: Sequence[NodeToolRules], name: str) -> object:
+_T = TypeVar("_T")
+
+
+def _narrowest(levels: Sequence[NodeToolRules], value_of: Callable[[NodeToolRules], _T | None]) -> _T | None:
+    """The value the narrowest level that sets one sets (None: no level does)."""
     for lvl in reversed(levels):
-        value = getattr(lvl, name)
+        value = value_of(lvl)
         if value is not None:
             return value
     return None
@@ -369,18 +389,18 @@ def compile_tool_policy(levels: Sequence[NodeToolRules], approvers: Iterable[str
     levels = tuple(levels)
     allow = next((lvl for lvl in reversed(levels) if lvl.allow is not None), None)
     default_risk = levels[0].default_risk if levels and levels[0].default_risk else DEFAULT_RISK
-    ttl = _narrowest(levels, "approval_ttl_s") or DEFAULT_APPROVAL_TTL_S
-    window = _narrowest(levels, "side_effect_window_s") or DEFAULT_SIDE_EFFECT_WINDOW_S
+    ttl = _narrowest(levels, lambda lvl: lvl.approval_ttl_s) or DEFAULT_APPROVAL_TTL_S
+    window = _narrowest(levels, lambda lvl: lvl.side_effect_window_s) or DEFAULT_SIDE_EFFECT_WINDOW_S
     # what the policy decides, not where each rule is written: the union of blocks, the allow list
     # in force, the risk maps of the levels that set one (narrowest first), the defaults
-    content = {"block": sorted({p for lvl in levels for p in lvl.canonical["block"]}),  # type: ignore[attr-defined]
+    content = {"block": sorted({p for lvl in levels for p in lvl.canonical["block"]}),
                "allow": allow.canonical["allow"] if allow is not None else None,
                "risk": [lvl.canonical["risk"] for lvl in reversed(levels) if lvl.canonical["risk"]],
-               "default_risk": default_risk, "approval_ttl_s": float(ttl),  # type: ignore[arg-type]
-               "side_effect_window_s": float(window)}  # type: ignore[arg-type]
+               "default_risk": default_risk, "approval_ttl_s": float(ttl),
+               "side_effect_window_s": float(window)}
     version = hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    return ToolPolicy(levels=levels, default_risk=default_risk, approval_ttl_s=float(ttl),  # type: ignore[arg-type]
-                      side_effect_window_s=float(window), approvers=frozenset(approvers),  # type: ignore[arg-type]
+    return ToolPolicy(levels=levels, default_risk=default_risk, approval_ttl_s=float(ttl),
+                      side_effect_window_s=float(window), approvers=frozenset(approvers),
                       version=version, _allow=allow)
 
 
