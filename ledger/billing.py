@@ -221,8 +221,8 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
         names = set(zones.values()) | {UTC}
         by_zone = {z: (period.in_zone(z), z) for z in sorted(names)}
     frames = []
-    for z, (p, keep) in by_zone.items():
-        def mine(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    for p, keep in by_zone.values():
+        def mine(rows: Iterable[dict[str, Any]], keep: str | None = keep) -> list[dict[str, Any]]:
             rows = list(rows)
             if keep is None:
                 return rows

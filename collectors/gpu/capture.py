@@ -507,7 +507,7 @@ def _gpu_from_xml(index: int, g: ET.Element) -> CapturedGpu:
         block = g.find(f"ecc_errors/{scope}")
         if block is None:
             continue
-        def total(tags: tuple[str, ...]) -> int | None:
+        def total(tags: tuple[str, ...], block: ET.Element = block) -> int | None:
             values = [_int(_x(block, t)) for t in tags if block.find(t) is not None]
             return None if not values or any(v is None for v in values) else sum(values)
         gpu.ecc_errors[("corrected", scope)] = total(("sram_correctable", "dram_correctable"))

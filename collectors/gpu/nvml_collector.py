@@ -390,7 +390,7 @@ class NvmlCollector:
                         known.add(p.pid)
             if self._gpm_supported.get(index) and m.gpu_instance_id is not None:
                 gi = m.gpu_instance_id
-                gpm = self._gpm((index, gi), lambda smp: call("nvmlGpmMigSampleGet", h, gi, smp))
+                gpm = self._gpm((index, gi), lambda smp, gi=gi: call("nvmlGpmMigSampleGet", h, gi, smp))
                 for field_name, value in gpm.items():
                     setattr(m, field_name, value)
             out.append(m)
