@@ -166,7 +166,7 @@ def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
             raise TraceError(f"{path}: missing column {col}")
     seconds = (ts - ts.min()).dt.total_microseconds() / 1e6
     return [TraceRequest(float(t), max(1, int(i)), max(1, int(o)))
-            for t, i, o in zip(seconds, frame["ContextTokens"], frame["GeneratedTokens"])]
+            for t, i, o in zip(seconds, frame["ContextTokens"], frame["GeneratedTokens"], strict=True)]
 
 
 def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list[TraceRequest]:
@@ -192,7 +192,7 @@ def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list
     deadlines = frame["deadline_s"].to_list() if "deadline_s" in columns else [None] * n
     out = []
     for t, i, o, tenant, tier, dl in zip(frame["arrival_s"], frame[input_col], frame["output_tokens"],
-                                         tenants, tiers, deadlines):
+                                         tenants, tiers, deadlines, strict=True):
         if t is None or i is None or o is None:
             raise TraceError(f"{path}: empty arrival_s / token count in a row")
         out.append(TraceRequest(float(t) - t0, max(1, int(i)), max(1, int(o)), (), tenant or None,

@@ -182,7 +182,7 @@ class PriceList:
         if units is None:
             raise UnpricedModel(model)
         total = Decimal(0)
-        for count, unit in zip(tokens.parts(), units):  # zero counts too: the sum keeps the units' scale
+        for count, unit in zip(tokens.parts(), units, strict=True):  # zero counts too: the sum keeps the units' scale
             total = _EXACT.add(total, _EXACT.multiply(unit, count))
         return total
 

@@ -451,7 +451,7 @@ def parse_query_gpu_csv(text: str) -> list[dict[str, str | None]]:
     for row in rows[1:]:
         if len(row) != len(header):
             raise CaptureFormatError(f"query-gpu row has {len(row)} fields, header {len(header)}")
-        out.append({k: parse_na(v) for k, v in zip(header, row)})
+        out.append({k: parse_na(v) for k, v in zip(header, row, strict=True)})
     return out
 
 

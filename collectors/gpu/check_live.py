@@ -71,7 +71,7 @@ def compare_with_nvidia_smi(samples: list[GpuSample]) -> list[tuple[str, bool, s
     captured = parse_query_text(text, source="nvidia-smi -q (live)")
     out = [("same GPU count as nvidia-smi", len(captured.gpus) == len(samples),
             f"{len(captured.gpus)} vs {len(samples)}")]
-    for cap, s in zip(captured.gpus, samples):
+    for cap, s in zip(captured.gpus, samples, strict=False):  # a count mismatch is reported above
         out.append((f"GPU {s.index} name matches", cap.name == s.name, f"{cap.name!r} vs {s.name!r}"))
         if cap.memory_total_mib is not None and s.memory_total_bytes is not None:
             out.append((f"GPU {s.index} memory total matches", abs(cap.memory_total_mib - s.memory_total_bytes / MIB) <= 1,

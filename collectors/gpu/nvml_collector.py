@@ -293,7 +293,7 @@ class NvmlCollector:
         values = self._field_values(h, field_ids)
         s.temperature_memory_celsius = None if values[0] is None else float(values[0])
         s.pcie_replays = values[1]
-        for (_, reason), us in zip(_REASON_FIELDS, values[2:]):
+        for (_, reason), us in zip(_REASON_FIELDS, values[2:], strict=True):
             s.clocks_event_seconds[reason] = None if us is None else us * 1e-6
         s.ecc_corrected_total = _clean(call("nvmlDeviceGetTotalEccErrors", h, self._const(
             "NVML_MEMORY_ERROR_TYPE_CORRECTED"), self._const("NVML_AGGREGATE_ECC")))

@@ -67,7 +67,7 @@ def render(ctx: PageContext) -> None:
     with st.container(border=True):
         st.markdown("**What QPS hides** — peak ÷ median over buckets with traffic")
         cols = st.columns(len(hidden))
-        for col, row in zip(cols, hidden.iter_rows(named=True)):
+        for col, row in zip(cols, hidden.iter_rows(named=True), strict=True):
             ratio = row["peak_over_median"]
             col.metric(row["series"], "—" if ratio is None else f"{ratio:.1f}×", help=f"median {si(row['median'])}, "
                        f"peak {si(row['peak'])}")

@@ -135,7 +135,8 @@ def _grid_fit(predict: Callable[[np.ndarray], np.ndarray], bounds: Sequence[tupl
     for start in (0.25, 0.5, 0.75):
         centre, span = lo + (hi - lo) * start, (hi - lo) / 2.0
         for _ in range(24):
-            axes = [np.clip(np.linspace(c - s, c + s, 5), a, b) for c, s, a, b in zip(centre, span, lo, hi)]
+            axes = [np.clip(np.linspace(c - s, c + s, 5), a, b)
+                    for c, s, a, b in zip(centre, span, lo, hi, strict=True)]
             grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(bounds))
             err = np.log(predict(grid)) - log_meas
             score = np.einsum("ij,ij->i", err, err)

@@ -308,7 +308,7 @@ def _rows(runtime, sql: str, **params) -> list[dict]:
     ledger = runtime.recorder.ledger
     assert ledger.flush(30.0), "ledger did not drain"
     result = ledger._query_holder.get().query(sql, parameters=params)
-    return [dict(zip(result.column_names, row)) for row in result.result_rows]
+    return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
 
 async def test_a_client_that_leaves_mid_prefill_is_billed_the_engine_computed_tokens(engine, stack):

@@ -56,7 +56,7 @@ async def test_reconcile_exit_status_follows_the_drift_threshold(open_ledger, co
     assert run.returncode == 1, run.stderr
     assert "acme" in run.stderr
     report = pl.read_csv(tmp_path / "reconcile-2026-11.csv")
-    assert dict(zip(report["tenant_id"], report["status"])) == {"acme": "drift", "globex": "ok"}
+    assert dict(zip(report["tenant_id"], report["status"], strict=True)) == {"acme": "drift", "globex": "ok"}
     run = kvmeter("billing", "reconcile", "--period", "2026-11", "--max-drift-ratio", "0.01", "--out", str(tmp_path),
                   "--formats", "csv", *_source(config))
     assert run.returncode == 0, run.stderr

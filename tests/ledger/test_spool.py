@@ -36,7 +36,7 @@ def _lines(spool: Spool, name: str = "usage") -> list[bytes]:
 
 def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
     event = make_event(1, cached_input_tokens=5, workspace_id="ws9", agent_run_id="run-7")
-    row = dict(zip(USAGE_COLUMNS, json.loads(encode_usage(event))))
+    row = dict(zip(USAGE_COLUMNS, json.loads(encode_usage(event)), strict=True))
     assert len(row) == len(USAGE_STREAM.columns_for(USAGE_STREAM.schema))
     # every field of the event, its attribution and its token counts is one column (flattened once)
     nested = {"attribution": event.attribution, "tokens": event.tokens}

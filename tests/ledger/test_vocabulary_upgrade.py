@@ -128,7 +128,7 @@ def test_old_blocks_map_to_todays_columns_in_one_place() -> None:
     columns, payload = USAGE_STREAM.decode(1, msgspec.json.encode(row) + b"\n")
     assert columns == USAGE_STREAM.columns_for(USAGE_STREAM.schema)  # renamed, org_id dropped, same order
     assert msgspec.json.decode(payload) == [v for v in row if v != "v-org_id"]
-    assert dict(zip(columns, msgspec.json.decode(payload)))["input_tokens"] == "v-prompt_tokens"
+    assert dict(zip(columns, msgspec.json.decode(payload), strict=True))["input_tokens"] == "v-prompt_tokens"
     # engine schema 2 only renames: the block passes through as written, under the new names
     payload = b'["r1","stop",5,6,2,0,0,0,0,0,0,0,1.7e9,"acme"]\n'
     columns, same = ENGINE_STREAM.decode(2, payload)
