@@ -371,18 +371,18 @@ class LedgerQueries:
         tenants = sorted(set(ledger) | set(engine) | set(gateway))
         consistent: dict[str, dict[str, Any]] = {}
         for tenant in tenants:
-            l, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
-            if detailed or tenant == "" or l is None:
+            led, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
+            if detailed or tenant == "" or led is None:
                 continue
             e_count, e_sum = (int(e["engine_requests"]), int(e["engine_sum"])) if e else (0, 0)
             g_count, g_sum = (int(g["gateway_admitted"]), int(g["admitted_sum"])) if g else (0, 0)
-            if (int(l["hooks_requests"]), int(l["hooks_sum"])) == (e_count, e_sum) and \
-                    (int(l["ledger_requests"]), int(l["request_sum"])) == (g_count, g_sum):
+            if (int(led["hooks_requests"]), int(led["hooks_sum"])) == (e_count, e_sum) and \
+                    (int(led["ledger_requests"]), int(led["request_sum"])) == (g_count, g_sum):
                 row = _empty_view(tenant)
-                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_input_tokens",
-                                                   "ledger_output_tokens", "reserved_tokens", "actual_tokens",
-                                                   "aborted_requests", "aborted_tokens", "frontend_only_requests",
-                                                   "frontend_only_tokens")})
+                row.update({k: int(led[k]) for k in ("ledger_requests", "ledger_input_tokens",
+                                                     "ledger_output_tokens", "reserved_tokens", "actual_tokens",
+                                                     "aborted_requests", "aborted_tokens", "frontend_only_requests",
+                                                     "frontend_only_tokens")})
                 row["ledger_rows"] = row["ledger_requests"]
                 row["matched_requests"] = e_count
                 if e:

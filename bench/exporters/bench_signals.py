@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import statistics
 import sys
@@ -27,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 from kvmeter.attribution import Attribution
 from kvmeter.tokens import TokenCounts
-from kvmeter.traces import data_dir  # noqa: E402
+from kvmeter.traces import data_dir
+
+REPO = Path(__file__).resolve().parents[2]
 
 DATA = data_dir()
 sys.path.insert(0, str(Path(__file__).parent))

@@ -404,7 +404,7 @@ class NvmlCollector:
         xid = self._const("nvmlEventTypeXidCriticalError")
         registered = 0
         for handle in self._handles:
-            fn = getattr(self._nvml, "nvmlDeviceRegisterEvents")
+            fn = self._nvml.nvmlDeviceRegisterEvents
             try:
                 fn(handle, xid, event_set)
                 registered += 1

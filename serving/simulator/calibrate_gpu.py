@@ -279,7 +279,7 @@ def all_reduce_errors(calibrations: Mapping[str, GpuCalibration] | None = None,
         measured_fits = doc["all_reduce_measured"]["h100_pairwise_nvlink"]
     net = load_all_reduce_profile(root)
     rows = []
-    for workers, size, meas in net.iter_rows():
+    for workers, size, _measured in net.iter_rows():
         own = AllReduceFit(**measured_fits[str(workers)])
         rows.append((float(cal.time_s(size, workers)), float(own.time_s(size, workers))))
     out = net.with_columns(pl.Series("profile_s", [r[0] for r in rows]), pl.Series("fit_s", [r[1] for r in rows]))

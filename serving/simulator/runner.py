@@ -373,7 +373,7 @@ class Simulation:
         bar.close()
         self._sync()
         self.core.tick(self.clock.monotonic())
-        for rid, (rec, _) in self._by_id.items():  # only after a stall
+        for rec, _ in self._by_id.values():  # only after a stall
             rec.outcome, rec.reason = "dropped", "simulation_stalled"
         core = self.core
         return SimResult(

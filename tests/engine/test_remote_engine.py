@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from pathlib import Path
 
 import orjson
 import pytest

@@ -85,7 +85,7 @@ def test_every_alert_fires_in_some_unit_test():
 
 
 def test_every_alert_has_severity_and_summary():
-    for name, rule in _alerts():
+    for _, rule in _alerts():
         if "alert" in rule:
             assert rule["labels"]["severity"] in {"page", "critical", "warning", "ticket", "info"}, rule["alert"]
             assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]

@@ -7,15 +7,15 @@ from datetime import datetime, timezone
 import pytest
 from ledgerkit import PERIOD, T0, engine_stats, make_attempt, make_event, scalar
 
-
-def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
-    return ledger.queries._get().query(sql).result_rows
-
 from kvmeter.bus import StatsBus
 from kvmeter.ledger import parse_period
 from kvmeter.ledger.reconcile import UNATTRIBUTED, reconcile
 from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import TokenCounts
+
+
+def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
+    return ledger.queries._get().query(sql).result_rows
 
 
 def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrides) -> None:  # noqa: ANN001

@@ -25,15 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 LIMIT = 3000          # input tokens per minute, platform-wide
 PROMPT = 100          # tokens per request (exact: token-id prompts)
-CFG = tenants(f"""
+CFG = tenants("""
 acme:
   workspaces:
     ws:
       projects:
         p:
           api_keys:
-            k1: {{key: sk-test-fleet-0001}}
-            k2: {{key: sk-test-fleet-0002}}
+            k1: {key: sk-test-fleet-0001}
+            k2: {key: sk-test-fleet-0002}
 """, extra_top=f"global: {{limits: {{input_tokens_per_minute: {LIMIT}}}}}")
 KEYS = ["sk-test-fleet-0001", "sk-test-fleet-0002"]
 

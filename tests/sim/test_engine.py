@@ -69,7 +69,7 @@ async def test_concurrent_streams_share_steps_continuous_batching():
     await eng.start()
 
     async def run(i: int) -> float:
-        async for o in eng.generate(EngineRequest(f"r{i}", [1] * 100, max_tokens=20)):
+        async for _ in eng.generate(EngineRequest(f"r{i}", [1] * 100, max_tokens=20)):
             pass
         return clock.monotonic()
 
