@@ -4,9 +4,10 @@ No SQL lives here: every read is the ledger's own query layer —
 :class:`~kvmeter.ledger.window_queries.WindowQueries` for the bucketed reads (traffic, latency,
 goodput, gateway decisions, reservations, signals), :func:`~kvmeter.ledger.billing.build_invoice`
 for the invoice, :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
-reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same class serves the serve process's dashboard routes
-(:mod:`kvmeter.dashboards.routes`), so mode *a* (through the read API) returns exactly these rows,
-and the billing page shows the invoice ``kvmeter billing report`` writes.
+reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same
+class serves the serve process's dashboard routes (:mod:`kvmeter.dashboards.routes`), so mode *a*
+(through the read API) returns exactly these rows, and the billing page shows the invoice
+``kvmeter billing report`` writes.
 
 Tenant filtering is a parameter here; *who may ask for which tenant* is decided by
 :class:`~kvmeter.dashboards.source.ScopedSource`, never by the caller of these methods.

@@ -8,8 +8,8 @@ Supported (provenance and licences: ``data/SOURCES.md``):
 * ``mooncake`` — Mooncake conversation trace (JSONL: ``timestamp`` in ms, ``input_length``,
   ``output_length``, ``hash_ids`` of 512-token prefix blocks).
 * kvmeter's own CSV: ``arrival_s, input_tokens, output_tokens`` (``prompt_tokens``, the name
-  kvmeter wrote before, is read as ``input_tokens``) and optional ``tenant_id``, ``tier``, ``deadline_s`` (seconds from the trace
-  start) — what a tenant-attributed workload is written in.
+  kvmeter wrote before, is read as ``input_tokens``) and optional ``tenant_id``, ``tier``,
+  ``deadline_s`` (seconds from the trace start) — what a tenant-attributed workload is written in.
 * any path to a file in one of those formats.
 
 Lengths below 1 are raised to 1 (a replayed request needs a prompt token and an output token).

@@ -295,7 +295,8 @@ def _reconcile(args: argparse.Namespace) -> int:
                    "ledger_only_tokens", "engine_unbilled_requests", "engine_unbilled_tokens",
                    "duplicate_billed_requests", "duplicate_billed_tokens", "missing_finishes",
                    "missing_finish_reserved_tokens", "unexplained_drift_tokens", "unexplained_drift_ratio"]
-    reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens", "reservation_drift_ratio"]
+    reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens",
+                   "reservation_drift_ratio"]
     paths = write_report(
         args.out, f"reconcile-{period.slug}", frame, title=f"kvmeter reconciliation — {period.label}",
         meta=_meta(period, source) | {"drift threshold (ratio)": f"{args.max_drift_ratio:g}"},

@@ -67,7 +67,8 @@ def sync_prices(client: Client, prices: PriceList) -> None:
     client.insert("prices", rows, column_names=["version", "currency", "model", "token_type", "price_per_million"],
                   settings={"insert_deduplication_token": token})
     if prices.tier_discounts:
-        client.insert("price_tier_discounts", [[prices.version, t, d] for t, d in sorted(prices.tier_discounts.items())],
+        client.insert("price_tier_discounts",
+                      [[prices.version, t, d] for t, d in sorted(prices.tier_discounts.items())],
                       column_names=["version", "tier", "discount_ratio"],
                       settings={"insert_deduplication_token": token + ":tiers"})
 
@@ -137,7 +138,8 @@ class Ledger:
             migrate(client, config.cluster)
             sync_prices(client, prices)
 
-        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes,
+                      fsync=config.fsync)
         try:
             writer_holder = ClientHolder(factory, prepare)
             query_holder = ClientHolder(factory, lambda client: migrate(client, config.cluster))

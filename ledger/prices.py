@@ -263,7 +263,8 @@ def parse_price_list(data: Mapping[str, Any], source: str = "") -> PriceList:
             raise PriceListError(f"{source}: models.{name} must be a mapping of token type to price")
         extra = set(spec) - set(TOKEN_TYPES) - {"aliases"}
         if extra:
-            raise PriceListError(f"{source}: models.{name}: unknown key(s) {sorted(extra)}; token types are {TOKEN_TYPES}")
+            raise PriceListError(f"{source}: models.{name}: unknown key(s) {sorted(extra)}; "
+                                 f"token types are {TOKEN_TYPES}")
         values: dict[str, Decimal] = {}
         for t in ("input", "cached_input", "output"):
             if t not in spec:

@@ -424,22 +424,28 @@ class LedgerQueries:
                 sumIf(e_output, in_engine) AS engine_output_tokens,
                 countIf(in_gateway) AS gateway_admitted,
                 countIf(l_rows = 1 AND in_engine) AS matched_requests,
-                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output)) AS mismatched_requests,
-                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine) AS matched_token_drift,
+                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output))
+                    AS mismatched_requests,
+                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine)
+                    AS matched_token_drift,
                 countIf(l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_requests,
                 sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks)
+                    AS frontend_only_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks)
+                    AS ledger_only_tokens,
                 countIf(l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
                 countIf(l_rows = 0 AND in_engine AND superseded) AS superseded_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
                 countIf(l_rows > 1) AS duplicate_billed_requests,
-                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1) AS duplicate_billed_tokens,
+                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1)
+                    AS duplicate_billed_tokens,
                 countIf(in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finishes,
-                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finish_reserved_tokens
+                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded)
+                    AS missing_finish_reserved_tokens
             FROM (
                 SELECT
                     request_key,

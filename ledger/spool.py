@@ -56,7 +56,8 @@ from kvmeter.clock import Clock
 from .errors import LedgerLocked, SpoolWriteError
 from .records import StreamSpec
 
-__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC", "lock_held_elsewhere"]
+__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC",
+           "lock_held_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,8 @@ class SpoolStream:
             if batch is not None and batch.end == int(inflight["end"]) and batch.token == inflight.get("token"):
                 self._inflight = batch
             else:
-                log.warning("spool %s: in-flight batch %s no longer matches the spool; ignoring it", self.name, inflight)
+                log.warning("spool %s: in-flight batch %s no longer matches the spool; ignoring it",
+                            self.name, inflight)
 
     def _first_blocks_until(self, segment: int, start: int, end: int) -> list[Block]:
         out: list[Block] = []
@@ -510,7 +512,8 @@ class SpoolStream:
             except OSError as exc:
                 self.write_errors_total += 1
                 log.error("spool %s: group commit of %d records failed: %s", self.name, len(lines), exc)
-                ticket._resolve(SpoolWriteError(f"spool {self.name}: could not make {len(lines)} records durable: {exc}"))
+                ticket._resolve(SpoolWriteError(
+                    f"spool {self.name}: could not make {len(lines)} records durable: {exc}"))
                 continue
             ticket._resolve(None)
 

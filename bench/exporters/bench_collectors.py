@@ -112,7 +112,8 @@ def main() -> None:
     scraper.ingest(page1)
     print(f"| remote ingest (parse + diff) | V1-style, 8 engines | {bench(lambda: scraper.ingest(page2), 50)} |")
     dcgm = (DATA / "gpu" / "dcgm" / "dcgm_v100_4gpu_issue250.prom").read_text()
-    print(f"| DCGM gpu_samples_from_dcgm | dcgm_v100_4gpu_issue250.prom | {bench(lambda: gpu_samples_from_dcgm(dcgm), args.runs)} |")
+    cost = bench(lambda: gpu_samples_from_dcgm(dcgm), args.runs)
+    print(f"| DCGM gpu_samples_from_dcgm | dcgm_v100_4gpu_issue250.prom | {cost} |")
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def main() -> None:
     print(f"tenants {args.tenants}, rows per tick {statistics.median(rows_n):.0f}, runs {args.runs}")
     print("| step | where | cost per tick |")
     print("|---|---|---|")
-    print(f"| `SignalSampler.sample()` (build {statistics.median(rows_n):.0f} rows) | worker thread (asyncio.to_thread) | {fmt(sample_t)} |")
+    print(f"| `SignalSampler.sample()` (build {statistics.median(rows_n):.0f} rows) "
+          f"| worker thread (asyncio.to_thread) | {fmt(sample_t)} |")
     print(f"| `Ledger.write_signals(rows)` | event loop | {fmt(write_t)} |")
     print(f"| insert into chDB (`flush()`: one writer round) | ledger writer thread | {fmt(insert_t)} |")
 

@@ -74,9 +74,11 @@ def compare_with_nvidia_smi(samples: list[GpuSample]) -> list[tuple[str, bool, s
     for cap, s in zip(captured.gpus, samples, strict=False):  # a count mismatch is reported above
         out.append((f"GPU {s.index} name matches", cap.name == s.name, f"{cap.name!r} vs {s.name!r}"))
         if cap.memory_total_mib is not None and s.memory_total_bytes is not None:
-            out.append((f"GPU {s.index} memory total matches", abs(cap.memory_total_mib - s.memory_total_bytes / MIB) <= 1,
+            out.append((f"GPU {s.index} memory total matches",
+                        abs(cap.memory_total_mib - s.memory_total_bytes / MIB) <= 1,
                         f"{cap.memory_total_mib} MiB vs {s.memory_total_bytes / MIB:.0f} MiB"))
-        out.append((f"GPU {s.index} MIG devices match", len(cap.migs) == len(s.mig), f"{len(cap.migs)} vs {len(s.mig)}"))
+        out.append((f"GPU {s.index} MIG devices match", len(cap.migs) == len(s.mig),
+                    f"{len(cap.migs)} vs {len(s.mig)}"))
     return out
 
 

@@ -15,7 +15,8 @@ prefill cut partway bills the part it ran) and the tokens it generated, ``token_
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
 first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning
-tokens (a part of the output) are what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
+tokens (a part of the output) are what the protocol's reasoning parser counted
+(:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ variable), runs each ``generate`` call as one of kvmeter's engine requests:
 * when an engine request finishes, its finished stats are taken from the engine
   (:class:`~kvmeter.serving.engines.finished.FinishedStats`, claimed under the request's
   attribution, which it stamps on every report — vLLM's hooks know only ids; one per sequence,
-  ``n`` for ``n`` choices); when the last one finishes, they are merged into one engine record for the logical
-  request (:func:`merge_stats`), stamped with the request's attribution, published, and the gateway's ``on_done`` makes the usage event
-  durable — all before the final output reaches vLLM's layer, so before the usage chunk,
-  ``[DONE]`` or the JSON response.
+  ``n`` for ``n`` choices); when the last one finishes, they are merged into one engine record
+  for the logical request (:func:`merge_stats`), stamped with the request's attribution,
+  published, and the gateway's ``on_done`` makes the usage event durable — all before the final
+  output reaches vLLM's layer, so before the usage chunk, ``[DONE]`` or the JSON response.
 
 A ``generate`` call that ends early (the client left: the gateway closes the generators,
 :meth:`BoundRequest.aclose`; or the engine failed) closes the engine's stream, which aborts the

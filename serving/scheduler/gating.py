@@ -118,8 +118,8 @@ class AdaptiveEngineLimit:
     """
 
     __slots__ = ("_cfg", "_idx", "limit", "_slow_start", "_hold_until", "_next_eval", "_itl_sum", "_itl_n",
-                 "_ttfts", "_past", "_check", "_judge_at", "_no_cut_until", "_no_cut_windows", "limited", "decreases", "increases",
-                 "undone", "last_ratio", "ttft_estimate_s")
+                 "_ttfts", "_past", "_check", "_judge_at", "_no_cut_until", "_no_cut_windows", "limited", "decreases",
+                 "increases", "undone", "last_ratio", "ttft_estimate_s")
 
     def __init__(self, config: SchedulerConfig, idx: int = 0) -> None:
         self._cfg = config

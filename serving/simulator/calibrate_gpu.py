@@ -318,7 +318,8 @@ def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
               "`serving/simulator/operators.py` with the numbers in `gpu_calibration.json`."), "",
              (f"## Summary per GPU and operator (|error| over every measured point ≥ {ERROR_FLOOR_TOKENS} tokens, "
               "both shapes, TP 1/2/4/8)"), "",
-             "| GPU | operator | points | mean | median | p90 | max | share > 15% |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| GPU | operator | points | mean | median | p90 | max | share > 15% |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in error_summary(errors).iter_rows(named=True):
         lines.append(f"| {r['gpu']} | {r['op']} | {r['points']} | {r['mean']:.1%} | {r['median']:.1%} | "
                      f"{r['p90']:.1%} | {r['max']:.1%} | {r['over_bound']:.1%} |")
@@ -359,12 +360,15 @@ def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
               ("`profile`: the h100/h200 profiles' term (the 2-worker fit; at 4 workers derived through the "
                "ring factor, i.e. what an NVSwitch node would do). `own fit`: a fit to that worker count's "
                "measurements. |error| over the sizes of ≥ 64-token batches (≥ 512 KiB):"), "",
-              "| workers | sizes | profile mean | profile max | own fit mean | own fit max |", "|---:|---:|---:|---:|---:|---:|"]
+              "| workers | sizes | profile mean | profile max | own fit mean | own fit max |",
+              "|---:|---:|---:|---:|---:|---:|"]
     big = ar.filter(pl.col("size_bytes") >= ERROR_FLOOR_TOKENS * 4096 * 2)
     for (w,), g in sorted(big.group_by("workers"), key=lambda kv: kv[0]):
-        lines.append(f"| {w} | {g.height} | {g['profile_error'].abs().mean():.1%} | {g['profile_error'].abs().max():.1%} "
+        lines.append(f"| {w} | {g.height} | {g['profile_error'].abs().mean():.1%} "
+                     f"| {g['profile_error'].abs().max():.1%} "
                      f"| {g['fit_error'].abs().mean():.1%} | {g['fit_error'].abs().max():.1%} |")
-    lines += ["", "| workers | size | measured ms | profile ms (error) | own fit ms (error) |", "|---:|---:|---:|---:|---:|"]
+    lines += ["", "| workers | size | measured ms | profile ms (error) | own fit ms (error) |",
+              "|---:|---:|---:|---:|---:|"]
     for size in (2 ** 11, 2 ** 16, 2 ** 19, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26):
         for w in (2, 4):
             g = ar.filter(pl.col("workers") == w)
@@ -378,7 +382,8 @@ def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Fit, write the parameters, print the summary; 0 when every operator's mean error ≥ 64 tokens
     is within the bound, 1 when one misses it."""
-    ap = argparse.ArgumentParser(prog="python -m kvmeter.serving.simulator.calibrate_gpu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvmeter.serving.simulator.calibrate_gpu",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--data-dir", type=Path, default=None, help="data folder (default: kvmeter's)")
     ap.add_argument("--out", type=Path, default=CALIBRATION_PATH, help=f"parameters file (default {CALIBRATION_PATH})")
     ap.add_argument("--report", type=Path, default=None, help="also write the error tables (Markdown) here")

@@ -46,7 +46,8 @@ from .models import ModelSpec
 
 __all__ = [
     "GEMM_OPS", "LAYER_STREAM_OPS", "STEP_STREAM_OPS", "POOLED_GEMM", "ACTIVATION_BYTES",
-    "gemm_time_s", "stream_time_s", "all_reduce_time_s", "GemmFit", "StreamFit", "AllReduceFit", "GpuCalibration", "GemmShape",
+    "gemm_time_s", "stream_time_s", "all_reduce_time_s", "GemmFit", "StreamFit", "AllReduceFit", "GpuCalibration",
+    "GemmShape",
     "layer_gemms", "layer_stream_bytes_per_token", "all_reduce_bytes", "OperatorModel",
     "CALIBRATION_PATH", "load_calibrations", "stored_calibrations",
 ]
@@ -233,9 +234,10 @@ def layer_stream_bytes_per_token(model: ModelSpec, tp: int) -> dict[str, float]:
     """Bytes each elementwise kernel reads and writes per token on one GPU (bf16 activations).
 
     RMSNorm reads and writes the hidden state (``2h``); RoPE rotates the query and key heads of the
-    shard in place (``2(q + kv)·d`` with the shard's head counts); the gated activation reads gate and up and writes their
-    product (``3·I / tp``); the residual add reads two hidden states and writes one (``3h``); the
-    embedding lookup reads a row and writes the hidden state (``2h``). Times :data:`ACTIVATION_BYTES`.
+    shard in place (``2(q + kv)·d`` with the shard's head counts); the gated activation reads gate
+    and up and writes their product (``3·I / tp``); the residual add reads two hidden states and
+    writes one (``3h``); the embedding lookup reads a row and writes the hidden state (``2h``).
+    Times :data:`ACTIVATION_BYTES`.
     """
     q, kv = _heads_per_gpu(model, tp)
     h, d, b = model.hidden_size, model.head_dim, ACTIVATION_BYTES
