@@ -244,5 +244,6 @@ def test_every_module_imports():
     names = sorted(m for m in MODULES
                    if m != "kvmeter.dashboards.app" and not m.startswith("kvmeter.dashboards.pages"))
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                          env={**os.environ,
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

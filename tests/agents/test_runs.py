@@ -226,7 +226,8 @@ async def test_the_tool_call_budget_refuses_the_call_after_the_last_permit(make_
     # the quota sees the run over its budget: its next model call is refused
     from kvmeter.serving.quota import QuotaRejected
     with pytest.raises(QuotaRejected) as exc:
-        await kit.quota.reserve(kit.principal("agent"), estimate("m", 10, 10, agent_run_id="run-1", principal=kit.principal("agent")))
+        await kit.quota.reserve(kit.principal("agent"),
+                                estimate("m", 10, 10, agent_run_id="run-1", principal=kit.principal("agent")))
     assert exc.value.dimension == "tool_calls"
 
 

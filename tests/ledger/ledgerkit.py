@@ -85,8 +85,9 @@ def scalar(ledger: Ledger, sql: str, **params: Any) -> Any:
 async def fill_ledger(ledger: Ledger, n: int = 40, *, keys_per_tenant: int = 2, drift: bool = False,
                       unpriced: bool = False) -> None:
     """``n`` requests of two tenants (acme, globex) on ``keys_per_tenant`` API keys each, each
-    request with its attempt, engine record and usage event, drained. ``drift``: request 3's engine record counts one token more;
-    ``unpriced``: request 0 uses a model missing from the price list."""
+    request with its attempt, engine record and usage event, drained. ``drift``: request 3's
+    engine record counts one token more; ``unpriced``: request 0 uses a model missing from the
+    price list."""
     bus = StatsBus()
     ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
     for i in range(n):

@@ -205,7 +205,8 @@ def test_migrations_are_versioned_and_rerunnable(open_ledger) -> None:
     client = ledger.queries._get()
     assert migrate(client) == []  # already current: nothing applied twice
     assert scalar(ledger, "SELECT count() FROM schema_migrations FINAL") == len(load_migrations())
-    client.command("ALTER TABLE schema_migrations UPDATE checksum = 'edited' WHERE version = 1 SETTINGS mutations_sync = 1")
+    client.command("ALTER TABLE schema_migrations UPDATE checksum = 'edited' WHERE version = 1 "
+                   "SETTINGS mutations_sync = 1")
     with pytest.raises(MigrationError, match="changed after it was applied"):
         migrate(client)
 

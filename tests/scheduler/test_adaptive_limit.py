@@ -324,7 +324,7 @@ def test_a_high_first_token_estimate_expires_once_the_engine_is_idle():
     for _ in range(8):
         clock.advance(1.0)
         core.tick()
-    core.check_admission(job("next", "a", arrival=clock.monotonic()))               # admitted: an idle engine starts it at once
+    core.check_admission(job("next", "a", arrival=clock.monotonic()))  # admitted: an idle engine starts it at once
     core.submit(job("next", "a", arrival=clock.monotonic()))
     assert [x.job.request_id for x in core.dispatch()] == ["next"]
 
