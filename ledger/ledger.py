@@ -107,6 +107,22 @@ class Ledger:
         self._unsubscribe = None
         self._closed = False
 
+    @property
+    def spool(self) -> Spool:
+        """The durable spool under the ledger (its streams' depth, batches and segment files), for
+        inspection and recovery tools; records enter it through the ``record*`` methods."""
+        return self._spool
+
+    def query_client(self) -> Client:
+        """The read-side ClickHouse client (connected and migrated on first use), shared with
+        :attr:`queries`: for SQL the query classes do not offer (diagnostics, benches, tests).
+        :meth:`close` closes it; callers must not.
+
+        Raises:
+            LedgerUnavailable: ClickHouse cannot be reached.
+        """
+        return self._query_holder.get()
+
     # ------------------------------------------------------------------ construction
 
     @classmethod
@@ -157,7 +173,7 @@ class Ledger:
             raise
         writer.start()
         if bus is not None:
-            ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
+            ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger.record_engine)
         log.info("ledger open: %r", config)
         return ledger
 
@@ -228,9 +244,11 @@ class Ledger:
         stream, line = encode_agent_record(record)
         await self._spool.streams[stream].submit(line).wait_async()
 
-    def _on_engine_stats(self, stats: EngineRequestStats) -> None:
-        """Bus callback: spool the engine's account of a request (cheap, never blocks), under the
-        tenant the engine stamped on it (``""`` when unattributed)."""
+    def record_engine(self, stats: EngineRequestStats) -> None:
+        """Spool the engine's account of a request (cheap, never blocks), under the tenant the
+        engine stamped on it (``""`` when unattributed) — the engine view of reconciliation.
+        :meth:`open` subscribes it to the bus; a record that cannot be encoded is counted and
+        logged, not raised."""
         try:
             line = encode_engine(stats, self._clock.wall())
         except InvalidRecord as exc:

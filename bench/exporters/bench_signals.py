@@ -115,7 +115,7 @@ def main() -> None:
                     write_t.append(t2 - t1)
                     insert_t.append(t3 - t2)
                     rows_n.append(len(rows))
-            stored = ledger.queries._get().query("SELECT count() FROM signals").result_rows[0][0]
+            stored = ledger.query_client().query("SELECT count() FROM signals").result_rows[0][0]
             assert stored == sum(rows_n) + rows_n[0], (stored, rows_n)  # warm-up round included
         finally:
             ledger.close()

@@ -67,7 +67,7 @@ def main() -> None:
             cfg = LedgerConfig(dsn=f"chdb://{base / f'chdb-{r}'}", spool_dir=base / f"spool-{r}",
                                flush_interval_s=3600, batch_size=args.batch_size)
             ledger = Ledger.open(cfg)
-            client = ledger.queries._get()
+            client = ledger.query_client()
             t = time.perf_counter()
             assert ledger.flush(timeout_s=3600), ledger.stats().last_error
             dt = time.perf_counter() - t

@@ -179,6 +179,13 @@ class SchedulerCore:
         """The largest :attr:`service_gap` seen since start."""
         return self._fairness.max_service_gap
 
+    @property
+    def engine_gates(self) -> tuple[EngineGate, ...]:
+        """Per engine replica (by index), its :class:`~.gating.EngineGate`: the last load report,
+        outstanding work and the adaptive running limit with its decision counters. For reading;
+        the core updates them."""
+        return tuple(self._engines)
+
     def engine_limits(self) -> list[int | None]:
         """Per engine, the adaptive running limit now (None: inactive, the static caps apply)."""
         return [e.adaptive.bound() if e.adaptive is not None else None for e in self._engines]

@@ -339,7 +339,7 @@ async def test_idle_runs_are_forgotten_after_their_ttl(make_kit, clock, store_ki
     p = kit.principal("agent")
     await kit.agents.on_model_call(p, "idle-run")  # no digest, no state: nothing is remembered
     await kit.agents.on_model_call(p, "prompted", "d1")
-    assert set(kit.store._runs) == {("acme", "prompted")}
+    assert kit.store.tracked_runs() == {("acme", "prompted")}
     clock.advance(7 * 86_400 + 61)
     await kit.agents.on_model_call(p, "other", "d2")  # a sweep runs
-    assert set(kit.store._runs) == {("acme", "other")}
+    assert kit.store.tracked_runs() == {("acme", "other")}

@@ -43,7 +43,7 @@ def _billed_tokens(gw_root: Path) -> int:
     ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{gw_root}/chdb", spool_dir=gw_root / "spool"))
     try:
         assert ledger.flush(30.0)
-        result = ledger._query_holder.get().query("SELECT sum(input_tokens) FROM usage_events FINAL")
+        result = ledger.query_client().query("SELECT sum(input_tokens) FROM usage_events FINAL")
         return int(result.result_rows[0][0] or 0)
     finally:
         ledger.close()
