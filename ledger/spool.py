@@ -362,11 +362,6 @@ class SpoolStream:
         """The file of segment number ``seg`` (it may not exist: drained segments are deleted)."""
         return self.dir / f"{seg:012d}{_SEGMENT_SUFFIX}"
 
-    def blocks(self) -> list[Block]:
-        """The durable blocks not yet drained, oldest first (a snapshot)."""
-        with self._lock:
-            return list(self._index)
-
     def _segments(self) -> list[int]:
         out = []
         for p in self.dir.iterdir():
@@ -681,6 +676,11 @@ class SpoolStream:
                 self.segment_path(seg).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ observation
+
+    def blocks(self) -> list[Block]:
+        """The durable blocks not yet drained, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._index)
 
     def depth(self) -> tuple[int, int, float | None]:
         """(durable undrained records, their bytes, first_wall_ts of the oldest or None)."""
