@@ -31,6 +31,11 @@ Exactly-once drain: before inserting a batch the drain writes the batch's byte r
 dedup token to ``drain.json`` ("in flight"); after the insert it writes the new position. A
 crash in between re-sends the *same* range with the *same* token, which ClickHouse drops
 (``insert_deduplication_token``); and the tables' ReplacingMergeTree key deduplicates anyway.
+
+Why this module is longer than ~600 lines: the block format, group commit, recovery and the
+drain position are one write-ahead log. They share the segment layout, the lock and the
+durable-position invariant (nothing is acknowledged before it is fsynced, nothing is drained
+twice); split apart, each piece would have to expose the others' internals.
 """
 
 from __future__ import annotations

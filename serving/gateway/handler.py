@@ -40,6 +40,12 @@ estimate, :meth:`CompletionEndpoint._prepare`; step 7, :meth:`CompletionEndpoint
 * :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: kvmeter's
   own request models and response shapes over the remote engine (until it becomes a transparent
   proxy).
+
+Why this module is longer than ~600 lines: it is the one place where the steps above happen in
+order, and the order is what makes metering exact on every exit path (each ``try``/``finally``
+here pairs a reservation or an engine request with its record). Body reading (``body.py``),
+metering (``metering.py``), tool checks (``tools.py``, ``emitted.py``) and errors (``errors.py``)
+are already their own modules; what remains is the sequence itself.
 """
 
 from __future__ import annotations

@@ -69,6 +69,12 @@ one price function, :meth:`kvmeter.ledger.prices.PriceList.cost` (``kvmeter serv
 ``price``): the reservation holds the dearest cost the request can turn out to have (no cache
 discount, the whole ``max_tokens`` at the dearer of the output and reasoning prices), and
 reconciliation moves it to the cost of the engine-true counts, reasoning tokens at their price.
+
+Why this module is longer than ~600 lines: reserve, reconcile and release are one all-or-nothing
+transaction over the same chain of levels × dimensions; kept together, the invariant "a
+reservation is held on every level or on none" is checked in one place. The stores (memory,
+Redis), the GCRA arithmetic, the plan of limits and the idempotency store already live in their
+own modules beside it.
 """
 
 from __future__ import annotations

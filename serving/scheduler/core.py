@@ -45,6 +45,11 @@ constant-time updates; see ``bench/fairness/bench_scheduler_cost.py``.
 Errors: bad requests are refused with :class:`SchedulerRejected` (status 400 for malformed input,
 429 for overload); calls about unknown or finished grants are ignored; nothing here raises into the
 serving path for a well-typed call.
+
+Why this module is longer than ~600 lines: VTC counters, per-tenant queues, KV and prefill
+budgets, deadlines and overload shedding are one state machine mutated under one invariant per
+event (arrival, dispatch, progress, finish); the simulator and the asyncio adapter both drive
+this one object. The tier policy, configuration and pressure levels live in their own modules.
 """
 
 from __future__ import annotations
