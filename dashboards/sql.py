@@ -57,7 +57,11 @@ class SqlSource:
                  tiers: Iterable[TierInfo] | Callable[[], Iterable[TierInfo]] = ()) -> None:
         self._holder = client if isinstance(client, ClientHolder) else None
         self.prices = prices
-        self._tiers_fn: Callable[[], Iterable[TierInfo]] = tiers if callable(tiers) else (lambda t=list(tiers): t)
+        if callable(tiers):
+            self._tiers_fn: Callable[[], Iterable[TierInfo]] = tiers
+        else:
+            fixed = list(tiers)
+            self._tiers_fn = lambda: fixed
         self._ledger = LedgerQueries(client, prices)
         self._window = WindowQueries(client)
         self._runs = AgentRunQueries(client, prices)

@@ -41,6 +41,7 @@ from typing import Mapping
 
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.util.types import AttributeValue
 
 from kvmeter.bus import StatsBus
 from kvmeter.stats import RequestCompletion
@@ -136,7 +137,7 @@ class OtelExporter:
         end_ns = int(c.wall_ts * _NS)
         start_ns = end_ns - int(max(c.e2e_s, 0.0) * _NS)
         a, tokens = c.attribution, c.tokens
-        span_attrs = {
+        span_attrs: dict[str, AttributeValue] = {
             _OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER, _REQUEST_MODEL: a.model,
             _USAGE_INPUT: tokens.input_tokens, _USAGE_OUTPUT: tokens.output_tokens,
             _USAGE_CACHED: tokens.cached_input_tokens,

@@ -185,7 +185,10 @@ def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list
         raise TraceError(f"{path}: bad kvmeter CSV trace ({exc})") from exc
     if frame.is_empty():
         return []
-    t0 = float(frame["arrival_s"].min())
+    first = frame["arrival_s"].min()  # a Float64 column: a float, or None when every arrival_s is empty
+    if not isinstance(first, float):
+        raise TraceError(f"{path}: empty arrival_s / token count in a row")
+    t0 = first
     n = frame.height
     tenants = frame["tenant_id"].to_list() if "tenant_id" in columns else [None] * n
     tiers = frame["tier"].to_list() if "tier" in columns else [None] * n

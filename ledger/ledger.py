@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from datetime import datetime, timezone
-from typing import Iterable
+from typing import Callable, Iterable
 
 from clickhouse_connect.driver.client import Client
 
@@ -104,7 +104,7 @@ class Ledger:
         self._recent_old: set[tuple[str, str]] = set()
         self._late_after_s = config.late_after_s
         self._engine_invalid = 0
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
 
     @property
@@ -162,9 +162,12 @@ class Ledger:
             if config.embedded and client_factory is None:
                 writer_holder.get()  # fail loudly at construction: locked path, failed migration
             ledger_box: list[Ledger] = []
-            writer = Writer(spool, writer_holder, config, clock,
-                            on_round=lambda: ledger_box and ledger_box[0]._publish(),
-                            refresh_rollups=refresh_rollups)
+
+            def on_round() -> None:
+                if ledger_box:
+                    ledger_box[0]._publish()
+
+            writer = Writer(spool, writer_holder, config, clock, on_round=on_round, refresh_rollups=refresh_rollups)
             ledger = cls(config=config, spool=spool, writer=writer, query_holder=query_holder,
                          prices=prices, bus=bus, clock=clock)
             ledger_box.append(ledger)

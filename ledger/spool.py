@@ -186,7 +186,7 @@ class CommitTicket:
                 pass
 
 
-class _SharedFuture(asyncio.Future):  # type: ignore[type-arg]
+class _SharedFuture(asyncio.Future[None]):
     """A future many tasks await at once: one waiter's cancellation must not cancel it for the
     others (``Task.cancel`` then cancels the waiter when the future resolves)."""
 
@@ -528,7 +528,8 @@ class SpoolStream:
         if sum(map(len, lines)) + len(lines) <= MAX_BLOCK_PAYLOAD:
             chunks = [lines]  # the common case: one group, one block
         else:
-            chunks, current, size = [], [], 0
+            chunks, size = [], 0
+            current: list[bytes] = []
             for line in lines:
                 if current and size + len(line) + 1 > MAX_BLOCK_PAYLOAD:
                     chunks.append(current)

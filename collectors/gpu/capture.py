@@ -92,6 +92,12 @@ def _int(raw: str | None, unit: str | None = None) -> int | None:
     return None if value is None else int(value)
 
 
+def _sum_known(values: list[int | None]) -> int | None:
+    """The sum of ``values``, or None when any of them is missing."""
+    known = [v for v in values if v is not None]
+    return sum(known) if len(known) == len(values) else None
+
+
 def _yes_no(raw: str | None) -> bool | None:
     text = parse_na(raw)
     if text is None:
@@ -349,8 +355,7 @@ def _gpu_from_query(index: int, node: QueryNode) -> CapturedGpu:
         uncorrected = [_int(block.get(k)) for k in (
             "SRAM Uncorrectable Parity", "SRAM Uncorrectable SEC-DED", "DRAM Uncorrectable")]
         for kind, values in (("corrected", corrected), ("uncorrected", uncorrected)):
-            gpu.ecc_errors[(kind, scope.lower())] = (
-                None if any(v is None for v in values) else sum(values))
+            gpu.ecc_errors[(kind, scope.lower())] = _sum_known(values)
     remap = node.child("Remapped Rows")
     if remap is not None and remap.children:
         gpu.remapped_rows = (
@@ -509,7 +514,7 @@ def _gpu_from_xml(index: int, g: ET.Element) -> CapturedGpu:
             continue
         def total(tags: tuple[str, ...], block: ET.Element = block) -> int | None:
             values = [_int(_x(block, t)) for t in tags if block.find(t) is not None]
-            return None if not values or any(v is None for v in values) else sum(values)
+            return _sum_known(values) if values else None
         gpu.ecc_errors[("corrected", scope)] = total(("sram_correctable", "dram_correctable"))
         gpu.ecc_errors[("uncorrected", scope)] = total(
             ("sram_uncorrectable", "sram_uncorrectable_parity", "sram_uncorrectable_secded",

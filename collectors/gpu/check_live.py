@@ -32,8 +32,8 @@ def check_sample(s: GpuSample) -> list[tuple[str, bool, str]]:
     """Consistency checks on one live sample: (name, passed, detail)."""
     out: list[tuple[str, bool, str]] = []
     parts = (s.memory_total_bytes, s.memory_used_bytes, s.memory_free_bytes)
-    if None not in parts:
-        total, used, free = parts
+    total, used, free = parts
+    if total is not None and used is not None and free is not None:
         gap = total - used - free - (s.memory_reserved_bytes or 0)
         out.append(("memory used+free+reserved ≈ total", abs(gap) <= 2 * MIB, f"gap {gap / MIB:.1f} MiB"))
     else:
@@ -56,8 +56,9 @@ def check_sample(s: GpuSample) -> list[tuple[str, bool, str]]:
         out.append(("per-process memory ≤ device used", used_by_procs <= s.memory_used_bytes,
                     f"{used_by_procs / MIB:.0f} ≤ {s.memory_used_bytes / MIB:.0f} MiB"))
     for m in s.mig:
-        if None not in (m.memory_total_bytes, m.memory_used_bytes, m.memory_free_bytes):
-            gap = m.memory_total_bytes - m.memory_used_bytes - m.memory_free_bytes - (m.memory_reserved_bytes or 0)
+        total, used, free = m.memory_total_bytes, m.memory_used_bytes, m.memory_free_bytes
+        if total is not None and used is not None and free is not None:
+            gap = total - used - free - (m.memory_reserved_bytes or 0)
             out.append((f"MIG {m.mig_index} memory adds up", abs(gap) <= 2 * MIB, f"gap {gap / MIB:.1f} MiB"))
     return out
 

@@ -191,7 +191,7 @@ class NvmlCollector:
         raw = self._call("nvmlDeviceGetFieldValues", handle, ids)
         if raw is None:
             return [None] * len(ids)
-        out = []
+        out: list[Any] = []  # (raw NVML numbers of the fields' own types)
         for fv in raw:
             if fv.nvmlReturn != 0:
                 out.append(None)

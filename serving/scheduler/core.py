@@ -765,7 +765,7 @@ class SchedulerCore:
         now = self._clock.monotonic()
         t = self._tenants.get(tenant_id)
         if t is None and self.policy.counter_ordered:
-            name = tier if tier in self.config.tiers else self.config.default_tier
+            name = tier if tier is not None and tier in self.config.tiers else self.config.default_tier
             t = TenantState(tenant_id, self._tier(name), float(self.config.tenant_weights.get(tenant_id, 1.0)))
         return self._projected_wait(t, now)
 

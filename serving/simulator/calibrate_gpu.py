@@ -50,6 +50,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import polars as pl
 
+from kvmeter.scalars import number
 from kvmeter.traces import data_dir
 
 from .hardware import ACCELERATORS, AcceleratorSpec
@@ -131,7 +132,8 @@ def _grid_fit(predict: Callable[[np.ndarray], np.ndarray], bounds: Sequence[tupl
     lo = np.array([b[0] for b in bounds], dtype=float)
     hi = np.array([b[1] for b in bounds], dtype=float)
     log_meas = np.log(measured)[None, :]
-    best_p, best_s = None, np.inf
+    best_p: np.ndarray | None = None
+    best_s = np.inf
     for start in (0.25, 0.5, 0.75):
         centre, span = lo + (hi - lo) * start, (hi - lo) / 2.0
         for _ in range(24):
@@ -143,7 +145,10 @@ def _grid_fit(predict: Callable[[np.ndarray], np.ndarray], bounds: Sequence[tupl
             i = int(np.argmin(score))
             if score[i] < best_s:
                 best_s, best_p = float(score[i]), grid[i].copy()
+            if best_p is None:
+                raise ValueError("no finite fit error on the parameter grid (a NaN or infinite prediction)")
             centre, span = best_p, span * 0.7
+    assert best_p is not None  # (set on the first grid, or raised above)
     return best_p
 
 
@@ -243,7 +248,13 @@ def _sig(x: float) -> float:
 def _calibrations(calibrations: Mapping[str, GpuCalibration] | None) -> Mapping[str, GpuCalibration]:
     if calibrations is not None:
         return calibrations
-    return {g: ACCELERATORS[g].calibration for g in _MEASURED_GPUS}
+    out: dict[str, GpuCalibration] = {}
+    for g in _MEASURED_GPUS:
+        cal = ACCELERATORS[g].calibration
+        if cal is None:  # (every measured GPU names its calibration in hardware.py)
+            raise ValueError(f"{g}: no GPU calibration")
+        out[g] = cal
+    return out
 
 
 def operator_errors(calibrations: Mapping[str, GpuCalibration] | None = None,
@@ -274,6 +285,8 @@ def all_reduce_errors(calibrations: Mapping[str, GpuCalibration] | None = None,
     ``fit_s`` (the fit of that worker count's own measurements, from ``measured_fits`` or the
     stored file), and their relative errors ``profile_error`` and ``fit_error``."""
     cal = _calibrations(calibrations)["h100"].all_reduce
+    if cal is None:
+        raise ValueError("the h100 calibration has no all-reduce fit")
     if measured_fits is None:
         doc = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
         measured_fits = doc["all_reduce_measured"]["h100_pairwise_nvlink"]
@@ -306,6 +319,12 @@ _REPORT_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 
 def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
+
+
+def _share(value: object) -> str:
+    """A polars reduction of a fraction column as ``12.3%`` (``—`` when empty)."""
+    x = number(value)
+    return "—" if x is None else f"{x:.1%}"
 
 
 def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
@@ -364,9 +383,9 @@ def markdown_report(errors: pl.DataFrame, ar: pl.DataFrame) -> str:
               "|---:|---:|---:|---:|---:|---:|"]
     big = ar.filter(pl.col("size_bytes") >= ERROR_FLOOR_TOKENS * 4096 * 2)
     for (w,), g in sorted(big.group_by("workers"), key=lambda kv: kv[0]):
-        lines.append(f"| {w} | {g.height} | {g['profile_error'].abs().mean():.1%} "
-                     f"| {g['profile_error'].abs().max():.1%} "
-                     f"| {g['fit_error'].abs().mean():.1%} | {g['fit_error'].abs().max():.1%} |")
+        pe, fe = g["profile_error"].abs(), g["fit_error"].abs()
+        lines.append(f"| {w} | {g.height} | {_share(pe.mean())} | {_share(pe.max())} "
+                     f"| {_share(fe.mean())} | {_share(fe.max())} |")
     lines += ["", "| workers | size | measured ms | profile ms (error) | own fit ms (error) |",
               "|---:|---:|---:|---:|---:|"]
     for size in (2 ** 11, 2 ** 16, 2 ** 19, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26):
@@ -401,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(markdown_report(errors, ar), encoding="utf-8")
         print(f"wrote {args.report}")
-    return 0 if float(summary["mean"].max()) <= ERROR_BOUND else 1
+    worst = number(summary["mean"].max())
+    return 0 if worst is not None and worst <= ERROR_BOUND else 1
 
 
 if __name__ == "__main__":

@@ -278,6 +278,8 @@ class OperatorModel:
         if tp > 1 and calibration.all_reduce is None:
             raise ValueError(f"{calibration.gpu}: no all-reduce calibration for tp={tp}")
         self.model, self.tp, self.calibration = model, tp, calibration
+        # the all-reduce term, present exactly when tp > 1 (checked above)
+        self._all_reduce: AllReduceFit | None = calibration.all_reduce if tp > 1 else None
         self.peak_flops, self.bandwidth = float(peak_flops), float(bandwidth)
         self._gemms = layer_gemms(model, tp)
         self._stream = layer_stream_bytes_per_token(model, tp)
@@ -294,8 +296,8 @@ class OperatorModel:
                for g in self._gemms}
         for op in (*LAYER_STREAM_OPS, *STEP_STREAM_OPS):
             out[op] = float(cal.stream[op].time_s(self._stream[op] * tokens, self.bandwidth))
-        if self.tp > 1:
-            out["all_reduce"] = float(cal.all_reduce.time_s(all_reduce_bytes(self.model, tokens), self.tp))
+        if self._all_reduce is not None:
+            out["all_reduce"] = float(self._all_reduce.time_s(all_reduce_bytes(self.model, tokens), self.tp))
         return out
 
     def step_time(self, tokens: int, logits: int) -> float:

@@ -103,6 +103,16 @@ class SimRequest:
         self.version = 0
         self.charged = 0
 
+    def engine_ttft_s(self) -> float:
+        """Seconds from the engine's arrival to the first token (engine-side TTFT).
+
+        Raises:
+            ValueError: the request has no first token yet.
+        """
+        if self.first_token_s is None:
+            raise ValueError(f"request {self.request_id!r} has no first token yet")
+        return self.first_token_s - self.engine_arrival_s
+
 
 @dataclass(slots=True)
 class StepOutcome:
