@@ -299,6 +299,7 @@ class RemoteEndpoint(CompletionEndpoint):
         engine_request = adm.prepared.payload.engine_request
         engine_request.request_id = adm.meter.identity.request_id
         engine_request.attribution = adm.meter.identity.attribution  # the engine stamps its stats
+        adm.meter.response_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{engine_request.request_id}"  # the answer's id
         if adm.grant is not None:
             engine_request.priority = adm.grant.priority
         if adm.prepared.stream:
