@@ -27,7 +27,7 @@ from kvmeter.ledger.reconcile import reconcile
 from kvmeter.stats import RequestCompletion
 from tests.engine import test_vllm_accounts as accounts
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]  # engine load + 24 attempts
 
 # the small engine and the serve stack over it (module-scoped fixtures: this module gets its own)
 engine = accounts.engine
