@@ -303,6 +303,9 @@ def _reconcile(args: argparse.Namespace) -> int:
                    "missing_finish_reserved_tokens", "unexplained_drift_tokens", "unexplained_drift_ratio"]
     reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens",
                    "reservation_drift_ratio"]
+    engine_work = ["tenant_id", "engine_tokens", "delivered_engine_tokens", "undelivered_billed_engine_tokens",
+                   "undelivered_absorbed_engine_tokens", "superseded_engine_tokens", "explained_engine_tokens",
+                   "engine_tokens_explained_ratio"]
     paths = write_report(
         args.out, f"reconcile-{period.slug}", frame, title=f"kvmeter reconciliation — {period.label}",
         meta=_meta(period, source) | {"drift threshold (ratio)": f"{args.max_drift_ratio:g}"},
@@ -316,6 +319,12 @@ def _reconcile(args: argparse.Namespace) -> int:
                              "the frontend's counts; superseded: engine work of an attempt whose logical request was "
                              "billed under a later attempt; duplicate_rows: stored duplicates that billing's FINAL "
                              "read removes."),
+            HtmlSection("Where the engine's tokens went", frame.select(engine_work),
+                        note="each attempt's engine work by the bill class of its usage row: delivered (the "
+                             "logical request's bill), undelivered and billed (the tier's policy; default: the "
+                             "client abandoned it), undelivered and absorbed by the platform (server failure, "
+                             "shutdown, deadline, or a failed attempt of a request that succeeded), superseded "
+                             "(a second success; engine work with no row of its own). explained = their sum."),
             HtmlSection("Unexplained drift", frame.select(unexplained), bad_column="status", bad_values=("drift",),
                         note="missing finishes are admitted attempts with neither an engine record nor a usage "
                              "event: lost, or still running at the end of the period."),

@@ -49,7 +49,7 @@ __all__ = ["Ledger", "sync_prices"]
 
 log = logging.getLogger(__name__)
 
-#: Event ids remembered to classify a re-recorded event as ``duplicate`` in the stats.
+#: Usage rows (tenant, event id, attempt request id) remembered to classify a re-recorded one as ``duplicate``.
 RECENT_EVENT_IDS = 100_000
 #: Columns of the ``adjustments`` table an :class:`Adjustment` holds (then ``ts`` and ``currency``).
 _ADJUSTMENT_COLUMNS = ("adjustment_id", "tenant_id", "workspace_id", "project_id", "api_key_id", "amount",
@@ -100,8 +100,8 @@ class Ledger:
         self._attempts = spool.streams[ATTEMPT_STREAM.name]
         self._engine = spool.streams[ENGINE_STREAM.name]
         self._ingested = dict.fromkeys(INGEST_STATUSES, 0)
-        self._recent: set[tuple[str, str]] = set()
-        self._recent_old: set[tuple[str, str]] = set()
+        self._recent: set[tuple[str, str, str]] = set()
+        self._recent_old: set[tuple[str, str, str]] = set()
         self._late_after_s = config.late_after_s
         self._engine_invalid = 0
         self._unsubscribe: Callable[[], None] | None = None
@@ -188,7 +188,7 @@ class Ledger:
         except InvalidRecord:
             self._ingested["invalid"] += 1
             raise
-        key = (event.tenant_id, event.event_id)
+        key = (event.tenant_id, event.event_id, event.request_id)  # one row per attempt (migration 0006)
         # stats only (a race between threads can at worst misclassify one event): two
         # generations of recent ids, the older dropped when the newer fills up
         if key in self._recent or key in self._recent_old:

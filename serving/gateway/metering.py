@@ -14,7 +14,9 @@ and hands to :meth:`RequestMeter.engine_account`: the input tokens the engine ha
 prefill cut partway bills the part it ran) and the tokens it generated, ``token_source``
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
-first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning
+first output then bills no tokens: the frontend cannot prove the prefill happened. An attempt that
+did not complete carries its cause (:data:`~kvmeter.events.UNDELIVERED_CAUSES`, decided by the
+gateway) and whether its tier bills that work (:meth:`RequestMeter.finish`). Reasoning
 tokens (a part of the output) are what the protocol's reasoning parser counted
 (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from kvmeter.attribution import Attribution
 from kvmeter.clock import Clock
-from kvmeter.events import UsageEvent, event_id_for
+from kvmeter.events import DEFAULT_UNDELIVERED_BILLING, UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
 from kvmeter.stats import EngineRequestStats, RequestCompletion, RequestPhase
@@ -46,6 +48,9 @@ class RequestIdentity:
         stream: whether the response is streamed.
         idempotency_key: the client's ``Idempotency-Key``, or ``""``.
         attempt: 1 for the first attempt of the logical request.
+        fingerprint: with an ``Idempotency-Key``, the request's fingerprint (SHA-256 hex of the
+            endpoint and the canonical body, :func:`~kvmeter.serving.gateway.replays.fingerprint`):
+            part of the event id, so the key reused with another body is another logical request.
     """
 
     request_id: str
@@ -53,6 +58,7 @@ class RequestIdentity:
     stream: bool
     idempotency_key: str = ""
     attempt: int = 1
+    fingerprint: str = ""
 
 
 class RequestMeter:
@@ -96,10 +102,15 @@ class RequestMeter:
         self._event_id: str | None = None
 
     def event_id(self) -> str:
-        """The logical request's deterministic event id (tenant + Idempotency-Key or request id)."""
+        """The logical request's deterministic event id: tenant + Idempotency-Key + the request's
+        fingerprint, or tenant + request id without a key (:func:`~kvmeter.events.event_id_for`)."""
         if self._event_id is None:
             ident = self.identity
-            self._event_id = event_id_for(ident.attribution.tenant_id, ident.idempotency_key or ident.request_id)
+            tenant = ident.attribution.tenant_id
+            if ident.idempotency_key:
+                self._event_id = event_id_for(tenant, ident.idempotency_key, ident.fingerprint)
+            else:
+                self._event_id = event_id_for(tenant, ident.request_id)
         return self._event_id
 
     def dispatched(self) -> None:
@@ -146,7 +157,7 @@ class RequestMeter:
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self, outcome: str, *, status_code: int, policy: TierPolicy | None = None,
-               finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
+               finish_reason: str | None = None, cause: str = "") -> tuple[UsageEvent, RequestCompletion]:
         """Close the meter and build the usage event and completion stats.
 
         Args:
@@ -154,9 +165,24 @@ class RequestMeter:
             status_code: HTTP status the client got.
             policy: the request's tier, whose SLOs decide ``slo_met`` (goodput,
                 :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.meets_slo`; ``None`` when the tier
-                promises nothing, or a request that did not complete with a first token: False).
+                promises nothing, or a request that did not complete with a first token: False),
+                and whose :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.undelivered` decides
+                whether undelivered work is billed (``None``: the default policy).
             finish_reason: overrides the engine's (``abort`` / ``error``).
+            cause: for an outcome other than ``ok``, why the work reached no client (one of
+                :data:`~kvmeter.events.UNDELIVERED_CAUSES`); ``""`` for ``ok``. Not given:
+                ``client_abandoned`` for ``aborted``, ``server_failure`` for ``error``.
+        Raises:
+            ValueError: a cause with ``ok``.
+            KeyError: an unknown cause.
         """
+        billing = ""
+        if outcome == "ok":
+            if cause:
+                raise ValueError(f"an ok outcome has no undelivered cause, got {cause!r}")
+        else:
+            cause = cause or ("client_abandoned" if outcome == "aborted" else "server_failure")
+            billing = policy.undelivered(cause) if policy is not None else DEFAULT_UNDELIVERED_BILLING[cause]
         now_mono = self._clock.monotonic()
         now_wall = self._clock.wall()
         stats = self.engine_stats
@@ -192,7 +218,7 @@ class RequestMeter:
             prefill_s=timed.prefill_s if timed else None, decode_s=timed.decode_s if timed else None,
             e2e_s=e2e, itl_mean_s=itl_mean, kv_token_seconds=self.kv_token_seconds,
             token_source=source, attempt=ident.attempt,
-            preemptions=stats.preemptions if stats else 0)
+            preemptions=stats.preemptions if stats else 0, undelivered_cause=cause, undelivered_billing=billing)
         slo_met: bool | None = None
         if policy is not None and policy.has_slo:
             slo_met = outcome == "ok" and ttft is not None and policy.meets_slo(ttft, itl_mean)

@@ -75,13 +75,16 @@ async def test_same_event_id_from_two_tenants_is_two_records(open_ledger) -> Non
     assert rows == {"acme": 1, "globex": 1}
 
 
-async def test_a_later_attempt_replaces_the_earlier_one(open_ledger) -> None:
+async def test_a_later_successful_attempt_is_the_bill_and_the_earlier_one_is_kept_absorbed(open_ledger) -> None:
     ledger = open_ledger()
     await ledger.record(make_event(1, output_tokens=3, outcome="aborted", finish_reason="abort"))
     await ledger.record(make_event(1, request_id="acme-r1-retry", output_tokens=10, attempt=2))
     assert ledger.flush()
-    (row,) = ledger.queries.invoice_usage(PERIOD)
-    assert (row["requests"], row["output_tokens"], row["aborted_requests"]) == (1, 10, 0)
+    rows = {r["line_type"]: r for r in ledger.queries.invoice_usage(PERIOD)}
+    assert (rows["usage"]["requests"], rows["usage"]["output_tokens"], rows["usage"]["aborted_requests"]) == (1, 10, 0)
+    absorbed = rows["undelivered_absorbed"]  # the abandoned attempt's work: recorded, not billed
+    assert (absorbed["requests"], absorbed["output_tokens"], absorbed["aborted_requests"]) == (1, 3, 1)
+    assert set(rows) == {"usage", "undelivered_absorbed"}
 
 
 async def test_invalid_event_is_refused_counted_and_never_spooled(open_ledger) -> None:

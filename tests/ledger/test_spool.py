@@ -44,7 +44,7 @@ def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
                 if f.name not in ("attribution", "tokens", "reserved")}
     for obj in nested.values():
         expected.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
-    expected.update(reserved_input_tokens=25, reserved_output_tokens=64)
+    expected.update(reserved_input_tokens=25, reserved_output_tokens=64, attempt_id=event.attempt_id)
     assert row == expected
     assert (row["tenant_id"], row["workspace_id"], row["cached_input_tokens"]) == ("acme", "ws9", 5)
 

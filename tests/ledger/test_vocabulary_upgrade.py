@@ -28,7 +28,7 @@ from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.agent_records import AGENT_STREAMS, TOOL_CALL_STREAM
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import connect
-from kvmeter.ledger.records import ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM
+from kvmeter.ledger.records import ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, attempt_id_for
 from kvmeter.ledger.schema import applied_versions, migrate
 from kvmeter.ledger.spool import Spool
 
@@ -126,8 +126,10 @@ def test_old_blocks_map_to_todays_columns_in_one_place() -> None:
     old_usage = USAGE_STREAM.columns_for(1)
     row = [f"v-{c}" for c in old_usage]
     columns, payload = USAGE_STREAM.decode(1, msgspec.json.encode(row) + b"\n")
-    assert columns == USAGE_STREAM.columns_for(USAGE_STREAM.schema)  # renamed, org_id dropped, same order
-    assert msgspec.json.decode(payload) == [v for v in row if v != "v-org_id"]
+    # renamed, org_id dropped, same order (schema 2's columns), and the attempt's id derived (schema 3)
+    assert columns == USAGE_STREAM.columns_for(2) + ("attempt_id",)
+    assert msgspec.json.decode(payload) == [v for v in row if v != "v-org_id"] + [
+        attempt_id_for("v-tenant_id", "v-request_id")]
     assert dict(zip(columns, msgspec.json.decode(payload), strict=True))["input_tokens"] == "v-prompt_tokens"
     # engine schema 2 only renames: the block passes through as written, under the new names
     payload = b'["r1","stop",5,6,2,0,0,0,0,0,0,0,1.7e9,"acme"]\n'
