@@ -83,7 +83,7 @@ def _text_parts(content: Any) -> Any:
     """A message's content as a chat template reads it: a list of text parts joined by newlines
     (what vLLM does for templates that take a string); anything else unchanged."""
     if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
         return "\n".join(texts)
     return content
 
@@ -162,7 +162,7 @@ def _parse(data: bytes) -> Any:
             return None
 
 
-async def _sse_events(resp: httpx.Response) -> AsyncIterator[tuple[bytes, Any]]:
+async def _sse_events(resp: httpx.Response) -> AsyncGenerator[tuple[bytes, Any], None]:
     """The upstream's server-sent events: each event's bytes (its lines and the blank line that
     ends it) and its parsed ``data`` (:data:`DONE` for ``[DONE]``; None when not JSON or none)."""
     lines: list[str] = []
@@ -393,11 +393,11 @@ class RemoteEndpoint(CompletionEndpoint):
 
     @staticmethod
     async def _gated(gate: EmittedToolCalls, events: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
-        async def texts() -> AsyncIterator[str]:
+        async def texts() -> AsyncGenerator[str, None]:
             async for data in events:
                 yield data.decode("utf-8")
 
-        async with aclosing(gate.stream(texts())) as gated:
+        async with aclosing(cast(AsyncGenerator[str, None], gate.stream(texts()))) as gated:  # an async generator
             async for text in gated:
                 yield text.encode("utf-8")
 
