@@ -157,9 +157,11 @@ class UsageEvent:
             decided it when the attempt was recorded
             (:attr:`~kvmeter.serving.tenancy.TierPolicy.undelivered_billing`); ``""`` without one.
         token_source: ``engine_hooks`` (the engine's own account: vLLM's FinishedRequestStats,
-            or for a request that ended early the scheduler hook's computed-token account) or
+            or for a request that ended early the scheduler hook's computed-token account),
             ``frontend`` (counted from the outputs the gateway received, where the engine gave
-            no account: the remote engine).
+            no account: the remote engine's upstream usage) or ``estimate`` (the remote engine
+            when no upstream usage covers the counts: kvmeter's count of the prompt and of the
+            streamed text, :mod:`kvmeter.serving.gateway.upstream`).
         attempt: 1 for the first attempt of this logical request; retries that did work count up.
         preemptions: times the engine preempted this request.
     Raises:

@@ -38,9 +38,9 @@ estimate, :meth:`CompletionEndpoint._prepare`; step 7, :meth:`CompletionEndpoint
 * :class:`~kvmeter.serving.gateway.openai_path.OpenAIEndpoint` — the in-process engines
   (``vllm``, ``instant``): vLLM's own OpenAI serving layer (:mod:`kvmeter.serving.openai_api`),
   so the API is vLLM's, every shape of it metered;
-* :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: kvmeter's
-  own request models and response shapes over the remote engine (until it becomes a transparent
-  proxy).
+* :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: a
+  transparent proxy to the upstream's own OpenAI server (the body validated with vLLM's request
+  models, forwarded as sent; the answer the upstream's, metered from its usage).
 
 Why this module is longer than ~600 lines: it is the one place where the steps above happen in
 order, and the order is what makes metering exact on every exit path (each ``try``/``finally``

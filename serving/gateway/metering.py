@@ -99,6 +99,10 @@ class RequestMeter:
         self.choice_finish_reasons: tuple[str | None, ...] = ()
         #: the request's W3C trace-context headers as received (``(name, value)`` pairs)
         self.trace_headers: tuple[tuple[str, str], ...] = ()
+        #: the event's ``token_source`` where the engine gave no account, when the protocol knows
+        #: better than ``frontend`` (the remote proxy: ``estimate`` when no upstream usage covers
+        #: the counts)
+        self.token_source: str | None = None
         self._event_id: str | None = None
 
     def event_id(self) -> str:
@@ -195,10 +199,10 @@ class RequestMeter:
         elif self.outputs_seen:
             tokens = TokenCounts(input_tokens=self.input_tokens, cached_input_tokens=self.cached_input_tokens,
                                  output_tokens=self.output_tokens)
-            source = "frontend"
+            source = self.token_source or "frontend"
         else:
             tokens = NO_TOKENS
-            source = "frontend"
+            source = self.token_source or "frontend"
         reasoning = min(max(0, self.reasoning_tokens), tokens.output_tokens)
         if reasoning != tokens.reasoning_tokens:  # the reasoning parser's count, a part of the output
             tokens = dataclasses.replace(tokens, reasoning_tokens=reasoning)

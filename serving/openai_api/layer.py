@@ -36,7 +36,7 @@ from kvmeter.serving.openai_api.engine_client import MeteredEngineClient, bound_
 from kvmeter.serving.openai_api.errors import (from_error_response, from_exception, from_validation_error,
                                                unsupported)
 
-__all__ = ["OpenAIApi", "OpenAILayer", "Plan", "layer_args"]
+__all__ = ["OpenAIApi", "OpenAILayer", "Plan", "layer_args", "request_kind", "validate_request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +104,51 @@ def layer_args(engine_argv: Sequence[str], flags: ServingFlags) -> Any:
     return args
 
 
+def request_kind(chat: bool) -> Any:
+    """vLLM's pydantic request model: ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest``."""
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+def validate_request(data: dict, chat: bool) -> Any:
+    """``data`` as vLLM's ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest`` — what
+    vLLM's own server checks a body with — plus kvmeter's two refusals. Used by both completion
+    paths (the in-process layer, and the remote proxy before it forwards a body).
+
+    Raises:
+        OpenAIError: vLLM's 400 for a body its model refuses; kvmeter's 400 naming
+            ``max_completion_tokens`` on ``/v1/completions`` or ``use_beam_search``.
+    """
+    from pydantic import ValidationError
+
+    try:
+        request = request_kind(chat).model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 — a validator's own error: vLLM's answer for it
+        raise from_exception(exc) from None
+    if not chat and data.get("max_completion_tokens") is not None:
+        # vLLM ignores it there (not a completions field), which would silently run to
+        # max_tokens (default 16) instead of the ceiling the client asked for
+        raise unsupported("max_completion_tokens is a chat completions parameter; /v1/completions "
+                          "takes max_tokens", "max_completion_tokens")
+    if request.use_beam_search:
+        raise unsupported("use_beam_search is not supported by this gateway: beam search runs an "
+                          "engine request per beam and output token, which kvmeter cannot "
+                          "reserve quota for; sample with n and best-of selection on the client",
+                          "use_beam_search")
+    return request
+
+
 class OpenAILayer:
     """vLLM's serving objects for one engine client (see the module docstring)."""
 
     def __init__(self, state: Any, client: MeteredEngineClient, args: Any) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         self.state = state
@@ -120,7 +159,6 @@ class OpenAILayer:
         self.models = state.openai_serving_models
         for serving in (self.chat, self.completion):
             serving.online_renderer = _RenderOnce(serving.online_renderer)
-        self._kinds = {True: ChatCompletionRequest, False: CompletionRequest}
         self._error_response = ErrorResponse
         self.model_config = client.model_config
         self.max_model_len = int(self.model_config.max_model_len)
@@ -147,31 +185,8 @@ class OpenAILayer:
 
     # -- step 1 ---------------------------------------------------------------------------------
     def validate(self, data: dict, chat: bool) -> Any:
-        """``data`` as vLLM's ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest``.
-
-        Raises:
-            OpenAIError: vLLM's 400 for a body its model refuses; kvmeter's 400 naming
-                ``use_beam_search``.
-        """
-        from pydantic import ValidationError
-
-        try:
-            request = self._kinds[chat].model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        except Exception as exc:  # noqa: BLE001 — a validator's own error: vLLM's answer for it
-            raise from_exception(exc) from None
-        if not chat and data.get("max_completion_tokens") is not None:
-            # vLLM ignores it there (not a completions field), which would silently run to
-            # max_tokens (default 16) instead of the ceiling the client asked for
-            raise unsupported("max_completion_tokens is a chat completions parameter; /v1/completions "
-                              "takes max_tokens", "max_completion_tokens")
-        if request.use_beam_search:
-            raise unsupported("use_beam_search is not supported by this gateway: beam search runs an "
-                              "engine request per beam and output token, which kvmeter cannot "
-                              "reserve quota for; sample with n and best-of selection on the client",
-                              "use_beam_search")
-        return request
+        """:func:`validate_request` (vLLM's request model, kvmeter's two refusals)."""
+        return validate_request(data, chat)
 
     # -- step 2 ---------------------------------------------------------------------------------
     async def render(self, request: Any, chat: bool) -> Any:
