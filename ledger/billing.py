@@ -212,6 +212,8 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
         whatever the reader raises (``LedgerUnavailable``, ``LedgerError``, ``ValueError``);
         ``PeriodError`` when the label cannot be read in a tenant's zone.
     """
+    # zone → (the period read in it, the zone whose tenants' lines to keep; None: every line)
+    by_zone: dict[str, tuple[Period, str | None]]
     if zones is None:
         by_zone = {period.timezone: (period, None)}
     elif tenant_id is not None:
@@ -220,13 +222,14 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
     else:
         names = set(zones.values()) | {UTC}
         by_zone = {z: (period.in_zone(z), z) for z in sorted(names)}
+    zone_of: Mapping[str, str] = zones if zones is not None else {}
     frames = []
-    for z, (p, keep) in by_zone.items():
-        def mine(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    for p, keep in by_zone.values():
+        def mine(rows: Iterable[dict[str, Any]], keep: str | None = keep) -> list[dict[str, Any]]:
             rows = list(rows)
             if keep is None:
                 return rows
-            return [r for r in rows if zones.get(r.get("tenant_id", ""), UTC) == keep]  # type: ignore[union-attr]
+            return [r for r in rows if zone_of.get(r.get("tenant_id", ""), UTC) == keep]
         frames.append(invoice_lines(mine(reader.invoice_usage(p, tenant_id)),
                                     mine(reader.invoice_attempts(p, tenant_id)),
                                     mine(reader.adjustments(p, tenant_id)), prices, p))

@@ -371,18 +371,18 @@ class LedgerQueries:
         tenants = sorted(set(ledger) | set(engine) | set(gateway))
         consistent: dict[str, dict[str, Any]] = {}
         for tenant in tenants:
-            l, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
-            if detailed or tenant == "" or l is None:
+            led, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
+            if detailed or tenant == "" or led is None:
                 continue
             e_count, e_sum = (int(e["engine_requests"]), int(e["engine_sum"])) if e else (0, 0)
             g_count, g_sum = (int(g["gateway_admitted"]), int(g["admitted_sum"])) if g else (0, 0)
-            if (int(l["hooks_requests"]), int(l["hooks_sum"])) == (e_count, e_sum) and \
-                    (int(l["ledger_requests"]), int(l["request_sum"])) == (g_count, g_sum):
+            if (int(led["hooks_requests"]), int(led["hooks_sum"])) == (e_count, e_sum) and \
+                    (int(led["ledger_requests"]), int(led["request_sum"])) == (g_count, g_sum):
                 row = _empty_view(tenant)
-                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_input_tokens",
-                                                   "ledger_output_tokens", "reserved_tokens", "actual_tokens",
-                                                   "aborted_requests", "aborted_tokens", "frontend_only_requests",
-                                                   "frontend_only_tokens")})
+                row.update({k: int(led[k]) for k in ("ledger_requests", "ledger_input_tokens",
+                                                     "ledger_output_tokens", "reserved_tokens", "actual_tokens",
+                                                     "aborted_requests", "aborted_tokens", "frontend_only_requests",
+                                                     "frontend_only_tokens")})
                 row["ledger_rows"] = row["ledger_requests"]
                 row["matched_requests"] = e_count
                 if e:
@@ -424,22 +424,28 @@ class LedgerQueries:
                 sumIf(e_output, in_engine) AS engine_output_tokens,
                 countIf(in_gateway) AS gateway_admitted,
                 countIf(l_rows = 1 AND in_engine) AS matched_requests,
-                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output)) AS mismatched_requests,
-                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine) AS matched_token_drift,
+                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output))
+                    AS mismatched_requests,
+                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine)
+                    AS matched_token_drift,
                 countIf(l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_requests,
                 sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks)
+                    AS frontend_only_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks)
+                    AS ledger_only_tokens,
                 countIf(l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
                 countIf(l_rows = 0 AND in_engine AND superseded) AS superseded_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
                 countIf(l_rows > 1) AS duplicate_billed_requests,
-                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1) AS duplicate_billed_tokens,
+                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1)
+                    AS duplicate_billed_tokens,
                 countIf(in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finishes,
-                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finish_reserved_tokens
+                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded)
+                    AS missing_finish_reserved_tokens
             FROM (
                 SELECT
                     request_key,

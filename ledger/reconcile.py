@@ -107,8 +107,8 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
               "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests",
               "duplicate_billed_tokens", "missing_finishes", "missing_finish_reserved_tokens", "reserved_tokens",
               "actual_tokens")
-    base = base.with_columns([pl.col(c).cast(pl.Int64).fill_null(0) if c in base.columns else pl.lit(0, pl.Int64).alias(c)
-                              for c in needed])
+    base = base.with_columns([pl.col(c).cast(pl.Int64).fill_null(0) if c in base.columns
+                              else pl.lit(0, pl.Int64).alias(c) for c in needed])
     df = base.with_columns(
         pl.when(pl.col("tenant_id") == "").then(pl.lit(UNATTRIBUTED)).otherwise(pl.col("tenant_id")).alias("tenant_id"),
         (pl.col("engine_input_tokens") + pl.col("engine_output_tokens")).alias("engine_tokens"),

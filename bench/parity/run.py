@@ -244,7 +244,7 @@ def render_markdown(outcomes: list[Outcome], meta: dict) -> str:
         f"(of which table {meta['table_s']:.0f} s; server start-up: {meta['startup']}).",
         f"- **Machine:** {m['cores']} × {m['cpu']}, {m['platform']}; load average "
         f"{meta['load_before']} before, {m.get('load_average')} after.",
-        f"- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
+        "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
         f"- **Servers:** reference {meta['reference']}; target {meta['target']}. Model {MODEL}, "
         f"max_model_len {MAX_MODEL_LEN}, the same engine settings (`servers.py`).",
         f"- **Allow-list:** {'on (allowlist.py)' if meta['allowlist'] else 'off'}.",

@@ -94,7 +94,10 @@ def upstream_load(stats: Sequence[RemoteEngineStats], model_name: str) -> Engine
     capacities = [(s.kv_blocks_total or 0) * (s.kv_block_size_tokens or 0) for s in mine]
     if all(capacities):
         capacity = sum(capacities)
-        ratio = ratios[0] if len(ratios) == 1 else sum(r * c for r, c in zip(ratios, capacities)) / capacity
+        if len(ratios) == 1:
+            ratio = ratios[0]
+        else:
+            ratio = sum(r * c for r, c in zip(ratios, capacities, strict=True)) / capacity
         return EngineLoad(min(1.0, ratio), capacity, running, waiting, per_step=False)
     return EngineLoad(max(ratios), 0, running, waiting, per_step=False)
 

@@ -82,7 +82,7 @@ from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
-from kvmeter.stats import AdmissionDecision, RequestRefused
+from kvmeter.stats import TRACE_CONTEXT_HEADERS, AdmissionDecision, RequestRefused
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "Prepared", "Admitted",
@@ -470,6 +470,8 @@ class CompletionEndpoint:
                                    idempotency_key=idem, attempt=ticket.attempt if ticket is not None else 1)
         reserved = TokenCounts(input_tokens=prepared.input_tokens, output_tokens=prepared.output_tokens)
         meter = RequestMeter(identity, gw.clock, reserved=reserved, arrival=arrival)
+        # the caller's trace context, handed on as received: the trace exporter joins it
+        meter.trace_headers = tuple((k, v) for k, v in request.headers.items() if k in TRACE_CONTEXT_HEADERS)
         estimate = UsageEstimate(attribution=attribution, tokens=reserved, request_id=request_id,
                                  attempt=identity.attempt)
         try:

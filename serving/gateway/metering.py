@@ -15,7 +15,8 @@ prefill cut partway bills the part it ran) and the tokens it generated, ``token_
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
 first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning
-tokens (a part of the output) are what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
+tokens (a part of the output) are what the protocol's reasoning parser counted
+(:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvmeter.clock import Clock
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
-from kvmeter.stats import EngineRequestStats, RequestCompletion
+from kvmeter.stats import EngineRequestStats, RequestCompletion, RequestPhase
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["RequestMeter", "RequestIdentity"]
@@ -89,6 +90,13 @@ class RequestMeter:
         #: better than ``frontend`` (the remote proxy: ``estimate`` when no upstream usage covers
         #: the counts)
         self.token_source: str | None = None
+        #: the answer's ``id``, set by the protocol once known ("": unknown)
+        self.response_id = ""
+        #: each choice's finish reason in the answer's order, set by the protocol (None: the
+        #: choice did not finish; empty: one choice, the request's finish reason)
+        self.choice_finish_reasons: tuple[str | None, ...] = ()
+        #: the request's W3C trace-context headers as received (``(name, value)`` pairs)
+        self.trace_headers: tuple[tuple[str, str], ...] = ()
         self._event_id: str | None = None
 
     def event_id(self) -> str:
@@ -195,6 +203,24 @@ class RequestMeter:
         completion_stats = RequestCompletion(
             attribution=ident.attribution, outcome=outcome, tokens=tokens,
             ttft_s=ttft, itls_s=self.itls_s, e2e_s=e2e, queue_s=gateway_queue or 0.0,
-            slo_met=slo_met, wall_ts=now_wall, stream=ident.stream)
+            slo_met=slo_met, wall_ts=now_wall, stream=ident.stream,
+            phases=self._phases(queue_s, ttft, e2e, tokens.output_tokens), response_id=self.response_id,
+            finish_reasons=tuple(r or reason for r in self.choice_finish_reasons) or (reason,),
+            trace_headers=self.trace_headers)
         return event, completion_stats
+
+    def _phases(self, queue_s: float | None, ttft: float | None, e2e: float,
+                output_tokens: int) -> tuple[RequestPhase, ...]:
+        """The request's queue, prefill and decode phases in seconds from arrival (see
+        :class:`~kvmeter.stats.RequestPhase`): queue ends at dispatch plus the engine's own
+        waiting-queue time (``queue_s``; never after the first token), or at the end for a request
+        never dispatched; prefill runs to the first token, decode to the last."""
+        end_queue = e2e if queue_s is None else min(queue_s, e2e if ttft is None else ttft)
+        phases = [RequestPhase("queue", 0.0, max(0.0, end_queue))]
+        if ttft is not None:
+            phases.append(RequestPhase("prefill", phases[0].end_s, max(phases[0].end_s, ttft)))
+            if output_tokens >= 2 and self._last_token_mono is not None:
+                last = max(ttft, min(e2e, self._last_token_mono - self.arrival_mono))
+                phases.append(RequestPhase("decode", ttft, last))
+        return tuple(phases)
 

@@ -84,6 +84,10 @@ class _RenderOnce:
         return done if done is not None else await self._inner.render_completion(request)
 
 
+#: Every serving flag at its default (ServingFlags is frozen, so one shared instance is a safe default).
+_DEFAULT_FLAGS = ServingFlags()
+
+
 def layer_args(engine_argv: Sequence[str], flags: ServingFlags) -> Any:
     """vLLM's ``Namespace`` for the serving layer: the engine's ``vllm serve`` words, then the
     serving flags (these win).
@@ -292,7 +296,7 @@ class OpenAIApi:
         VllmArgsError: vLLM refuses the arguments (checked here, before the engine loads).
     """
 
-    def __init__(self, engine: Engine, flags: ServingFlags = ServingFlags()) -> None:
+    def __init__(self, engine: Engine, flags: ServingFlags = _DEFAULT_FLAGS) -> None:
         self.engine = engine
         self.flags = flags
         self.args = layer_args(engine.argv, flags)  # type: ignore[attr-defined]

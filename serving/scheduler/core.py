@@ -184,6 +184,13 @@ class SchedulerCore:
         """The largest :attr:`service_gap` seen since start."""
         return self._fairness.max_service_gap
 
+    @property
+    def engine_gates(self) -> tuple[EngineGate, ...]:
+        """Per engine replica (by index), its :class:`~.gating.EngineGate`: the last load report,
+        outstanding work and the adaptive running limit with its decision counters. For reading;
+        the core updates them."""
+        return tuple(self._engines)
+
     def engine_limits(self) -> list[int | None]:
         """Per engine, the adaptive running limit now (None: inactive, the static caps apply)."""
         return [e.adaptive.bound() if e.adaptive is not None else None for e in self._engines]
@@ -758,7 +765,7 @@ class SchedulerCore:
         now = self._clock.monotonic()
         t = self._tenants.get(tenant_id)
         if t is None and self.policy.counter_ordered:
-            name = tier if tier in self.config.tiers else self.config.default_tier
+            name = tier if tier is not None and tier in self.config.tiers else self.config.default_tier
             t = TenantState(tenant_id, self._tier(name), float(self.config.tenant_weights.get(tenant_id, 1.0)))
         return self._projected_wait(t, now)
 

@@ -223,7 +223,7 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
                     paths = (f"orgs.{oid}", f"orgs.{oid}.workspaces.{wid}",
                              f"orgs.{oid}.workspaces.{wid}.projects.{pid}",
                              f"orgs.{oid}.workspaces.{wid}.projects.{pid}.api_keys.{kid}")
-                    policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes)],
+                    policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes, strict=True)],
                                                  approvers=[a for n in nodes for a in n.approvers])
                     keys[kid] = KeyEntry(principal, chain, run_limits, run_budget, policy, org.billing_timezone)
                     digest = key.digest()

@@ -7,15 +7,15 @@ from datetime import datetime, timezone
 import pytest
 from ledgerkit import PERIOD, T0, engine_stats, make_attempt, make_event, scalar
 
-
-def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
-    return ledger.queries._get().query(sql).result_rows
-
 from kvmeter.bus import StatsBus
 from kvmeter.ledger import parse_period
 from kvmeter.ledger.reconcile import UNATTRIBUTED, reconcile
 from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import TokenCounts
+
+
+def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
+    return ledger.query_client().query(sql).result_rows
 
 
 def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrides) -> None:  # noqa: ANN001
@@ -28,7 +28,7 @@ def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrid
 def scenario(open_ledger):
     bus = StatsBus()
     ledger = open_ledger(bus=bus)
-    ledger.queries._get().command("SYSTEM STOP MERGES usage_events")  # keep stored duplicates countable
+    ledger.query_client().command("SYSTEM STOP MERGES usage_events")  # keep stored duplicates countable
 
     # clean: engine, gateway and ledger agree
     for i in range(5):

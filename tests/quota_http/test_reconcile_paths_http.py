@@ -59,7 +59,7 @@ async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer)
     decisions: list[AdmissionDecision] = []
     unsubscribe = s.runtime.bus.subscribe(AdmissionDecision, decisions.append)
     try:
-        for attempt in (1, 2):  # the same key twice: the failed attempt was abandoned, not stored
+        for _attempt in (1, 2):  # the same key twice: the failed attempt was abandoned, not stored
             failed = await s.complete(ONE, headers={"idempotency-key": "boom"})
             assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_error"
         for _ in range(2):  # streaming: headers were sent, the error arrives in the stream, as
