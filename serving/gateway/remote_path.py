@@ -350,6 +350,8 @@ class RemoteEndpoint(CompletionEndpoint):
             return await self._upstream_failed(adm, EngineError("the upstream answered 200 with a body that is not "
                                                                 "a JSON object"), headers)
         reader.on_answer(body)
+        if isinstance(body.get("id"), str):
+            adm.meter.response_id = body["id"]  # the upstream's answer id (traces' gen_ai.response.id)
         if isinstance(body.get("system_fingerprint"), str):
             self.fingerprint = body["system_fingerprint"]
         self._progress(adm, reader, finished=True)
@@ -409,6 +411,8 @@ class RemoteEndpoint(CompletionEndpoint):
             async with aclosing(_sse_events(resp)) as upstream:
                 async for raw, data in upstream:
                     reader.on_event(data)
+                    if not adm.meter.response_id and isinstance(data, dict) and isinstance(data.get("id"), str):
+                        adm.meter.response_id = data["id"]  # the upstream's answer id (traces)
                     if data == DONE or (isinstance(data, dict) and not data.get("choices") and reader.final is not None
                                         and reader.all_finished(payload.choices)):
                         await self._end(adm, reader)  # durable before [DONE] / the usage chunk leaves

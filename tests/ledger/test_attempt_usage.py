@@ -14,7 +14,6 @@ import msgspec
 import pytest
 from ledgerkit import MODEL, PERIOD, engine_stats, make_attempt, make_event, scalar
 
-from kvmeter.bus import StatsBus
 from kvmeter.events import event_id_for
 from kvmeter.ledger import Ledger
 from kvmeter.ledger.billing import build_invoice
@@ -22,7 +21,6 @@ from kvmeter.ledger.connection import connect
 from kvmeter.ledger.reconcile import reconcile
 from kvmeter.ledger.records import USAGE_STREAM, attempt_id_for, encode_usage
 from kvmeter.ledger.schema import applied_versions, load_migrations, migrate
-from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import TokenCounts
 
 KEY = "order-42"
@@ -84,11 +82,9 @@ async def test_undelivered_work_is_billed_or_absorbed_on_lines_of_its_own(open_l
         make_event(5, key="d", outcome="aborted", finish_reason="abort", input_tokens=90, output_tokens=1,
                    undelivered_cause="shutdown", undelivered_billing="absorbed"),
     ]
-    bus = StatsBus()
-    ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
     for e in events:
         await ledger.record_attempt(make_attempt(e))
-        bus.publish(engine_stats(e))
+        ledger.record_engine(engine_stats(e))
         await ledger.record(e)
     assert ledger.flush()
     lines = _lines(ledger)
