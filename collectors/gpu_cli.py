@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"exit {EXIT_NO_GPU} if no GPU can be read")
 
 
-def _fmt(value: object, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
+def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
     if value is None:
         return "n/a"
     return f"{value * scale:.{digits}f}{unit}"

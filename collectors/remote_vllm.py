@@ -390,9 +390,9 @@ class RemoteVllmScraper:
                 if interval:
                     st.rates_per_s[name] = delta / interval
         for name, hist in eng.histograms.items():
-            before = old.histograms.get(name) if old is not None else None
-            window = hist if before is None else self._histogram_window(
-                _series_name(name, key), before, hist, restarted, st.anomalies)
+            prev = old.histograms.get(name) if old is not None else None
+            window = hist if prev is None else self._histogram_window(
+                _series_name(name, key), prev, hist, restarted, st.anomalies)
             if window is None:
                 continue
             st.windows[name] = window

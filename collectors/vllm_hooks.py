@@ -87,7 +87,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from vllm import envs as vllm_envs
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -156,7 +156,13 @@ def account_of(request: Any) -> dict[str, Any]:
             "preemptions": int(request.num_preemptions)}
 
 
-class _RequestAccounts:
+if TYPE_CHECKING:  # the mixin's methods call vLLM's Scheduler (a base of both classes below)
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class _RequestAccounts(_SchedulerBase):
     """The scheduler hook, mixed in front of vLLM's ``Scheduler`` or ``AsyncScheduler``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -399,15 +405,15 @@ class KvmeterStatLogger(StatLoggerBase):
 
     def _requests(self, accounts: Iterable[dict[str, Any]], iteration_stats: Any,
                   wall_ts: float) -> list[EngineRequestStats]:
-        early = {}
+        early: dict[str, EngineRequestStats] = {}
         for account in accounts:
             stats = request_stats_from_account(account, wall_ts)
             early[stats.request_id] = stats
         out = []
         for finished in (iteration_stats.finished_requests if iteration_stats is not None else ()):
             stats = request_stats_from_vllm(finished, wall_ts)
-            account = early.pop(stats.request_id, None)
-            out.append(stats if account is None else _merged(stats, account))
+            freed = early.pop(stats.request_id, None)
+            out.append(stats if freed is None else _merged(stats, freed))
             self._finished[stats.request_id] = None
             if len(self._finished) > _FINISHED_REMEMBERED:
                 self._finished.popitem(last=False)

@@ -6,7 +6,7 @@ layered charts; they never fetch data and never call Streamlit.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Final, Sequence
 
 import altair as alt
 import polars as pl
@@ -22,7 +22,7 @@ TIER_ORDER = ["enterprise", "paid_interactive", "batch", "free"]
 #: One fixed colour per tier, on every page.
 TIER_COLORS = {"enterprise": "#4c78a8", "paid_interactive": "#f58518", "batch": "#54a24b", "free": "#e45756"}
 #: Colour scheme of categorical series (20 distinct colours: top-10 tenants + "(other)" fit).
-PALETTE = "tableau20"
+PALETTE: Final = "tableau20"
 
 
 def _x_time(window: Window) -> alt.X:
@@ -85,7 +85,8 @@ def layer(*charts: alt.Chart) -> alt.LayerChart:
     title, height = first.title, first.height
     first.title = alt.Undefined
     first.height = alt.Undefined
-    return alt.layer(first, *charts[1:], title=title, height=height)
+    # (alt.layer would return a FacetChart for layers sharing facet encodings; these have none)
+    return alt.LayerChart(layer=[first, *charts[1:]], title=title, height=height)
 
 
 def with_rules(chart: alt.Chart, rules: pl.DataFrame, *, y: str = "value", label: str = "label",
@@ -106,15 +107,16 @@ def bars(df: pl.DataFrame, category: str, value: str, *, title: str, value_title
     """Horizontal bars, one per category, longest first; stacked by ``color`` if given."""
     n = df.select(pl.col(category).n_unique()).item() if df.height else 1
     n_colors = df.select(pl.col(color).n_unique()).item() if (color and df.height) else 0
+    tooltip = [alt.Tooltip(f"{category}:N", title=category_title),
+               alt.Tooltip(f"{value}:Q", title=value_title, format=",.4~f")]
     enc = {
         "y": alt.Y(f"{category}:N", title=category_title, sort="-x" if sort_desc else None),
         "x": alt.X(f"{value}:Q", title=value_title, axis=alt.Axis(format=value_format)),
-        "tooltip": [alt.Tooltip(f"{category}:N", title=category_title),
-                    alt.Tooltip(f"{value}:Q", title=value_title, format=",.4~f")],
+        "tooltip": tooltip,
     }
     if color:
         enc["color"] = _color(color, color_title or color, color_domain)
-        enc["tooltip"].append(alt.Tooltip(f"{color}:N", title=color_title or color))
+        tooltip.append(alt.Tooltip(f"{color}:N", title=color_title or color))
     # total height: ~28 px per bar plus title and axis, and room for the legend
     auto = max(170, 34 * n + 110, 22 * n_colors + 80)
     return alt.Chart(df, title=alt.Title(title, anchor="start", fontSize=14),
@@ -208,7 +210,7 @@ def percentiles_vs_slo(df: pl.DataFrame, slos: pl.DataFrame, *, title: str, y_ti
     ticks = alt.Chart(slos).mark_tick(color="#d62728", thickness=3, size=40).encode(
         x=alt.X("tier:N", sort=TIER_ORDER), y=alt.Y("slo:Q", scale=y_scale),
         tooltip=[alt.Tooltip("tier:N"), alt.Tooltip("slo:Q", title="SLO (s)", format=",.3~f")])
-    return alt.layer(stem, dots, ticks, title=alt.Title(title, anchor="start", fontSize=14), height=height)
+    return alt.LayerChart(layer=[stem, dots, ticks], title=alt.Title(title, anchor="start", fontSize=14), height=height)
 
 
 def series_vs_slo(df: pl.DataFrame, slos: pl.DataFrame, y: str, *, title: str, y_title: str,

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         for flag, path in (("--tenants", config.tenants_path), ("--prices", config.prices_path)):
             if path is not None and not path.is_file():  # else Streamlit would start, then fail per page
                 raise ConfigError(f"{flag} {path}: no such file")
-        if config.mode == "server":
+        if config.server_url:  # (the "server" mode)
             check_server(config.server_url, config.api_key)
     except (ConfigError, LedgerConfigError) as exc:
         print(f"kvmeter dashboard: {exc}", file=sys.stderr)

@@ -53,9 +53,10 @@ def frame(rows: Sequence[Mapping[str, Any]], schema: Mapping[str, Any]) -> pl.Da
             casts.append(pl.lit(None, dtype).alias(name))
         elif isinstance(dtype, pl.Datetime):
             col = pl.col(name)
-            if df.schema[name] == pl.String:
+            read = df.schema[name]
+            if read == pl.String:
                 col = col.str.to_datetime(time_zone="UTC")
-            elif isinstance(df.schema[name], pl.Datetime) and df.schema[name].time_zone is None:
+            elif isinstance(read, pl.Datetime) and read.time_zone is None:
                 col = col.dt.replace_time_zone("UTC")
             casts.append(col.cast(dtype).alias(name))
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import polars as pl
 
 TS = pl.Datetime("us", "UTC")
-I, F, S = pl.Int64, pl.Float64, pl.String
+I, F, S = pl.Int64, pl.Float64, pl.String  # noqa: E741 — one-letter column types keep the tables below one line each
 
 TENANTS = {"tenant_id": S, "tier": S}
 TRAFFIC = {"ts": TS, "requests": I, "ok_requests": I, "aborted_requests": I, "error_requests": I,

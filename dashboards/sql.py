@@ -4,9 +4,10 @@ No SQL lives here: every read is the ledger's own query layer —
 :class:`~kvmeter.ledger.window_queries.WindowQueries` for the bucketed reads (traffic, latency,
 goodput, gateway decisions, reservations, signals), :func:`~kvmeter.ledger.billing.build_invoice`
 for the invoice, :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
-reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same class serves the serve process's dashboard routes
-(:mod:`kvmeter.dashboards.routes`), so mode *a* (through the read API) returns exactly these rows,
-and the billing page shows the invoice ``kvmeter billing report`` writes.
+reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same
+class serves the serve process's dashboard routes (:mod:`kvmeter.dashboards.routes`), so mode *a*
+(through the read API) returns exactly these rows, and the billing page shows the invoice
+``kvmeter billing report`` writes.
 
 Tenant filtering is a parameter here; *who may ask for which tenant* is decided by
 :class:`~kvmeter.dashboards.source.ScopedSource`, never by the caller of these methods.
@@ -56,7 +57,11 @@ class SqlSource:
                  tiers: Iterable[TierInfo] | Callable[[], Iterable[TierInfo]] = ()) -> None:
         self._holder = client if isinstance(client, ClientHolder) else None
         self.prices = prices
-        self._tiers_fn: Callable[[], Iterable[TierInfo]] = tiers if callable(tiers) else (lambda t=list(tiers): t)
+        if callable(tiers):
+            self._tiers_fn: Callable[[], Iterable[TierInfo]] = tiers
+        else:
+            fixed = list(tiers)
+            self._tiers_fn = lambda: fixed
         self._ledger = LedgerQueries(client, prices)
         self._window = WindowQueries(client)
         self._runs = AgentRunQueries(client, prices)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Mapping
 
 from kvmeter.ledger.period import Period
 
@@ -126,13 +127,13 @@ class Window:
         return {"start": self.start.isoformat(), "end": self.end.isoformat(), "step": str(self.step_s)}
 
     @classmethod
-    def from_query(cls, params: "dict[str, str] | object") -> "Window":
+    def from_query(cls, params: Mapping[str, str]) -> "Window":
         """Inverse of :meth:`to_query`.
 
         Raises:
             ValueError: a missing or malformed parameter.
         """
-        get = params.get  # type: ignore[attr-defined]
+        get = params.get
         try:
             start = datetime.fromisoformat(str(get("start")).replace("Z", "+00:00"))
             end = datetime.fromisoformat(str(get("end")).replace("Z", "+00:00"))

@@ -13,14 +13,29 @@ metrics (OpenTelemetry GenAI semantic conventions, "Generative AI metrics"):
   aborted requests;
 
 with attributes ``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.provider.name`` and
-kvmeter's bounded ``kvmeter.tier``. **Tenant ids never go on metric attributes** (unbounded
-cardinality); they go on spans:
+kvmeter's bounded ``kvmeter.tier``. ``gen_ai.operation.name`` follows the endpoint, with the
+semantic conventions' values: ``chat`` for ``/v1/chat/completions``, ``text_completion`` for
+``/v1/completions``. **Tenant ids never go on metric attributes** (unbounded cardinality); they go
+on spans:
 
-* one span per request, ``chat <model>`` (kind SERVER), from arrival to end (wall clock),
-  carrying ``gen_ai.usage.input_tokens`` / ``output_tokens`` /
+* one span per request, ``{gen_ai.operation.name} {model}`` (kind SERVER), from arrival to end
+  (wall clock), carrying ``gen_ai.usage.input_tokens`` / ``output_tokens`` /
   ``cache_read.input_tokens``, ``gen_ai.request.model``, ``gen_ai.operation.name``,
+  ``gen_ai.response.id`` (the answer's ``id``, when known), ``gen_ai.response.model`` (the served
+  model that answered), ``gen_ai.response.finish_reasons`` (one per choice: the engine's reasons —
+  where vLLM's layer answers ``tool_calls`` the engine stopped with ``stop``),
   ``kvmeter.tenant.id``, ``kvmeter.tier``, ``kvmeter.outcome``, ``kvmeter.slo_met``, the TTFT and
-  queue time, and an ERROR status with ``error.type`` for failed requests.
+  queue time, and an ERROR status with ``error.type`` for failed requests;
+* the request's phases (:class:`~kvmeter.stats.RequestPhase`) as span events in order, each at the
+  time its phase began, with its length in ``kvmeter.duration_s``: ``kvmeter.queue`` (gateway
+  queue and the engine's waiting queue), ``kvmeter.prefill`` (to the first token),
+  ``kvmeter.decode`` (to the last token);
+* **joining the caller's trace:** a request that came with a W3C ``traceparent`` (and
+  ``tracestate``) header gets its span as a child of the caller's span, in the caller's trace,
+  read by OpenTelemetry's own :class:`~opentelemetry.trace.propagation.tracecontext.TraceContextTextMapPropagator`
+  (W3C Trace Context level 1). A malformed or absent ``traceparent`` starts a new root trace
+  (never an error). The SDK's default sampler (parent-based, ``OTEL_TRACES_SAMPLER``) follows the
+  caller's sampled flag: a caller that sent ``-00`` (not sampled) gets no span exported.
 
 Configuration is the standard OpenTelemetry environment: ``OTEL_SDK_DISABLED``,
 ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_EXPORTER_OTLP_ENDPOINT`` (and the
@@ -37,15 +52,18 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
+from opentelemetry.context import Context
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from kvmeter.bus import StatsBus
 from kvmeter.stats import RequestCompletion
 
-__all__ = ["OtelExporter", "install_otel", "GENAI_PROVIDER", "TOKEN_USAGE_BUCKETS",
+__all__ = ["OtelExporter", "install_otel", "GENAI_PROVIDER", "GENAI_OPERATIONS", "TOKEN_USAGE_BUCKETS",
            "TTFT_BUCKETS", "TPOT_BUCKETS", "DURATION_BUCKETS"]
 
 log = logging.getLogger(__name__)
@@ -62,10 +80,18 @@ _TOKEN_TYPE = "gen_ai.token.type"
 _USAGE_INPUT = "gen_ai.usage.input_tokens"
 _USAGE_OUTPUT = "gen_ai.usage.output_tokens"
 _USAGE_CACHED = "gen_ai.usage.cache_read.input_tokens"
+_RESPONSE_ID = "gen_ai.response.id"
+_RESPONSE_MODEL = "gen_ai.response.model"
+_FINISH_REASONS = "gen_ai.response.finish_reasons"
 _ERROR_TYPE = "error.type"
 
 #: ``gen_ai.provider.name`` value: kvmeter serves vLLM engines
 GENAI_PROVIDER = "vllm"
+
+#: ``gen_ai.operation.name`` of each endpoint (the semantic conventions' well-known values)
+GENAI_OPERATIONS = {"chat.completions": "chat", "completions": "text_completion"}
+
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 # Explicit bucket boundaries advised by the semantic conventions for each instrument.
 TOKEN_USAGE_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
@@ -86,7 +112,8 @@ class OtelExporter:
     Args:
         meter_provider, tracer_provider: the providers (SDK ones in practice; tests pass ones
             with an ``InMemoryMetricReader`` / ``InMemorySpanExporter``).
-        operation: ``gen_ai.operation.name`` (``chat`` for chat completions).
+        operation: ``gen_ai.operation.name`` of a completion whose attribution names no endpoint
+            of :data:`GENAI_OPERATIONS` (the others get their endpoint's).
     """
 
     meter_provider: MeterProvider
@@ -118,7 +145,8 @@ class OtelExporter:
 
     def on_completion(self, c: RequestCompletion) -> None:
         """Record one finished request as metric points and one span."""
-        attrs = {_OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER,
+        operation = GENAI_OPERATIONS.get(c.attribution.endpoint, self.operation)
+        attrs = {_OPERATION: operation, _PROVIDER: GENAI_PROVIDER,
                  _REQUEST_MODEL: c.attribution.model, "kvmeter.tier": c.attribution.tier}
         ok = c.outcome == "ok"
         error_type = None if ok else ("aborted" if c.outcome == "aborted" else "error")
@@ -130,27 +158,33 @@ class OtelExporter:
         if ok and c.ttft_s is not None and output >= 2:
             self._tpot.record(max(0.0, c.e2e_s - c.ttft_s) / (output - 1), attrs)
         self._duration.record(c.e2e_s, attrs if ok else {**attrs, _ERROR_TYPE: error_type})
-        self._span(c, error_type)
+        self._span(c, operation, error_type)
 
-    def _span(self, c: RequestCompletion, error_type: str | None) -> None:
+    def _span(self, c: RequestCompletion, operation: str, error_type: str | None) -> None:
         end_ns = int(c.wall_ts * _NS)
         start_ns = end_ns - int(max(c.e2e_s, 0.0) * _NS)
         a, tokens = c.attribution, c.tokens
-        span_attrs = {
-            _OPERATION: self.operation, _PROVIDER: GENAI_PROVIDER, _REQUEST_MODEL: a.model,
+        span_attrs: dict[str, AttributeValue] = {
+            _OPERATION: operation, _PROVIDER: GENAI_PROVIDER, _REQUEST_MODEL: a.model,
+            _RESPONSE_MODEL: a.model, _FINISH_REASONS: list(c.finish_reasons),
             _USAGE_INPUT: tokens.input_tokens, _USAGE_OUTPUT: tokens.output_tokens,
             _USAGE_CACHED: tokens.cached_input_tokens,
             "kvmeter.tenant.id": a.tenant_id, "kvmeter.tier": a.tier, "kvmeter.outcome": c.outcome,
             "kvmeter.queue_s": c.queue_s,
         }
+        if c.response_id:
+            span_attrs[_RESPONSE_ID] = c.response_id
         if c.ttft_s is not None:
             span_attrs["kvmeter.ttft_s"] = c.ttft_s
         if c.slo_met is not None:
             span_attrs["kvmeter.slo_met"] = c.slo_met
         if error_type is not None:
             span_attrs[_ERROR_TYPE] = error_type
-        span = self._tracer.start_span(f"{self.operation} {a.model}", kind=SpanKind.SERVER,
-                                       attributes=span_attrs, start_time=start_ns)
+        span = self._tracer.start_span(f"{operation} {a.model}", context=_caller_context(c.trace_headers),
+                                       kind=SpanKind.SERVER, attributes=span_attrs, start_time=start_ns)
+        for phase in c.phases:
+            span.add_event(f"kvmeter.{phase.name}", {"kvmeter.duration_s": phase.end_s - phase.start_s},
+                           timestamp=start_ns + int(phase.start_s * _NS))
         if error_type is not None:
             span.set_status(Status(StatusCode.ERROR, c.outcome))
         span.end(end_time=end_ns)
@@ -173,6 +207,19 @@ class OtelExporter:
             shutdown = getattr(provider, "shutdown", None)
             if shutdown is not None:
                 shutdown()
+
+
+def _caller_context(headers: Sequence[tuple[str, str]]) -> Context:
+    """The caller's span as the parent context of a request's span, from its W3C
+    ``traceparent`` / ``tracestate`` headers (``(name, value)`` pairs as received); an empty
+    context (a new root trace) when there is none or ``traceparent`` is malformed. Never the
+    current context: the span's parent is the caller's, not whatever runs the exporter."""
+    if not headers:
+        return Context()
+    carrier: dict[str, list[str]] = {}
+    for name, value in headers:
+        carrier.setdefault(name.lower(), []).append(value)
+    return _PROPAGATOR.extract(carrier, context=Context())
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

@@ -305,7 +305,7 @@ class SignalSampler:
         return rows
 
     def _engine_rows(self, add, engines, counts, elapsed: float) -> None:
-        for key, (labels, s) in engines.items():
+        for labels, s in engines.values():
             add(_KV_WATERMARK, s.kv_watermark_ratio, labels)
             if s.kv_blocks_total > 0:  # 0 means unknown
                 add(_KV_USED, s.kv_blocks_used, labels)

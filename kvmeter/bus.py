@@ -1,9 +1,10 @@
 """A tiny synchronous publish/subscribe bus for plain stats objects.
 
 Producers (engine hooks, gateway, scheduler, ledger) call ``bus.publish(obj)``; consumers
-(exporters, the signal history sampler, the scheduler's KV gating, tests) call ``bus.subscribe(Type, callback)``. Dispatch is
-by exact type, synchronous and in subscription order, so a callback must be cheap (update a metric,
-append to a buffer) — anything slow belongs on the consumer's own thread or task.
+(exporters, the signal history sampler, the scheduler's KV gating, tests) call
+``bus.subscribe(Type, callback)``. Dispatch is by exact type, synchronous and in subscription
+order, so a callback must be cheap (update a metric, append to a buffer) — anything slow belongs
+on the consumer's own thread or task.
 
 A failing subscriber is logged and skipped, never raised into the serving path (fail loudly at
 construction, never crash the host at run time: docs/ARCHITECTURE.md, "Conventions").

@@ -15,7 +15,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["Refusal", "retry_after_headers", "merge_headers"]
+__all__ = ["Refusal", "retry_after_headers", "merge_headers", "NO_RETRY_HEADERS"]
+
+#: The header that tells OpenAI's SDKs not to retry a refusal. They retry 408, 409, 429 and every
+#: 5xx on their own (openai-python ``BaseClient._should_retry``; the default is 2 retries) unless
+#: the answer says ``x-should-retry: false``; sent on refusals that retrying the same request
+#: cannot fix (a spent agent-run budget, a stopped run, an approval that waits for a person), with
+#: the status OpenAI clients expect kept.
+NO_RETRY_HEADERS: dict[str, str] = {"x-should-retry": "false"}
 
 
 def retry_after_headers(retry_after_s: float | None) -> dict[str, str]:

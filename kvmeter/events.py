@@ -1,4 +1,4 @@
-"""The usage event: one billable record per logical request.
+"""The usage event: the record of one attempt's engine work, of one logical request.
 
 This is the contract between the serving tier (which produces it when a request finishes, is
 aborted or fails after admission) and the ledger (which makes it durable, deduplicates it and bills
@@ -14,8 +14,14 @@ Metering rules it encodes (see docs/ARCHITECTURE.md, "Metering rules"):
 * The attribution (:class:`~kvmeter.attribution.Attribution`) is the request's, built once at
   admission and carried here by reference.
 * ``event_id`` is deterministic: derived from the tenant and the logical request key (the client's
-  ``Idempotency-Key`` when given, else the gateway's request id), so a replay of the same logical
-  request yields the same id and the ledger keeps one billable record.
+  ``Idempotency-Key`` with the request's fingerprint when given, else the gateway's request id), so
+  every attempt of the same logical request carries the same id, and a key reused with another
+  body is another logical request.
+* Every attempt that reached the engine is its own usage row (``attempt_id``, from the tenant and
+  the attempt's request id); one that did not complete carries its :data:`UNDELIVERED_CAUSES` cause
+  and whether its tier bills that work or the platform absorbs it (``undelivered_billing``). Which
+  rows make the logical request's bill is decided by the ledger's reads (docs/ARCHITECTURE.md,
+  "Metering rules"): the successful attempt's, or with none the undelivered work its tier bills.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, Literal, Mapping
 
 from kvmeter.attribution import Attribution
 from kvmeter.tokens import NO_TOKENS, TokenCounts
@@ -32,45 +39,94 @@ __all__ = [
     "UsageEvent",
     "Outcome",
     "event_id_for",
+    "attempt_id_for",
     "EVENT_NAMESPACE",
+    "ATTEMPT_NAMESPACE",
     "SCHEMA_VERSION",
+    "UNDELIVERED_CAUSES",
+    "UndeliveredCause",
+    "UNDELIVERED_BILLING",
+    "UndeliveredBilling",
+    "DEFAULT_UNDELIVERED_BILLING",
 ]
 
 #: Namespace for the UUIDv5 event ids; never change it (ids in existing ledgers depend on it).
 EVENT_NAMESPACE = uuid.UUID("6f1d3c2e-9b7a-5e44-8a61-2b0c4d9e7f10")
 
+#: Namespace for deterministic attempt ids (never change it): the attempts table's and each usage
+#: row's ``attempt_id``.
+ATTEMPT_NAMESPACE = uuid.UUID("0c7b5a52-3d8e-5f1a-9e2b-7a4f6c1d8e03")
+
 #: Version of the event's field set, carried in each serialised event: 1 spelled the tokens
-#: prompt/completion and carried ``org_id``; 2 is the input/output vocabulary with one tenant id.
-SCHEMA_VERSION = 2
+#: prompt/completion and carried ``org_id``; 2 is the input/output vocabulary with one tenant id;
+#: 3 adds each attempt's id and its undelivered cause and billing (one usage row per attempt).
+SCHEMA_VERSION = 3
 
 Outcome = Literal["ok", "aborted", "error"]
 _OUTCOMES = ("ok", "aborted", "error")
 
+#: Why an attempt's engine work reached no client (the one list; the tier policy, the gateway,
+#: the ledger and the invoice use it): the client left (``client_abandoned``: disconnected or gave
+#: up, before or after its first token), the server failed it (``server_failure``: an engine or
+#: upstream error, an internal error), the server stopped under it (``shutdown``), or it was
+#: dropped at its deadline after it had been dispatched (``deadline``).
+UNDELIVERED_CAUSES = ("client_abandoned", "server_failure", "shutdown", "deadline")
+UndeliveredCause = Literal["client_abandoned", "server_failure", "shutdown", "deadline"]
+#: What becomes of undelivered work: ``billed`` to the tenant, or ``absorbed`` by the platform.
+UNDELIVERED_BILLING = ("billed", "absorbed")
+UndeliveredBilling = Literal["billed", "absorbed"]
+#: The default policy: work the client abandoned is billed (it asked for it and left); work lost
+#: to the server — a failure, a shutdown, a deadline drop — is the platform's cost.
+DEFAULT_UNDELIVERED_BILLING: Mapping[str, str] = MappingProxyType({
+    "client_abandoned": "billed", "server_failure": "absorbed", "shutdown": "absorbed", "deadline": "absorbed"})
+assert tuple(DEFAULT_UNDELIVERED_BILLING) == UNDELIVERED_CAUSES
 
-def event_id_for(tenant_id: str, logical_key: str) -> str:
+
+def event_id_for(tenant_id: str, logical_key: str, fingerprint: str = "") -> str:
     """Deterministic event id of one logical request.
 
     Args:
         tenant_id: the billed tenant (dedup is scoped by tenant: two tenants that happen to send
             the same idempotency key get different ids).
         logical_key: the client's ``Idempotency-Key`` if it sent one, else the gateway request id.
+        fingerprint: with an ``Idempotency-Key``, the request's fingerprint (a digest of its
+            canonical body, :func:`kvmeter.serving.gateway.replays.fingerprint`): the same key sent
+            with another body is another logical request, so it can never rewrite the first one's
+            bill, even after the idempotency store forgot the key (a restart of the in-memory store).
+            ``""``: the id of the key alone (requests without a key; records before schema 3).
     Returns:
-        A UUIDv5 string (36 characters) over ``tenant_id`` and ``logical_key``.
+        A UUIDv5 string (36 characters) over ``tenant_id``, ``logical_key`` and ``fingerprint``.
     Raises:
-        ValueError: if either argument is empty.
+        ValueError: if ``tenant_id`` or ``logical_key`` is empty.
     """
     if not tenant_id or not logical_key:
         raise ValueError("event_id_for needs a non-empty tenant_id and logical_key")
-    return str(uuid.uuid5(EVENT_NAMESPACE, f"{tenant_id}\x1f{logical_key}"))
+    name = f"{tenant_id}\x1f{logical_key}" + (f"\x1f{fingerprint}" if fingerprint else "")
+    return str(uuid.uuid5(EVENT_NAMESPACE, name))
+
+
+def attempt_id_for(tenant_id: str, request_id: str) -> str:
+    """Deterministic id of one HTTP attempt: UUIDv5 over tenant and request id.
+
+    A re-recorded attempt (crash replay) keeps its id, so the attempts table keeps one row, and
+    its usage row one row.
+    Raises:
+        ValueError: if either argument is empty.
+    """
+    if not tenant_id or not request_id:
+        raise ValueError("attempt_id_for needs a non-empty tenant_id and request_id")
+    return str(uuid.uuid5(ATTEMPT_NAMESPACE, f"{tenant_id}\x1f{request_id}"))
 
 
 @dataclass(frozen=True, slots=True)
 class UsageEvent:
-    """One logical request's usage, as billed.
+    """One attempt's usage (the usage row of one attempt of a logical request).
 
     Identity and attribution:
-        event_id: deterministic UUIDv5 (see :func:`event_id_for`).
-        request_id: kvmeter's engine request id of the attempt that did the work.
+        event_id: deterministic UUIDv5 of the logical request (see :func:`event_id_for`): every
+            attempt of it carries the same one.
+        request_id: kvmeter's engine request id of the attempt that did the work (its row's key,
+            with the tenant: :attr:`attempt_id`).
         attribution: the request's :class:`~kvmeter.attribution.Attribution` (tenant, key path,
             tier, agent run, model, endpoint); :attr:`tenant_id` is its tenant.
         idempotency_key: the client's ``Idempotency-Key`` header, or ``""``.
@@ -94,10 +150,18 @@ class UsageEvent:
         kv_token_seconds: ∫ tokens held in KV cache dt over the request's life in the engine
             (input tokens from dispatch, plus each output token from when it was generated).
     Provenance:
+        undelivered_cause: for an attempt that did not complete (``aborted``, ``error``), why its
+            work reached no client (one of :data:`UNDELIVERED_CAUSES`); ``""`` for ``ok`` and for
+            records that name no cause (written before schema 3: billed as they were).
+        undelivered_billing: with a cause, ``billed`` or ``absorbed``, as the request's tier
+            decided it when the attempt was recorded
+            (:attr:`~kvmeter.serving.tenancy.TierPolicy.undelivered_billing`); ``""`` without one.
         token_source: ``engine_hooks`` (the engine's own account: vLLM's FinishedRequestStats,
-            or for a request that ended early the scheduler hook's computed-token account) or
+            or for a request that ended early the scheduler hook's computed-token account),
             ``frontend`` (counted from the outputs the gateway received, where the engine gave
-            no account: the remote engine).
+            no account: the remote engine's upstream usage) or ``estimate`` (the remote engine
+            when no upstream usage covers the counts: kvmeter's count of the prompt and of the
+            streamed text, :mod:`kvmeter.serving.gateway.upstream`).
         attempt: 1 for the first attempt of this logical request; retries that did work count up.
         preemptions: times the engine preempted this request.
     Raises:
@@ -128,6 +192,8 @@ class UsageEvent:
     token_source: str = "engine_hooks"
     attempt: int = 1
     preemptions: int = 0
+    undelivered_cause: str = ""
+    undelivered_billing: str = ""
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -143,11 +209,30 @@ class UsageEvent:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"UsageEvent.{name} must be an int >= 0, got {value!r}")
+        cause, billing = self.undelivered_cause, self.undelivered_billing
+        if cause:
+            if cause not in UNDELIVERED_CAUSES:
+                raise ValueError(f"UsageEvent.undelivered_cause must be one of {UNDELIVERED_CAUSES}, got {cause!r}")
+            if self.outcome == "ok":
+                raise ValueError("UsageEvent.undelivered_cause must be empty for an ok outcome")
+            if billing not in UNDELIVERED_BILLING:
+                raise ValueError(f"UsageEvent.undelivered_billing must be one of {UNDELIVERED_BILLING} "
+                                 f"with a cause, got {billing!r}")
+        elif billing:
+            raise ValueError("UsageEvent.undelivered_billing needs an undelivered_cause")
 
     @property
     def tenant_id(self) -> str:
         """The billed tenant (``attribution.tenant_id``)."""
         return self.attribution.tenant_id
+
+    @property
+    def attempt_id(self) -> str:
+        """The attempt's deterministic id (:func:`attempt_id_for` of tenant and request id): the
+        key of its usage row and of its attempt record; the nil UUID without a request id)."""
+        if not self.request_id:
+            return "00000000-0000-0000-0000-000000000000"
+        return attempt_id_for(self.attribution.tenant_id, self.request_id)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field, ``attribution``, ``tokens`` and ``reserved`` as nested

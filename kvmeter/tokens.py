@@ -12,9 +12,8 @@ Its invariants are checked here and nowhere else (docs/ARCHITECTURE.md, "Meterin
 The words are OpenTelemetry's ``gen_ai.usage.input_tokens`` / ``output_tokens``. OpenAI's wire
 names (``usage.prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``,
 ``completion_tokens_details.reasoning_tokens``) exist only on the wire: the usage blocks vLLM's
-serving layer writes, the one kvmeter writes on ``--engine remote``
-(:func:`kvmeter.serving.gateway.remote_path.usage_block`), and where kvmeter reads one from an
-upstream.
+serving layer writes, and the upstream's that kvmeter reads on ``--engine remote``
+(:func:`kvmeter.serving.gateway.upstream.parse_usage`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Supported (provenance and licences: ``data/SOURCES.md``):
 * ``mooncake`` — Mooncake conversation trace (JSONL: ``timestamp`` in ms, ``input_length``,
   ``output_length``, ``hash_ids`` of 512-token prefix blocks).
 * kvmeter's own CSV: ``arrival_s, input_tokens, output_tokens`` (``prompt_tokens``, the name
-  kvmeter wrote before, is read as ``input_tokens``) and optional ``tenant_id``, ``tier``, ``deadline_s`` (seconds from the trace
-  start) — what a tenant-attributed workload is written in.
+  kvmeter wrote before, is read as ``input_tokens``) and optional ``tenant_id``, ``tier``,
+  ``deadline_s`` (seconds from the trace start) — what a tenant-attributed workload is written in.
 * any path to a file in one of those formats.
 
 Lengths below 1 are raised to 1 (a replayed request needs a prompt token and an output token).
@@ -166,7 +166,7 @@ def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
             raise TraceError(f"{path}: missing column {col}")
     seconds = (ts - ts.min()).dt.total_microseconds() / 1e6
     return [TraceRequest(float(t), max(1, int(i)), max(1, int(o)))
-            for t, i, o in zip(seconds, frame["ContextTokens"], frame["GeneratedTokens"])]
+            for t, i, o in zip(seconds, frame["ContextTokens"], frame["GeneratedTokens"], strict=True)]
 
 
 def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list[TraceRequest]:
@@ -185,14 +185,17 @@ def _load_kvmeter_csv(path: Path, limit: int | None, columns: list[str]) -> list
         raise TraceError(f"{path}: bad kvmeter CSV trace ({exc})") from exc
     if frame.is_empty():
         return []
-    t0 = float(frame["arrival_s"].min())
+    first = frame["arrival_s"].min()  # a Float64 column: a float, or None when every arrival_s is empty
+    if not isinstance(first, float):
+        raise TraceError(f"{path}: empty arrival_s / token count in a row")
+    t0 = first
     n = frame.height
     tenants = frame["tenant_id"].to_list() if "tenant_id" in columns else [None] * n
     tiers = frame["tier"].to_list() if "tier" in columns else [None] * n
     deadlines = frame["deadline_s"].to_list() if "deadline_s" in columns else [None] * n
     out = []
     for t, i, o, tenant, tier, dl in zip(frame["arrival_s"], frame[input_col], frame["output_tokens"],
-                                         tenants, tiers, deadlines):
+                                         tenants, tiers, deadlines, strict=True):
         if t is None or i is None or o is None:
             raise TraceError(f"{path}: empty arrival_s / token count in a row")
         out.append(TraceRequest(float(t) - t0, max(1, int(i)), max(1, int(o)), (), tenant or None,

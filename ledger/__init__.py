@@ -5,12 +5,12 @@ Where a token is billed: the gateway hands each finished request's
 fsynced in the spool (:mod:`.spool`); a writer thread (:mod:`.drain`) inserts it into ClickHouse
 exactly once (:mod:`.schema` for the tables); :mod:`.queries` reads it back deduplicated per
 period and :mod:`.window_queries` per time bucket (the dashboards' reads), both through
-:class:`~.connection.QueryRunner`; :mod:`.billing` prices it with the one price function (:meth:`.prices.PriceList.cost`) into the invoice
-(:func:`~.billing.build_invoice`, the one assembly); :mod:`.reconcile` compares the engine,
-gateway and ledger views; :mod:`.read_api` serves it over HTTP and :mod:`.http_client`
-reads it from another process; :mod:`.cli` is ``kvmeter billing``. Agent runs: :mod:`.agent_records`
-(tool-call decisions, approval events, run stops) and :mod:`.agent_runs` (the per-run rollup and
-its reads).
+:class:`~.connection.QueryRunner`; :mod:`.billing` prices it with the one price function
+(:meth:`.prices.PriceList.cost`) into the invoice (:func:`~.billing.build_invoice`, the one
+assembly); :mod:`.reconcile` compares the engine, gateway and ledger views; :mod:`.read_api`
+serves it over HTTP and :mod:`.http_client` reads it from another process; :mod:`.cli` is
+``kvmeter billing``. Agent runs: :mod:`.agent_records` (tool-call decisions, approval events, run
+stops) and :mod:`.agent_runs` (the per-run rollup and its reads).
 """
 
 from .agent_records import ApprovalRecord, RunStopRecord, ToolCallRecord

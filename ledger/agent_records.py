@@ -272,8 +272,10 @@ def _with_org_id(columns: tuple[str, ...]) -> tuple[str, ...]:
 
 
 TOOL_CALL_STREAM = StreamSpec("tool_calls", "tool_calls", 2, {1: _with_org_id(TOOL_CALL_COLUMNS), 2: TOOL_CALL_COLUMNS})
-APPROVAL_STREAM = StreamSpec("approvals", "approval_events", 2, {1: _with_org_id(APPROVAL_COLUMNS), 2: APPROVAL_COLUMNS})
-RUN_STOP_STREAM = StreamSpec("run_stops", "agent_run_stops", 2, {1: _with_org_id(RUN_STOP_COLUMNS), 2: RUN_STOP_COLUMNS})
+APPROVAL_STREAM = StreamSpec("approvals", "approval_events", 2,
+                             {1: _with_org_id(APPROVAL_COLUMNS), 2: APPROVAL_COLUMNS})
+RUN_STOP_STREAM = StreamSpec("run_stops", "agent_run_stops", 2,
+                             {1: _with_org_id(RUN_STOP_COLUMNS), 2: RUN_STOP_COLUMNS})
 #: The agent streams (the ledger's spool opens them beside the usage, attempt and engine streams).
 AGENT_STREAMS = (TOOL_CALL_STREAM, APPROVAL_STREAM, RUN_STOP_STREAM)
 

@@ -1,14 +1,15 @@
 """Agent runs as first-class data: the per-run rollup in ClickHouse and the reads over it.
 
-**The rollup** (``agent_runs``, migration 0004; tokens named input/output since 0005) holds one row per (tenant, run id): model calls
-(billed usage events carrying the run id, and the run's refused attempts), tokens per model, tool
-calls (permits) by tool and by risk class, refused and replayed tool calls, approvals by event, the
-loop stop. Like ``usage_hourly`` it is derived data, recomputed — never incremented — from the
-deduplicated tables (``FINAL``) for every run with rows ingested since the last computation (minus
-:data:`~kvmeter.ledger.rollups.ROLLUP_MARGIN_S`); the ledger's writer refreshes it with the hourly
-rollups. Money is not stored: a run's ``cost`` is priced when it is read, with the reader's price
-list, by the one price function (:meth:`~kvmeter.ledger.prices.PriceList.cost`, per model):
-``subtotal`` exact, ``cost`` rounded once per run.
+**The rollup** (``agent_runs``, migration 0004; tokens named input/output since 0005) holds one
+row per (tenant, run id): model calls (billed usage events carrying the run id, and the run's
+refused attempts), tokens per model, tool calls (permits) by tool and by risk class, refused and
+replayed tool calls, approvals by event, the loop stop. Like ``usage_hourly`` it is derived data,
+recomputed — never incremented — from the deduplicated tables (``FINAL``) for every run with rows
+ingested since the last computation (minus :data:`~kvmeter.ledger.rollups.ROLLUP_MARGIN_S`); the
+ledger's writer refreshes it with the hourly rollups. Money is not stored: a run's ``cost`` is
+priced when it is read, with the reader's price list, by the one price function
+(:meth:`~kvmeter.ledger.prices.PriceList.cost`, per model): ``subtotal`` exact, ``cost`` rounded
+once per run.
 
 **The reads** (:class:`AgentRunQueries`), each over a time range (``start``, ``end``: a
 :class:`~kvmeter.ledger.period.Period` or a dashboard window) and a tenant filter (``None`` = all;
@@ -231,7 +232,8 @@ class AgentRunQueries:
         subtotal = self.subtotal(row)
         cost = self.prices.round(subtotal) if subtotal is not None else None
         out = {k: v for k, v in row.items() if not k.endswith("_by_model")}
-        out["models"] = sorted(set(row.get("input_tokens_by_model") or {}) | set(row.get("output_tokens_by_model") or {}))
+        out["models"] = sorted(set(row.get("input_tokens_by_model") or {})
+                               | set(row.get("output_tokens_by_model") or {}))
         for kind in TOKEN_FIELDS:
             out[kind] = int(sum((row.get(f"{kind}_by_model") or {}).values()))
         out["tool_calls_by_tool"] = {k: int(v) for k, v in (row.get("tool_calls_by_tool") or {}).items()}

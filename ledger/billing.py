@@ -6,7 +6,12 @@ period's usage, attempts and adjustments through a
 :class:`~kvmeter.ledger.queries.UsageReader` and prices them with :func:`invoice_lines`.
 
 One usage line per (period, tenant, workspace, project, API key, model, tier) — the
-attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus one line per adjustment.
+attribution of :data:`~kvmeter.ledger.queries.INVOICE_KEYS` — plus, beside it, one line per cause of
+engine work that reached no client (:data:`~kvmeter.events.UNDELIVERED_CAUSES`), billed
+(``line_type`` ``undelivered_billed``, priced like usage) or absorbed by the platform
+(``undelivered_absorbed``: its tokens shown, ``subtotal`` and ``cost`` 0, the list price of the work
+in ``note``), as the tier's policy and the logical request's other attempts decided
+(:data:`~kvmeter.ledger.queries.BILL_CLASSES`), plus one line per adjustment.
 
 Time zones: each tenant is billed in its own zone (its org's ``billing_timezone``; see
 :mod:`kvmeter.billing_calendar`). Given the tenants' zones, :func:`build_invoice` reads the period
@@ -42,7 +47,7 @@ from .period import Period
 from .prices import PriceList
 from .queries import INVOICE_KEYS, UsageReader
 
-__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "MONEY"]
+__all__ = ["Invoice", "build_invoice", "invoice_lines", "invoice_totals", "INVOICE_COLUMNS", "LINE_TYPES", "MONEY"]
 
 #: polars dtype of exact money and unit prices.
 MONEY = pl.Decimal(38, 18)
@@ -51,9 +56,12 @@ _USAGE_INTS = ("requests", "aborted_requests", "error_requests", "input_tokens",
                "output_tokens", "reasoning_tokens")
 _ATTEMPT_INTS = ("attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts")
 
+#: Line types of usage, in the order they follow each other for one line key.
+LINE_TYPES = ("usage", "undelivered_billed", "undelivered_absorbed")
+
 #: Column order of the invoice line frame (and of the CSV / Parquet files).
 INVOICE_COLUMNS = (
-    "period", "period_start", "period_end", "timezone", "line_type", *INVOICE_KEYS,
+    "period", "period_start", "period_end", "timezone", "line_type", "undelivered_cause", *INVOICE_KEYS,
     "requests", "attempts", "rejected_attempts", "replayed_attempts", "invalid_attempts", "aborted_requests",
     "error_requests", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens", "kv_token_seconds",
     "currency", "price_list_version", "priced", "subtotal", "cost", "note",
@@ -75,26 +83,53 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
     """Build the invoice lines of a period.
 
     Args:
-        usage: rows of :meth:`LedgerQueries.invoice_usage` (deduplicated usage per line key).
+        usage: rows of :meth:`LedgerQueries.invoice_usage` (deduplicated usage per line key, line
+            type and undelivered cause; a row without ``line_type`` — an older server's — is usage).
         attempts: rows of :meth:`LedgerQueries.invoice_attempts` (HTTP attempts per line key).
         adjustments: rows of :meth:`LedgerQueries.adjustments`.
         prices: the price list.
         period: the billed period.
     Returns:
-        A frame with :data:`INVOICE_COLUMNS`, usage lines (sorted by key) then adjustment lines.
-        ``priced`` is False (and ``subtotal``/``cost`` null) for a model the list does not price.
+        A frame with :data:`INVOICE_COLUMNS`: per line key its usage line, then its undelivered
+        lines (:data:`LINE_TYPES` order, by cause; sorted by key), then adjustment lines. Attempt
+        counts are on the usage line. ``priced`` is False (and ``subtotal``/``cost`` null) for a
+        model the list does not price; an absorbed line's ``subtotal`` and ``cost`` are 0.
     """
     keys = list(INVOICE_KEYS)
-    u = _frame(usage, _USAGE_INTS, {"kv_token_seconds": pl.Float64})
+    rows = [{"line_type": "usage", "undelivered_cause": "", **r} for r in usage]
+    u = _frame(rows, _USAGE_INTS, {"line_type": pl.String, "undelivered_cause": pl.String,
+                                   "kv_token_seconds": pl.Float64})
     a = _frame(attempts, _ATTEMPT_INTS, {})
-    df = u.join(a, on=keys, how="full", coalesce=True) if a.height else u.with_columns(
+    lines = u.filter(pl.col("line_type") == "usage")
+    undelivered = u.filter(pl.col("line_type") != "usage").with_columns(
         [pl.lit(0, pl.Int64).alias(c) for c in _ATTEMPT_INTS])
+    df = lines.join(a, on=keys, how="full", coalesce=True) if a.height else lines.with_columns(
+        [pl.lit(0, pl.Int64).alias(c) for c in _ATTEMPT_INTS])
+    df = pl.concat([df.select(undelivered.columns), undelivered], how="vertical")
     df = df.with_columns([pl.col(c).fill_null(0) for c in _USAGE_INTS + _ATTEMPT_INTS]
-                         + [pl.col("kv_token_seconds").fill_null(0.0)])
-    df = df.sort(keys)
-    # each line's subtotal: the one price function over the line's token sums (exact)
-    subtotals = [prices.cost_if_priced(model, tier, TokenCounts(*counts))
-                 for model, tier, *counts in df.select("model", "tier", *TOKEN_FIELDS).iter_rows()]
+                         + [pl.col("kv_token_seconds").fill_null(0.0), pl.col("line_type").fill_null("usage"),
+                            pl.col("undelivered_cause").fill_null("")])
+    order = pl.col("line_type").replace_strict({t: i for i, t in enumerate(LINE_TYPES)}, default=len(LINE_TYPES),
+                                               return_dtype=pl.Int64)
+    df = df.sort([*keys, order, "undelivered_cause"]) if df.height else df
+    # each line's subtotal: the one price function over the line's token sums (exact); an absorbed
+    # line's work is the platform's cost: shown at list price in its note, billed 0
+    values = [prices.cost_if_priced(model, tier, TokenCounts(*counts))
+              for model, tier, *counts in df.select("model", "tier", *TOKEN_FIELDS).iter_rows()]
+    absorbed = [t == "undelivered_absorbed" for t in df["line_type"].to_list()]
+    subtotals = [Decimal(0) if a and v is not None else v for v, a in zip(values, absorbed, strict=True)]
+    notes = []
+    kinds = zip(df["line_type"].to_list(), df["undelivered_cause"].to_list(), strict=True)
+    for v, a, (t, cause) in zip(values, absorbed, kinds, strict=True):
+        if v is None:
+            notes.append("model not in price list")
+        elif a:
+            notes.append(f"undelivered work ({cause or 'unknown cause'}) absorbed by the platform; "
+                         f"at list price {prices.round(v)} {prices.currency}")
+        elif t == "undelivered_billed":
+            notes.append(f"undelivered work ({cause or 'unknown cause'}) billed by the tier's policy")
+        else:
+            notes.append("")
     df = df.with_columns(pl.Series("subtotal", subtotals, dtype=MONEY))
     places = max(0, -int(prices.quantum.normalize().as_tuple().exponent))
     cost_dtype = pl.Decimal(38, places)
@@ -102,9 +137,7 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
     df = df.with_columns(
         pl.Series("cost", costs, dtype=cost_dtype),
         pl.col("subtotal").is_not_null().alias("priced"),
-        pl.lit("usage").alias("line_type"),
-        pl.when(pl.col("subtotal").is_null()).then(pl.lit("model not in price list")).otherwise(pl.lit(""))
-          .alias("note"),
+        pl.Series("note", notes, dtype=pl.String),
     )
     adj_rows = []
     for r in adjustments:
@@ -128,7 +161,8 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
                                                           "input_tokens", "cached_input_tokens", "output_tokens",
                                                           "reasoning_tokens")]
         adj = adj.with_columns(zeros + meta + [pl.lit(0.0).alias("kv_token_seconds"), pl.lit(True).alias("priced"),
-                                               pl.lit("adjustment").alias("line_type")])
+                                               pl.lit("adjustment").alias("line_type"),
+                                               pl.lit("").alias("undelivered_cause")])
         df = pl.concat([df.select(INVOICE_COLUMNS), adj.select(INVOICE_COLUMNS)], how="vertical")
     return df.select(INVOICE_COLUMNS)
 
@@ -212,6 +246,8 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
         whatever the reader raises (``LedgerUnavailable``, ``LedgerError``, ``ValueError``);
         ``PeriodError`` when the label cannot be read in a tenant's zone.
     """
+    # zone → (the period read in it, the zone whose tenants' lines to keep; None: every line)
+    by_zone: dict[str, tuple[Period, str | None]]
     if zones is None:
         by_zone = {period.timezone: (period, None)}
     elif tenant_id is not None:
@@ -220,13 +256,14 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
     else:
         names = set(zones.values()) | {UTC}
         by_zone = {z: (period.in_zone(z), z) for z in sorted(names)}
+    zone_of: Mapping[str, str] = zones if zones is not None else {}
     frames = []
-    for z, (p, keep) in by_zone.items():
-        def mine(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    for p, keep in by_zone.values():
+        def mine(rows: Iterable[dict[str, Any]], keep: str | None = keep) -> list[dict[str, Any]]:
             rows = list(rows)
             if keep is None:
                 return rows
-            return [r for r in rows if zones.get(r.get("tenant_id", ""), UTC) == keep]  # type: ignore[union-attr]
+            return [r for r in rows if zone_of.get(r.get("tenant_id", ""), UTC) == keep]
         frames.append(invoice_lines(mine(reader.invoice_usage(p, tenant_id)),
                                     mine(reader.invoice_attempts(p, tenant_id)),
                                     mine(reader.adjustments(p, tenant_id)), prices, p))
@@ -235,7 +272,11 @@ def build_invoice(reader: UsageReader, period: Period, prices: PriceList, tenant
 
 
 def _merge(frames: list[pl.DataFrame]) -> pl.DataFrame:
-    """Usage lines of every zone sorted by key, then the adjustment lines (as :func:`invoice_lines`)."""
+    """Usage and undelivered lines of every zone sorted by key, then the adjustment lines (as
+    :func:`invoice_lines`)."""
     both = pl.concat(frames, how="vertical")
-    usage = both.filter(pl.col("line_type") == "usage").sort(list(INVOICE_KEYS))
+    usage = both.filter(pl.col("line_type") != "adjustment")
+    order = pl.col("line_type").replace_strict({t: i for i, t in enumerate(LINE_TYPES)}, default=len(LINE_TYPES),
+                                               return_dtype=pl.Int64)
+    usage = usage.sort([*INVOICE_KEYS, order, "undelivered_cause"]) if usage.height else usage
     return pl.concat([usage, both.filter(pl.col("line_type") == "adjustment")], how="vertical")

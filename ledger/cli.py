@@ -21,9 +21,12 @@ On the ledger path the tenants' billing time zones come from the tenants config 
 default ``$KVMETER_TENANTS``; without one every tenant is billed in UTC): each tenant's lines
 cover the period read in its zone (:mod:`kvmeter.billing_calendar`).
 
-Exit status: 0 ok; 1 reconciliation found unexplained drift above the threshold; 2 bad
-arguments or configuration; 3 the report has usage the price list does not price; 4 the ledger
-is unavailable or held by another process.
+Exit status: 0 ok; 1 reconciliation found a view outside its bound (the engine view's unexplained
+drift ratio above ``--max-drift-ratio``, or the gateway view's admitted attempts without a finish
+above ``--max-missing-finishes``), each printed as one ``drift: TENANT: VIEW ...`` line on stderr
+saying by how much; 2 bad arguments or configuration, or a ledger path that holds no ledger;
+3 the report has usage the price list does not price; 4 the ledger is unavailable or held by
+another process.
 
 Output: report paths on stdout; progress, the summary line and errors on stderr, each error one
 ``error: ...`` line. An embedded ledger held by another process is that one line (naming
@@ -41,7 +44,7 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 from decimal import InvalidOperation
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .billing import build_invoice
 from .config import LedgerConfig, require_existing_ledger
@@ -51,9 +54,12 @@ from kvmeter.money import format_money, money_places
 from .prices import PriceList, load_price_list
 from .queries import UsageReader
 from .reconcile import reconcile
+
+if TYPE_CHECKING:
+    import polars as pl
 from .report import FORMATS, HtmlSection, write_report
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "drift_lines"]
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +301,11 @@ def _reconcile(args: argparse.Namespace) -> int:
                    "ledger_only_tokens", "engine_unbilled_requests", "engine_unbilled_tokens",
                    "duplicate_billed_requests", "duplicate_billed_tokens", "missing_finishes",
                    "missing_finish_reserved_tokens", "unexplained_drift_tokens", "unexplained_drift_ratio"]
-    reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens", "reservation_drift_ratio"]
+    reservation = ["tenant_id", "reserved_tokens", "actual_tokens", "reservation_drift_tokens",
+                   "reservation_drift_ratio"]
+    engine_work = ["tenant_id", "engine_tokens", "delivered_engine_tokens", "undelivered_billed_engine_tokens",
+                   "undelivered_absorbed_engine_tokens", "superseded_engine_tokens", "explained_engine_tokens",
+                   "engine_tokens_explained_ratio"]
     paths = write_report(
         args.out, f"reconcile-{period.slug}", frame, title=f"kvmeter reconciliation — {period.label}",
         meta=_meta(period, source) | {"drift threshold (ratio)": f"{args.max_drift_ratio:g}"},
@@ -309,6 +319,12 @@ def _reconcile(args: argparse.Namespace) -> int:
                              "the frontend's counts; superseded: engine work of an attempt whose logical request was "
                              "billed under a later attempt; duplicate_rows: stored duplicates that billing's FINAL "
                              "read removes."),
+            HtmlSection("Where the engine's tokens went", frame.select(engine_work),
+                        note="each attempt's engine work by the bill class of its usage row: delivered (the "
+                             "logical request's bill), undelivered and billed (the tier's policy; default: the "
+                             "client abandoned it), undelivered and absorbed by the platform (server failure, "
+                             "shutdown, deadline, or a failed attempt of a request that succeeded), superseded "
+                             "(a second success; engine work with no row of its own). explained = their sum."),
             HtmlSection("Unexplained drift", frame.select(unexplained), bad_column="status", bad_values=("drift",),
                         note="missing finishes are admitted attempts with neither an engine record nor a usage "
                              "event: lost, or still running at the end of the period."),
@@ -317,7 +333,50 @@ def _reconcile(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     print(headline, file=sys.stderr)
+    for line in drift_lines(frame, args.max_drift_ratio, args.max_missing_finishes):
+        print(line, file=sys.stderr)
     return EXIT_DRIFT if result.failed else EXIT_OK
+
+
+def _n(value: Any, unit: str) -> str:
+    """``1 token``, ``1,400 tokens`` (``value``: a whole number)."""
+    count = int(value)
+    return f"{count:,} {unit}{'' if count == 1 else 's'}"
+
+
+def drift_lines(frame: "pl.DataFrame", max_drift_ratio: float, max_missing_finishes: int | None) -> list[str]:
+    """One ``drift:`` line per tenant and view that is outside its bound, saying by how much.
+
+    Args:
+        frame: :attr:`ReconcileReport.frame <kvmeter.ledger.reconcile.ReconcileReport.frame>`.
+        max_drift_ratio: the engine view's bound (``unexplained_drift_ratio``, ≥ 0).
+        max_missing_finishes: the gateway view's bound (admitted attempts with neither an engine
+            record nor a usage event), or ``None``: not bounded.
+    Returns:
+        ``drift: <tenant>: engine view vs ledger: ...`` (the unexplained tokens, the work seen, the
+        ratio and its bound, then each kind of difference that is not zero) and ``drift: <tenant>:
+        gateway view vs ledger: ...`` lines; empty when every view is within its bound.
+    """
+    lines: list[str] = []
+    for row in frame.iter_rows(named=True):
+        ratio = float(row["unexplained_drift_ratio"])
+        if ratio > max_drift_ratio:
+            seen = int(row["ledger_tokens"]) + int(row["engine_unbilled_tokens"])
+            parts = [f"{label} {_n(row[req], 'request')} / {_n(row[tok], 'token')}" for label, req, tok in (
+                ("mismatched", "mismatched_requests", "matched_token_drift"),
+                ("ledger-only", "ledger_only_requests", "ledger_only_tokens"),
+                ("engine work never billed", "engine_unbilled_requests", "engine_unbilled_tokens"),
+                ("billed twice", "duplicate_billed_requests", "duplicate_billed_tokens")) if row[req] or row[tok]]
+            lines.append(f"drift: {row['tenant_id']}: engine view vs ledger: "
+                         f"{_n(row['unexplained_drift_tokens'], 'token')} unexplained of {seen:,} "
+                         f"(ratio {ratio:.6g} > bound {max_drift_ratio:g}): {'; '.join(parts)}")
+        missing = int(row["missing_finishes"])
+        if max_missing_finishes is not None and missing > max_missing_finishes:
+            lines.append(f"drift: {row['tenant_id']}: gateway view vs ledger: "
+                         f"{_n(missing, 'admitted attempt')} with no engine record and no usage event of "
+                         f"{int(row['gateway_admitted']):,} admitted (bound {max_missing_finishes}; "
+                         f"{_n(row['missing_finish_reserved_tokens'], 'reserved token')})")
+    return lines
 
 
 def _migrate(args: argparse.Namespace) -> int:

@@ -105,7 +105,8 @@ def connect(config: LedgerConfig) -> Client:
         _ensure_database(client, database, config.cluster)
     except (ClickHouseError, OSError) as exc:
         client.close()
-        raise LedgerUnavailable(f"cannot create database {database} at {dsn.redacted()}: {describe_error(exc)}") from None
+        raise LedgerUnavailable(
+            f"cannot create database {database} at {dsn.redacted()}: {describe_error(exc)}") from None
     return client
 
 

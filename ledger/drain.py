@@ -233,7 +233,8 @@ class Writer:
             # chDB copies a readable block into its input file view by view; a server gets one
             # buffer, which its HTTP client can resend on a retry
             payload = payload if self._config.embedded else payload.tobytes()
-        client.raw_insert(spec.table, column_names=list(columns), insert_block=payload,
+        # (clickhouse-connect types insert_block as a BinaryIO; chDB's client only read()s it)
+        client.raw_insert(spec.table, column_names=list(columns), insert_block=payload,  # type: ignore[arg-type]
                           fmt="JSONCompactEachRow", settings=self._settings(token))
         self.insert_batches_total += 1
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from datetime import datetime, timezone
-from typing import Iterable
+from typing import Callable, Iterable
 
 from clickhouse_connect.driver.client import Client
 
@@ -49,7 +49,7 @@ __all__ = ["Ledger", "sync_prices"]
 
 log = logging.getLogger(__name__)
 
-#: Event ids remembered to classify a re-recorded event as ``duplicate`` in the stats.
+#: Usage rows (tenant, event id, attempt request id) remembered to classify a re-recorded one as ``duplicate``.
 RECENT_EVENT_IDS = 100_000
 #: Columns of the ``adjustments`` table an :class:`Adjustment` holds (then ``ts`` and ``currency``).
 _ADJUSTMENT_COLUMNS = ("adjustment_id", "tenant_id", "workspace_id", "project_id", "api_key_id", "amount",
@@ -67,7 +67,8 @@ def sync_prices(client: Client, prices: PriceList) -> None:
     client.insert("prices", rows, column_names=["version", "currency", "model", "token_type", "price_per_million"],
                   settings={"insert_deduplication_token": token})
     if prices.tier_discounts:
-        client.insert("price_tier_discounts", [[prices.version, t, d] for t, d in sorted(prices.tier_discounts.items())],
+        client.insert("price_tier_discounts",
+                      [[prices.version, t, d] for t, d in sorted(prices.tier_discounts.items())],
                       column_names=["version", "tier", "discount_ratio"],
                       settings={"insert_deduplication_token": token + ":tiers"})
 
@@ -99,12 +100,28 @@ class Ledger:
         self._attempts = spool.streams[ATTEMPT_STREAM.name]
         self._engine = spool.streams[ENGINE_STREAM.name]
         self._ingested = dict.fromkeys(INGEST_STATUSES, 0)
-        self._recent: set[tuple[str, str]] = set()
-        self._recent_old: set[tuple[str, str]] = set()
+        self._recent: set[tuple[str, str, str]] = set()
+        self._recent_old: set[tuple[str, str, str]] = set()
         self._late_after_s = config.late_after_s
         self._engine_invalid = 0
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
+
+    @property
+    def spool(self) -> Spool:
+        """The durable spool under the ledger (its streams' depth, batches and segment files), for
+        inspection and recovery tools; records enter it through the ``record*`` methods."""
+        return self._spool
+
+    def query_client(self) -> Client:
+        """The read-side ClickHouse client (connected and migrated on first use), shared with
+        :attr:`queries`: for SQL the query classes do not offer (diagnostics, benches, tests).
+        :meth:`close` closes it; callers must not.
+
+        Raises:
+            LedgerUnavailable: ClickHouse cannot be reached.
+        """
+        return self._query_holder.get()
 
     # ------------------------------------------------------------------ construction
 
@@ -137,16 +154,20 @@ class Ledger:
             migrate(client, config.cluster)
             sync_prices(client, prices)
 
-        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes,
+                      fsync=config.fsync)
         try:
             writer_holder = ClientHolder(factory, prepare)
             query_holder = ClientHolder(factory, lambda client: migrate(client, config.cluster))
             if config.embedded and client_factory is None:
                 writer_holder.get()  # fail loudly at construction: locked path, failed migration
             ledger_box: list[Ledger] = []
-            writer = Writer(spool, writer_holder, config, clock,
-                            on_round=lambda: ledger_box and ledger_box[0]._publish(),
-                            refresh_rollups=refresh_rollups)
+
+            def on_round() -> None:
+                if ledger_box:
+                    ledger_box[0]._publish()
+
+            writer = Writer(spool, writer_holder, config, clock, on_round=on_round, refresh_rollups=refresh_rollups)
             ledger = cls(config=config, spool=spool, writer=writer, query_holder=query_holder,
                          prices=prices, bus=bus, clock=clock)
             ledger_box.append(ledger)
@@ -155,7 +176,7 @@ class Ledger:
             raise
         writer.start()
         if bus is not None:
-            ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
+            ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger.record_engine)
         log.info("ledger open: %r", config)
         return ledger
 
@@ -167,7 +188,7 @@ class Ledger:
         except InvalidRecord:
             self._ingested["invalid"] += 1
             raise
-        key = (event.tenant_id, event.event_id)
+        key = (event.tenant_id, event.event_id, event.request_id)  # one row per attempt (migration 0006)
         # stats only (a race between threads can at worst misclassify one event): two
         # generations of recent ids, the older dropped when the newer fills up
         if key in self._recent or key in self._recent_old:
@@ -226,9 +247,11 @@ class Ledger:
         stream, line = encode_agent_record(record)
         await self._spool.streams[stream].submit(line).wait_async()
 
-    def _on_engine_stats(self, stats: EngineRequestStats) -> None:
-        """Bus callback: spool the engine's account of a request (cheap, never blocks), under the
-        tenant the engine stamped on it (``""`` when unattributed)."""
+    def record_engine(self, stats: EngineRequestStats) -> None:
+        """Spool the engine's account of a request (cheap, never blocks), under the tenant the
+        engine stamped on it (``""`` when unattributed) — the engine view of reconciliation.
+        :meth:`open` subscribes it to the bus; a record that cannot be encoded is counted and
+        logged, not raised."""
         try:
             line = encode_engine(stats, self._clock.wall())
         except InvalidRecord as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, timezone
 
 from kvmeter.billing_calendar import UTC, check_zone, day_bounds, month_bounds, year_bounds, zone
 

@@ -182,7 +182,7 @@ class PriceList:
         if units is None:
             raise UnpricedModel(model)
         total = Decimal(0)
-        for count, unit in zip(tokens.parts(), units):  # zero counts too: the sum keeps the units' scale
+        for count, unit in zip(tokens.parts(), units, strict=True):  # zero counts too: the sum keeps the units' scale
             total = _EXACT.add(total, _EXACT.multiply(unit, count))
         return total
 
@@ -263,7 +263,8 @@ def parse_price_list(data: Mapping[str, Any], source: str = "") -> PriceList:
             raise PriceListError(f"{source}: models.{name} must be a mapping of token type to price")
         extra = set(spec) - set(TOKEN_TYPES) - {"aliases"}
         if extra:
-            raise PriceListError(f"{source}: models.{name}: unknown key(s) {sorted(extra)}; token types are {TOKEN_TYPES}")
+            raise PriceListError(f"{source}: models.{name}: unknown key(s) {sorted(extra)}; "
+                                 f"token types are {TOKEN_TYPES}")
         values: dict[str, Decimal] = {}
         for t in ("input", "cached_input", "output"):
             if t not in spec:

@@ -24,6 +24,7 @@ from kvmeter.tokens import TokenCounts
 from .connection import ClientHolder, QueryRunner
 from .period import Period
 from .prices import PriceList
+from .records import USAGE_COLUMNS
 
 #: The usage totals every per-group usage query selects, in this order (``usage_hourly``'s columns
 #: after its keys rely on it): requests by outcome and engine-true tokens by type. One definition,
@@ -46,7 +47,59 @@ ATTEMPT_TOTALS_SQL = """count() AS attempts,
     countIf(status = 'replayed') AS replayed_attempts,
     countIf(status IN ('invalid', 'error')) AS invalid_attempts"""
 
-__all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S"]
+__all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S", "BILL_CLASSES",
+           "BILLED_CLASSES", "classified_usage_sql"]
+
+#: The bill class of a usage row (one row per attempt, migration 0006), decided per logical
+#: request (``tenant_id``, ``event_id``) over all its rows (docs/ARCHITECTURE.md, "Metering rules"):
+#:
+#: * ``usage`` — the logical request's bill: its successful attempt (the first ``ok`` row by
+#:   finish time), or a row that names no undelivered cause (written before schema 3, or by a
+#:   caller that gives none: billed as it always was);
+#: * ``undelivered_billed`` / ``undelivered_absorbed`` — an attempt that did not complete, of a
+#:   logical request with no successful attempt: billed or absorbed as its tier decided for its
+#:   cause (``undelivered_billing``); of a logical request with a successful attempt: absorbed
+#:   (the bill is the successful attempt's, so a retry can never add to or erase it);
+#: * ``superseded`` — a second successful attempt of a logical request (the same key and body run
+#:   again after the idempotency store forgot it): delivered, not billed again.
+BILL_CLASSES = ("usage", "undelivered_billed", "undelivered_absorbed", "superseded")
+#: The classes that are billed to the tenant.
+BILLED_CLASSES = ("usage", "undelivered_billed")
+
+#: The columns of a classified usage row (:func:`classified_usage_sql`), besides ``bill_class``:
+#: every column a usage row is written with.
+_CLASSIFIED_COLUMNS = USAGE_COLUMNS
+
+
+def classified_usage_sql(where: str) -> str:
+    """A subquery of the usage rows of ``usage_events FINAL`` that match ``where`` (SQL over the
+    table's columns, bound parameters allowed), each with its ``bill_class`` (:data:`BILL_CLASSES`).
+
+    The one statement of which attempt bills a logical request: a row's class depends on every row
+    of its logical request, in or out of ``where`` (a success recorded in another period still
+    decides it), found by ``(tenant_id, event_id)``.
+    """
+    cols = ", ".join(f"u.{c} AS {c}" for c in _CLASSIFIED_COLUMNS)
+    return f"""(
+        SELECT {cols},
+            multiIf(b.ok_request = '', if(u.undelivered_cause = '', 'usage',
+                                          if(u.undelivered_billing = 'billed', 'undelivered_billed',
+                                             'undelivered_absorbed')),
+                    u.request_id = b.ok_request, 'usage',
+                    u.outcome = 'ok', 'superseded',
+                    'undelivered_absorbed') AS bill_class
+        FROM (SELECT * FROM usage_events FINAL WHERE {where}) AS u
+        LEFT JOIN (
+            SELECT tenant_id, event_id, argMin(request_id, (finish_ts, request_id)) AS ok_request
+            FROM usage_events FINAL
+            WHERE outcome = 'ok'
+              AND (tenant_id, event_id) IN (SELECT tenant_id, event_id FROM usage_events WHERE {where})
+            GROUP BY tenant_id, event_id
+        ) AS b ON u.tenant_id = b.tenant_id AND u.event_id = b.event_id
+    )"""
+
+
+_BILLED = "bill_class IN ('usage', 'undelivered_billed')"
 
 #: Allowed ``group_by`` names → SQL expression over usage_events.
 GROUP_BY_FIELDS: dict[str, str] = {
@@ -123,7 +176,8 @@ class LedgerQueries:
 
     def usage_summary(self, period: Period, tenant_id: str | None = None,
                       group_by: Sequence[str] = ("tenant_id",)) -> list[dict[str, Any]]:
-        """Usage per group in a period.
+        """Billed usage per group in a period: the rows of classes :data:`BILLED_CLASSES` (a
+        logical request's successful attempt, or its undelivered work its tier bills).
 
         Args:
             period: the half-open UTC interval (events by ``finish_ts``); ``hour`` and ``day``
@@ -151,7 +205,8 @@ class LedgerQueries:
         select_keys = ", ".join(f"{GROUP_BY_FIELDS[g]} AS {g}" for g in group)
         group_sql = ", ".join(group)
         params = _params(period, tenant_id)
-        where = f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}"
+        usage = classified_usage_sql(f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}")
+        where = _BILLED
         metrics = self._query(f"""
             SELECT {select_keys},
                 {BILLABLE_TOTALS_SQL},
@@ -159,7 +214,7 @@ class LedgerQueries:
                 if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
                 if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.5)(itl_mean_s)) AS itl_p50_s,
                 if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.95)(itl_mean_s)) AS itl_p95_s
-            FROM usage_events FINAL
+            FROM {usage}
             WHERE {where}
             GROUP BY {group_sql}
             ORDER BY {group_sql}""", params)
@@ -170,7 +225,7 @@ class LedgerQueries:
                 sum(cached_input_tokens) AS cached_input_tokens,
                 sum(output_tokens) AS output_tokens,
                 sum(reasoning_tokens) AS reasoning_tokens
-            FROM usage_events FINAL
+            FROM {usage}
             WHERE {where}
             GROUP BY {", ".join(priced_keys)}""", params)
         costs: dict[tuple, Decimal | None] = {}
@@ -202,14 +257,27 @@ class LedgerQueries:
         return out
 
     def invoice_usage(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        """Billable usage per invoice line key (:data:`INVOICE_KEYS`) in a period.
+        """Usage per invoice line key (:data:`INVOICE_KEYS`), line type and undelivered cause in
+        a period.
 
         Returns:
-            One dict per line: the keys, ``requests``, ``aborted_requests``, ``error_requests``,
-            ``input_tokens``, ``cached_input_tokens``, ``output_tokens``,
-            ``reasoning_tokens`` (ints) and ``kv_token_seconds`` (float). Deduplicated (FINAL).
+            One dict per line: the keys, ``line_type`` (``usage``, ``undelivered_billed`` or
+            ``undelivered_absorbed``: the bill class of its rows, :data:`BILL_CLASSES`; superseded
+            successes are not invoiced), ``undelivered_cause`` (``""`` on usage lines),
+            ``requests`` (usage rows: logical requests on a usage line, attempts on an undelivered
+            one), ``aborted_requests``, ``error_requests``, ``input_tokens``,
+            ``cached_input_tokens``, ``output_tokens``, ``reasoning_tokens`` (ints) and
+            ``kv_token_seconds`` (float). Deduplicated (FINAL).
         """
-        return self._per_line_key(BILLABLE_TOTALS_SQL, "usage_events", "finish_ts", period, tenant_id)
+        keys = ", ".join(INVOICE_KEYS)
+        usage = classified_usage_sql(f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}")
+        return self._query(f"""
+            SELECT {keys}, bill_class AS line_type, undelivered_cause,
+                {BILLABLE_TOTALS_SQL}
+            FROM {usage}
+            WHERE bill_class != 'superseded'
+            GROUP BY {keys}, line_type, undelivered_cause
+            ORDER BY {keys}, line_type, undelivered_cause""", _params(period, tenant_id))
 
     def invoice_attempts(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """HTTP attempts per invoice line key in a period (by attempt ``ts``).
@@ -325,8 +393,11 @@ class LedgerQueries:
             ``superseded_requests``, ``superseded_tokens``, ``duplicate_billed_requests``,
             ``duplicate_billed_tokens``, ``missing_finishes``, ``missing_finish_reserved_tokens``,
             ``stored_rows`` (ledger rows before deduplication), and the gateway's ``attempts``,
-            ``rejected_attempts``, ``replayed_attempts``; plus ``checked`` = ``sets`` or
-            ``per_request`` (which pass produced the row).
+            ``rejected_attempts``, ``replayed_attempts``; the engine tokens of the period's engine
+            records by the bill class of their attempt's usage row (:data:`BILL_CLASSES`):
+            ``delivered_engine_tokens`` (class ``usage``), ``undelivered_billed_engine_tokens``,
+            ``undelivered_absorbed_engine_tokens``, ``superseded_engine_tokens``; plus ``checked``
+            = ``sets`` or ``per_request`` (which pass produced the row).
         """
         params = _params(period, tenant_id)
         t_filter = _tenant_clause(tenant_id)
@@ -371,18 +442,18 @@ class LedgerQueries:
         tenants = sorted(set(ledger) | set(engine) | set(gateway))
         consistent: dict[str, dict[str, Any]] = {}
         for tenant in tenants:
-            l, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
-            if detailed or tenant == "" or l is None:
+            led, e, g = ledger.get(tenant), engine.get(tenant), gateway.get(tenant)
+            if detailed or tenant == "" or led is None:
                 continue
             e_count, e_sum = (int(e["engine_requests"]), int(e["engine_sum"])) if e else (0, 0)
             g_count, g_sum = (int(g["gateway_admitted"]), int(g["admitted_sum"])) if g else (0, 0)
-            if (int(l["hooks_requests"]), int(l["hooks_sum"])) == (e_count, e_sum) and \
-                    (int(l["ledger_requests"]), int(l["request_sum"])) == (g_count, g_sum):
+            if (int(led["hooks_requests"]), int(led["hooks_sum"])) == (e_count, e_sum) and \
+                    (int(led["ledger_requests"]), int(led["request_sum"])) == (g_count, g_sum):
                 row = _empty_view(tenant)
-                row.update({k: int(l[k]) for k in ("ledger_requests", "ledger_input_tokens",
-                                                   "ledger_output_tokens", "reserved_tokens", "actual_tokens",
-                                                   "aborted_requests", "aborted_tokens", "frontend_only_requests",
-                                                   "frontend_only_tokens")})
+                row.update({k: int(led[k]) for k in ("ledger_requests", "ledger_input_tokens",
+                                                     "ledger_output_tokens", "reserved_tokens", "actual_tokens",
+                                                     "aborted_requests", "aborted_tokens", "frontend_only_requests",
+                                                     "frontend_only_tokens")})
                 row["ledger_rows"] = row["ledger_requests"]
                 row["matched_requests"] = e_count
                 if e:
@@ -401,7 +472,36 @@ class LedgerQueries:
                 row[f] = int(g[f]) if g else 0
             row["stored_rows"] = stored.get(tenant, 0)
             out.append({k: (int(v) if isinstance(v, (int, bool)) else v) for k, v in row.items()})
+        by_class = self._engine_tokens_by_class(period, tenant_id)
+        for row in out:
+            for cls, column in _ENGINE_CLASS_COLUMNS.items():
+                row[column] = by_class.get((row["tenant_id"], cls), 0)
         return out
+
+    def _engine_tokens_by_class(self, period: Period, tenant_id: str | None) -> dict[tuple[str, str], int]:
+        """(tenant, bill class) → input + output tokens of the period's engine records (by
+        ``wall_ts``), each under the class of its attempt's usage row (rows up to
+        :data:`RECONCILE_SLACK_S` outside the period are read so boundary requests match); an
+        engine record with no usage row is not counted here (reconciliation reports it as
+        engine-unbilled or superseded)."""
+        slack = timedelta(seconds=RECONCILE_SLACK_S)
+        params = _params(period, tenant_id, wstart=period.start - slack, wend=period.end + slack)
+        window = ("finish_ts >= {wstart:DateTime64(6, 'UTC')} AND finish_ts < {wend:DateTime64(6, 'UTC')}"
+                  + _tenant_clause(tenant_id))
+        rows = self._query(f"""
+            SELECT l.tenant_id AS tenant_id, l.bill_class AS bill_class,
+                sum(toUInt64(e.input_tokens) + e.output_tokens) AS tokens
+            FROM (
+                SELECT request_id, input_tokens, output_tokens FROM engine_requests FINAL
+                WHERE wall_ts >= {_PERIOD} AND wall_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            ) AS e
+            INNER JOIN (
+                SELECT request_id, any(tenant_id) AS tenant_id, any(bill_class) AS bill_class
+                FROM {classified_usage_sql(window)}
+                GROUP BY request_id
+            ) AS l ON e.request_id = l.request_id
+            GROUP BY tenant_id, bill_class""", params)
+        return {(r["tenant_id"], r["bill_class"]): int(r["tokens"]) for r in rows}
 
     def _per_request(self, period: Period, tenants: list[str]) -> list[dict[str, Any]]:
         """The per-request pass of :meth:`reconcile_views` for ``tenants`` ("" = engine records
@@ -424,22 +524,28 @@ class LedgerQueries:
                 sumIf(e_output, in_engine) AS engine_output_tokens,
                 countIf(in_gateway) AS gateway_admitted,
                 countIf(l_rows = 1 AND in_engine) AS matched_requests,
-                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output)) AS mismatched_requests,
-                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine) AS matched_token_drift,
+                countIf(l_rows = 1 AND in_engine AND (l_input != e_input OR l_output != e_output))
+                    AS mismatched_requests,
+                sumIf(abs(toInt64(l_input) - e_input) + abs(toInt64(l_output) - e_output), l_rows = 1 AND in_engine)
+                    AS matched_token_drift,
                 countIf(l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_requests,
                 sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND l_aborted) AS aborted_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks) AS frontend_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND NOT l_hooks)
+                    AS frontend_only_tokens,
                 countIf(l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_requests,
-                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks) AS ledger_only_tokens,
+                sumIf(l_input + l_output, l_rows > 0 AND NOT in_engine AND NOT l_aborted AND l_hooks)
+                    AS ledger_only_tokens,
                 countIf(l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND NOT superseded) AS engine_unbilled_tokens,
                 countIf(l_rows = 0 AND in_engine AND superseded) AS superseded_requests,
                 sumIf(e_input + e_output, l_rows = 0 AND in_engine AND superseded) AS superseded_tokens,
                 countIf(l_rows > 1) AS duplicate_billed_requests,
-                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1) AS duplicate_billed_tokens,
+                sumIf(l_input + l_output - intDivOrZero(l_input + l_output, l_rows), l_rows > 1)
+                    AS duplicate_billed_tokens,
                 countIf(in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finishes,
-                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded) AS missing_finish_reserved_tokens
+                sumIf(a_reserved, in_gateway AND l_rows = 0 AND NOT in_engine AND NOT superseded)
+                    AS missing_finish_reserved_tokens
             FROM (
                 SELECT
                     request_key,
@@ -502,6 +608,12 @@ _VIEW_INT_FIELDS = (
     "engine_unbilled_requests", "engine_unbilled_tokens", "superseded_requests", "superseded_tokens",
     "duplicate_billed_requests", "duplicate_billed_tokens", "missing_finishes", "missing_finish_reserved_tokens",
 )
+
+
+#: Bill class → the reconcile view's column of engine tokens under it.
+_ENGINE_CLASS_COLUMNS = {"usage": "delivered_engine_tokens", "undelivered_billed": "undelivered_billed_engine_tokens",
+                         "undelivered_absorbed": "undelivered_absorbed_engine_tokens",
+                         "superseded": "superseded_engine_tokens"}
 
 
 def _empty_view(tenant_id: str) -> dict[str, Any]:

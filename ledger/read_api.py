@@ -88,8 +88,9 @@ class JsonResponse(JSONResponse):
         return dumps(content)
 
 
-def error_response(status: int, message: str, code: str, param: str | None = None) -> Response:
-    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}``."""
+def error_response(status: int, message: str, code: str | None, param: str | None = None) -> Response:
+    """An OpenAI-style JSON error: ``{"error": {"message", "type", "param", "code"}}`` (``code``
+    may be null, as in OpenAI's error object)."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}.get(status, "api_error")
     return JsonResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 

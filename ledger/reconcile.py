@@ -18,6 +18,19 @@ explained (expected by design, reported, not drift)
                         (the in-memory idempotency store does not survive a restart).
     ``duplicate_rows``  stored rows not yet merged by the ReplacingMergeTree (billing reads FINAL).
     ``replayed``        idempotent replays served without engine work.
+where the engine's tokens went (every attempt has its own usage row, migration 0006)
+    ``delivered_engine_tokens``            engine work of the attempts that make a logical request's
+                                           bill (its successful attempt; rows without an undelivered
+                                           cause, as before)
+    ``undelivered_billed_engine_tokens``   engine work that reached no client, billed by its tier's
+                                           policy (default: the client abandoned it)
+    ``undelivered_absorbed_engine_tokens`` engine work that reached no client, absorbed by the
+                                           platform (a server failure, a shutdown, a deadline drop;
+                                           any failed attempt of a request that succeeded)
+    ``superseded_engine_tokens``           a second successful attempt of one logical request, plus
+                                           ``superseded_tokens`` (engine work with no row of its own)
+    ``engine_tokens_explained_ratio``      the four over ``engine_tokens`` (1.0 with no engine tokens):
+                                           1.0 when every engine token is accounted for
 unexplained (drift)
     ``mismatched``      matched requests whose ledger tokens differ from the engine's.
     ``ledger_only``     events that claim engine counts (``engine_hooks``) but have no engine record.
@@ -52,6 +65,9 @@ RECONCILE_COLUMNS = (
     # explained
     "matched_requests", "aborted_requests", "aborted_tokens", "frontend_only_requests", "frontend_only_tokens",
     "superseded_requests", "superseded_tokens", "duplicate_rows",
+    # where the engine's tokens went
+    "delivered_engine_tokens", "undelivered_billed_engine_tokens", "undelivered_absorbed_engine_tokens",
+    "superseded_engine_tokens", "explained_engine_tokens", "engine_tokens_explained_ratio",
     # unexplained
     "mismatched_requests", "matched_token_drift", "ledger_only_requests", "ledger_only_tokens",
     "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests", "duplicate_billed_tokens",
@@ -106,9 +122,10 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
               "stored_rows", "mismatched_requests", "matched_token_drift", "ledger_only_requests", "ledger_only_tokens",
               "engine_unbilled_requests", "engine_unbilled_tokens", "duplicate_billed_requests",
               "duplicate_billed_tokens", "missing_finishes", "missing_finish_reserved_tokens", "reserved_tokens",
-              "actual_tokens")
-    base = base.with_columns([pl.col(c).cast(pl.Int64).fill_null(0) if c in base.columns else pl.lit(0, pl.Int64).alias(c)
-                              for c in needed])
+              "actual_tokens", "delivered_engine_tokens", "undelivered_billed_engine_tokens",
+              "undelivered_absorbed_engine_tokens", "superseded_engine_tokens")
+    base = base.with_columns([pl.col(c).cast(pl.Int64).fill_null(0) if c in base.columns
+                              else pl.lit(0, pl.Int64).alias(c) for c in needed])
     df = base.with_columns(
         pl.when(pl.col("tenant_id") == "").then(pl.lit(UNATTRIBUTED)).otherwise(pl.col("tenant_id")).alias("tenant_id"),
         (pl.col("engine_input_tokens") + pl.col("engine_output_tokens")).alias("engine_tokens"),
@@ -120,6 +137,9 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
         (pl.col("matched_token_drift") + pl.col("ledger_only_tokens") + pl.col("engine_unbilled_tokens")
          + pl.col("duplicate_billed_tokens")).alias("unexplained_drift_tokens"),
         (pl.col("reserved_tokens") - pl.col("actual_tokens")).alias("reservation_drift_tokens"),
+        (pl.col("delivered_engine_tokens") + pl.col("undelivered_billed_engine_tokens")
+         + pl.col("undelivered_absorbed_engine_tokens") + pl.col("superseded_engine_tokens")
+         + pl.col("superseded_tokens")).alias("explained_engine_tokens"),
     )
     denominator = pl.max_horizontal(pl.col("ledger_tokens") + pl.col("engine_unbilled_tokens"), pl.lit(1))
     df = df.with_columns(
@@ -127,6 +147,9 @@ def reconcile(views: Iterable[dict[str, Any]], *, threshold_ratio: float = 0.0,
         pl.when(pl.col("reserved_tokens") > 0)
           .then(pl.col("reservation_drift_tokens") / pl.col("reserved_tokens")).otherwise(None)
           .alias("reservation_drift_ratio"),
+        pl.when(pl.col("engine_tokens") > 0)
+          .then(pl.col("explained_engine_tokens") / pl.col("engine_tokens")).otherwise(1.0)
+          .alias("engine_tokens_explained_ratio"),
     )
     fail = pl.col("unexplained_drift_ratio") > threshold_ratio
     if max_missing_finishes is not None:

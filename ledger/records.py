@@ -20,8 +20,10 @@ Two boundaries live here, one each:
 * **Old spool lines → columns.** Blocks written by an earlier kvmeter carry an older column list
   (their schema version, kept in :class:`StreamSpec`); :meth:`StreamSpec.decode` is the one place
   that maps them to today's columns: the token columns of the prompt/completion vocabulary are
-  renamed by :data:`LEGACY_COLUMN_NAMES` and ``org_id`` (the tenant's second id) is dropped
-  (:data:`LEGACY_DROPPED_COLUMNS`), so a spool written before an upgrade still drains after it.
+  renamed by :data:`LEGACY_COLUMN_NAMES`, ``org_id`` (the tenant's second id) is dropped
+  (:data:`LEGACY_DROPPED_COLUMNS`) and a column an old block lacks but can be computed from it is
+  derived (:attr:`StreamSpec.derived`: a usage row's ``attempt_id`` from its tenant and request
+  id), so a spool written before an upgrade still drains after it, each attempt its own row.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import msgspec
 from msgspec import Meta
 
 from kvmeter.attribution import ATTRIBUTION_FIELDS, Attribution
-from kvmeter.events import UsageEvent
+from kvmeter.events import ATTEMPT_NAMESPACE, UsageEvent, attempt_id_for
 from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import NO_TOKENS, TOKEN_FIELDS, TokenCounts
 
@@ -61,10 +63,9 @@ __all__ = [
     "encode_attempt",
     "encode_engine",
     "NIL_UUID",
+    "ATTEMPT_NAMESPACE",
 ]
 
-#: Namespace for deterministic attempt ids (never change it).
-ATTEMPT_NAMESPACE = uuid.UUID("0c7b5a52-3d8e-5f1a-9e2b-7a4f6c1d8e03")
 #: Namespace for deterministic adjustment ids.
 ADJUSTMENT_NAMESPACE = uuid.UUID("a2e9f3c4-6b71-5d08-8c5e-1f2a3b4c5d6e")
 NIL_UUID = "00000000-0000-0000-0000-000000000000"
@@ -82,18 +83,6 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 #: A block's JSON-array lines: bytes, or a spool view with ``tobytes()``.
 _Payload = Any
-
-
-def attempt_id_for(tenant_id: str, request_id: str) -> str:
-    """Deterministic id of one HTTP attempt: UUIDv5 over tenant and request id.
-
-    A re-recorded attempt (crash replay) keeps its id, so the attempts table keeps one row.
-    Raises:
-        ValueError: if either argument is empty.
-    """
-    if not tenant_id or not request_id:
-        raise ValueError("attempt_id_for needs a non-empty tenant_id and request_id")
-    return str(uuid.uuid5(ATTEMPT_NAMESPACE, f"{tenant_id}\x1f{request_id}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,12 +293,15 @@ class StreamSpec:
         schema: version of the column list written in each new spool block.
         columns: column order of the JSON arrays, per schema version, as that version wrote them
             (old versions with their old names; see :meth:`decode`).
+        derived: today's columns an older block lacks that are computed from its own columns:
+            name → (the source columns, by today's names; the function of their values).
     """
 
     name: str
     table: str
     schema: int
     columns: Mapping[int, tuple[str, ...]]
+    derived: Mapping[str, tuple[tuple[str, ...], Callable[..., Any]]] = field(default_factory=dict)
 
     def columns_for(self, schema: int) -> tuple[str, ...]:
         """Column list of a block written with ``schema``, as written (KeyError if unknown)."""
@@ -320,8 +312,10 @@ class StreamSpec:
 
         A block of the current schema passes through untouched (the drain's fast path). An older
         block has its old column names mapped by :data:`LEGACY_COLUMN_NAMES`; if it carries a
-        column in :data:`LEGACY_DROPPED_COLUMNS`, its rows are re-encoded without it (old blocks
-        are what one upgrade left in the spool: a bounded, one-off cost).
+        column in :data:`LEGACY_DROPPED_COLUMNS` or lacks one of :attr:`derived`, its rows are
+        re-encoded without the first and with the second appended (old blocks are what one
+        upgrade left in the spool: a bounded, one-off cost). Columns it lacks that cannot be
+        derived take the table's defaults.
 
         Args:
             schema: the block's schema version.
@@ -334,23 +328,30 @@ class StreamSpec:
             return written, payload
         names = tuple(LEGACY_COLUMN_NAMES.get(c, c) for c in written)
         keep = [i for i, c in enumerate(written) if c not in LEGACY_DROPPED_COLUMNS]
-        if len(keep) == len(written):
+        derive = [(column, [names.index(s) for s in sources], fn)
+                  for column, (sources, fn) in self.derived.items()
+                  if column not in names and all(s in names for s in sources)]
+        if len(keep) == len(written) and not derive:
             return names, payload
         data = payload if isinstance(payload, bytes) else payload.tobytes()
         rows = [_decoder.decode(line) for line in data.split(b"\n") if line.strip()]
-        out = b"".join(_encoder.encode([row[i] for i in keep]) + b"\n" for row in rows)
-        return tuple(names[i] for i in keep), out
+        out = b"".join(_encoder.encode([row[i] for i in keep] + [fn(*(row[j] for j in at)) for _, at, fn in derive])
+                       + b"\n" for row in rows)
+        return tuple(names[i] for i in keep) + tuple(column for column, _, _ in derive), out
 
 
 #: Usage columns: the UsageEvent's fields flattened (see :func:`column_getter`). Schema 1 spelled
-#: the tokens prompt/completion and carried ``org_id`` after ``idempotency_key``.
-USAGE_COLUMNS: tuple[str, ...] = (
+#: the tokens prompt/completion and carried ``org_id`` after ``idempotency_key``; schema 3 added the
+#: attempt's id and its undelivered cause and billing (one row per attempt, migration 0006).
+_USAGE_COLUMNS_V2: tuple[str, ...] = (
     "event_id", "tenant_id", "request_id", "tier", "model", "endpoint", "outcome", "finish_reason",
     "arrival_ts", "finish_ts", "input_tokens", "output_tokens", "cached_input_tokens", "reasoning_tokens",
     "reserved_input_tokens", "reserved_output_tokens", "idempotency_key", "workspace_id", "project_id",
     "api_key_id", "agent_run_id", "status_code", "stream", "queue_s", "ttft_s", "prefill_s", "decode_s",
     "e2e_s", "itl_mean_s", "kv_token_seconds", "token_source", "attempt", "preemptions", "schema_version",
 )
+USAGE_COLUMNS: tuple[str, ...] = _USAGE_COLUMNS_V2[:-1] + (
+    "attempt_id", "undelivered_cause", "undelivered_billing", "schema_version")
 _USAGE_COLUMNS_V1: tuple[str, ...] = (
     "event_id", "tenant_id", "request_id", "tier", "model", "endpoint", "outcome", "finish_reason",
     "arrival_ts", "finish_ts", "prompt_tokens", "completion_tokens", "cached_prompt_tokens", "reasoning_tokens",
@@ -383,7 +384,14 @@ ENGINE_COLUMNS: tuple[str, ...] = (
     "tenant_id",
 )
 
-USAGE_STREAM = StreamSpec("usage", "usage_events", 2, {1: _USAGE_COLUMNS_V1, 2: USAGE_COLUMNS})
+def _old_attempt_id(tenant_id: str, request_id: str) -> str:
+    """A usage row's ``attempt_id`` in a block spooled before schema 3 (the nil UUID without a
+    request id, as :attr:`UsageEvent.attempt_id <kvmeter.events.UsageEvent.attempt_id>`)."""
+    return attempt_id_for(tenant_id, request_id) if tenant_id and request_id else NIL_UUID
+
+
+USAGE_STREAM = StreamSpec("usage", "usage_events", 3, {1: _USAGE_COLUMNS_V1, 2: _USAGE_COLUMNS_V2, 3: USAGE_COLUMNS},
+                          derived={"attempt_id": (("tenant_id", "request_id"), _old_attempt_id)})
 ATTEMPT_STREAM = StreamSpec("attempts", "attempts", 3, {1: _ATTEMPT_COLUMNS_V1,
                                                         2: _ATTEMPT_COLUMNS_V1 + ("level", "dimension"),
                                                         3: ATTEMPT_COLUMNS})
@@ -392,8 +400,9 @@ ENGINE_STREAM = StreamSpec("engine", "engine_requests", 3, {1: _ENGINE_COLUMNS_V
                                                             3: ENGINE_COLUMNS})
 STREAMS: tuple[StreamSpec, ...] = (USAGE_STREAM, ATTEMPT_STREAM, ENGINE_STREAM)
 
-# Row shapes (scalar fields only, so untracked by the cycle collector: gc=False), validated in C by msgspec.convert (about 2 µs per usage event, against ~6 µs for the
-# same checks in Python) and encoded as JSON arrays in column order.
+# Row shapes (scalar fields only, so untracked by the cycle collector: gc=False), validated in C by
+# msgspec.convert (about 2 µs per usage event, against ~6 µs for the same checks in Python) and
+# encoded as JSON arrays in column order.
 _Str = Annotated[str, Meta(max_length=_MAX_STR)]
 _U32 = Annotated[int, Meta(ge=0, le=_MAX_U32)]
 _U16 = Annotated[int, Meta(ge=0, le=65535)]
@@ -436,6 +445,9 @@ class _UsageRow(msgspec.Struct, array_like=True, gc=False):
     token_source: _Str
     attempt: _U32
     preemptions: _U32
+    attempt_id: uuid.UUID
+    undelivered_cause: _Str
+    undelivered_billing: _Str
     schema_version: _U16
 
 
@@ -484,7 +496,8 @@ for _row, _cols in ((_UsageRow, USAGE_COLUMNS), (_AttemptRow, ATTEMPT_COLUMNS), 
     assert tuple(_row.__struct_fields__) == _cols, f"{_row.__name__} out of step with its column list"
 for _spec in STREAMS:
     for _old in _spec.columns.values():
-        assert set(LEGACY_COLUMN_NAMES.get(c, c) for c in _old) - LEGACY_DROPPED_COLUMNS <= set(_spec.columns[_spec.schema])
+        assert ({LEGACY_COLUMN_NAMES.get(c, c) for c in _old} - LEGACY_DROPPED_COLUMNS
+                <= set(_spec.columns[_spec.schema]))
 
 _INDEX = re.compile(r"\$\[(\d+)\]")
 

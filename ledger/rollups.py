@@ -2,12 +2,15 @@
 
 A rollup is derived data: it is recomputed for every hour that received events since the last
 computation (``ingested_at`` newer than ``max(computed_at)`` minus a safety margin), always from
-``usage_events FINAL``, so a duplicate can never inflate it. ``usage_hourly`` is a
-ReplacingMergeTree on ``computed_at``: readers use FINAL and see the newest computation.
+``usage_events FINAL``, so a duplicate can never inflate it, and only its billed rows (bill classes
+``usage`` and ``undelivered_billed``, :func:`~kvmeter.ledger.queries.classified_usage_sql`), so it
+counts what the usage summary counts. ``usage_hourly`` is a ReplacingMergeTree on ``computed_at``:
+readers use FINAL and see the newest computation.
 
-Known limit: if a retried request's newer attempt moves an event to another hour, the old
-hour's row is recomputed without it, but a group that becomes empty keeps its stale row until
-the hour is recomputed with other data. Billing never reads rollups (it reads usage_events FINAL).
+Known limit: an hour is recomputed when it receives events; a retry's success recorded in a later
+hour reclassifies the earlier attempts (they become absorbed) without recomputing their hour, and a
+group that becomes empty keeps its stale row until the hour is recomputed with other data. Billing
+never reads rollups (it reads usage_events FINAL through the same classification).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from clickhouse_connect.driver.client import Client
 
 from .agent_runs import refresh_run_rollups
-from .queries import BILLABLE_TOTALS_SQL
+from .queries import BILLABLE_TOTALS_SQL, classified_usage_sql
 
 __all__ = ["refresh_rollups", "ROLLUP_MARGIN_S"]
 
@@ -46,8 +49,8 @@ SELECT
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
     now64(3) AS computed_at
-FROM usage_events FINAL
-WHERE toStartOfHour(finish_ts) IN {hours:Array(DateTime('UTC'))}
+FROM """ + classified_usage_sql("toStartOfHour(finish_ts) IN {hours:Array(DateTime('UTC'))}") + """
+WHERE bill_class IN ('usage', 'undelivered_billed')
 GROUP BY hour, tenant_id, workspace_id, project_id, api_key_id, model, tier
 """
 

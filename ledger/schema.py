@@ -20,7 +20,8 @@ plain MergeTree (measured on chDB 26.9: without it the token is ignored).
 
 Applied versions are kept in ``schema_migrations`` with the SHA-256 of their file(s); every
 statement is idempotent (``CREATE ... IF NOT EXISTS``, ``RENAME COLUMN IF EXISTS``, ``DROP ... IF
-EXISTS``), so a migration interrupted half-way is simply run again. A changed file for an applied version is an error (fix it with a new version).
+EXISTS``), so a migration interrupted half-way is simply run again. A changed file for an applied
+version is an error (fix it with a new version).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def load_migrations(cluster: str | None = None) -> list[Migration]:
 
 def applied_versions(client: Client) -> dict[int, str]:
     """version → checksum of the migrations recorded in ``schema_migrations``."""
-    rows = client.query("SELECT version, argMax(checksum, applied_at) FROM schema_migrations GROUP BY version").result_rows
+    rows = client.query(
+        "SELECT version, argMax(checksum, applied_at) FROM schema_migrations GROUP BY version").result_rows
     return {int(v): str(c) for v, c in rows}
 
 

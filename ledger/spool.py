@@ -31,6 +31,11 @@ Exactly-once drain: before inserting a batch the drain writes the batch's byte r
 dedup token to ``drain.json`` ("in flight"); after the insert it writes the new position. A
 crash in between re-sends the *same* range with the *same* token, which ClickHouse drops
 (``insert_deduplication_token``); and the tables' ReplacingMergeTree key deduplicates anyway.
+
+Why this module is longer than ~600 lines: the block format, group commit, recovery and the
+drain position are one write-ahead log. They share the segment layout, the lock and the
+durable-position invariant (nothing is acknowledged before it is fsynced, nothing is drained
+twice); split apart, each piece would have to expose the others' internals.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from kvmeter.clock import Clock
 from .errors import LedgerLocked, SpoolWriteError
 from .records import StreamSpec
 
-__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC", "lock_held_elsewhere"]
+__all__ = ["Spool", "SpoolStream", "CommitTicket", "Block", "DrainBatch", "BatchPayload", "HEADER", "MAGIC",
+           "lock_held_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +186,7 @@ class CommitTicket:
                 pass
 
 
-class _SharedFuture(asyncio.Future):  # type: ignore[type-arg]
+class _SharedFuture(asyncio.Future[None]):
     """A future many tasks await at once: one waiter's cancellation must not cancel it for the
     others (``Task.cancel`` then cancels the waiter when the future resolves)."""
 
@@ -357,7 +363,8 @@ class SpoolStream:
 
     # ------------------------------------------------------------------ recovery
 
-    def _segment_path(self, seg: int) -> Path:
+    def segment_path(self, seg: int) -> Path:
+        """The file of segment number ``seg`` (it may not exist: drained segments are deleted)."""
         return self.dir / f"{seg:012d}{_SEGMENT_SUFFIX}"
 
     def _segments(self) -> list[int]:
@@ -384,19 +391,19 @@ class SpoolStream:
         segments = self._segments()
         for seg in segments:
             if seg < pos_seg:
-                self._segment_path(seg).unlink(missing_ok=True)
+                self.segment_path(seg).unlink(missing_ok=True)
         segments = [s for s in segments if s >= pos_seg]
         if not segments:
             active = pos_seg + 1 if pos_off > 0 else pos_seg
             pos_seg, pos_off = active, 0
             segments = [active]
-            fd = os.open(self._segment_path(active), os.O_WRONLY | os.O_CREAT, 0o644)
+            fd = os.open(self.segment_path(active), os.O_WRONLY | os.O_CREAT, 0o644)
             os.close(fd)
             if self._fsync:
                 _fsync_dir(self.dir)
         self._pos = (pos_seg, pos_off)
         for i, seg in enumerate(segments):
-            path = self._segment_path(seg)
+            path = self.segment_path(seg)
             start = pos_off if seg == pos_seg else 0
             data = path.read_bytes()
             if start > len(data):
@@ -425,7 +432,7 @@ class SpoolStream:
                 self._depth_records += b.count
                 self._depth_bytes += b.end - b.offset
         self._active = segments[-1]
-        self._fd = os.open(self._segment_path(self._active), os.O_WRONLY | os.O_APPEND)
+        self._fd = os.open(self.segment_path(self._active), os.O_WRONLY | os.O_APPEND)
         self._size = os.fstat(self._fd).st_size
         if inflight:
             batch = self._batch_from(self._first_blocks_until(int(inflight["segment"]), int(inflight["start"]),
@@ -433,7 +440,8 @@ class SpoolStream:
             if batch is not None and batch.end == int(inflight["end"]) and batch.token == inflight.get("token"):
                 self._inflight = batch
             else:
-                log.warning("spool %s: in-flight batch %s no longer matches the spool; ignoring it", self.name, inflight)
+                log.warning("spool %s: in-flight batch %s no longer matches the spool; ignoring it",
+                            self.name, inflight)
 
     def _first_blocks_until(self, segment: int, start: int, end: int) -> list[Block]:
         out: list[Block] = []
@@ -510,7 +518,8 @@ class SpoolStream:
             except OSError as exc:
                 self.write_errors_total += 1
                 log.error("spool %s: group commit of %d records failed: %s", self.name, len(lines), exc)
-                ticket._resolve(SpoolWriteError(f"spool {self.name}: could not make {len(lines)} records durable: {exc}"))
+                ticket._resolve(SpoolWriteError(
+                    f"spool {self.name}: could not make {len(lines)} records durable: {exc}"))
                 continue
             ticket._resolve(None)
 
@@ -519,7 +528,8 @@ class SpoolStream:
         if sum(map(len, lines)) + len(lines) <= MAX_BLOCK_PAYLOAD:
             chunks = [lines]  # the common case: one group, one block
         else:
-            chunks, current, size = [], [], 0
+            chunks, size = [], 0
+            current: list[bytes] = []
             for line in lines:
                 if current and size + len(line) + 1 > MAX_BLOCK_PAYLOAD:
                     chunks.append(current)
@@ -571,7 +581,7 @@ class SpoolStream:
     def _rotate(self) -> None:
         os.close(self._fd)
         self._active += 1
-        self._fd = os.open(self._segment_path(self._active), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(self.segment_path(self._active), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._size = 0
         if self._fsync:
             _fsync_dir(self.dir)
@@ -619,7 +629,7 @@ class SpoolStream:
             OSError: if the segment cannot be read.
             ValueError: if a block no longer validates (disk damage since it was written).
         """
-        with open(self._segment_path(batch.segment), "rb") as fh:
+        with open(self.segment_path(batch.segment), "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < batch.end:
                 raise ValueError(f"spool {self.name}: segment {batch.segment} is {size} bytes, "
@@ -634,7 +644,7 @@ class SpoolStream:
 
     def quarantine(self, batch: DrainBatch) -> Path:
         """Copy a damaged batch's raw bytes aside (``.corrupt``) before it is skipped."""
-        fd = os.open(self._segment_path(batch.segment), os.O_RDONLY)
+        fd = os.open(self.segment_path(batch.segment), os.O_RDONLY)
         try:
             raw = os.pread(fd, batch.end - batch.start, batch.start)
         finally:
@@ -669,9 +679,14 @@ class SpoolStream:
             self._pos = new_pos
         for seg in self._segments():
             if seg < new_pos[0]:
-                self._segment_path(seg).unlink(missing_ok=True)
+                self.segment_path(seg).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ observation
+
+    def blocks(self) -> list[Block]:
+        """The durable blocks not yet drained, oldest first (a snapshot)."""
+        with self._lock:
+            return list(self._index)
 
     def depth(self) -> tuple[int, int, float | None]:
         """(durable undrained records, their bytes, first_wall_ts of the oldest or None)."""

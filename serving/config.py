@@ -1,7 +1,8 @@
 """``kvmeter serve`` configuration: one typed object, read from a YAML file and the environment.
 
-Order (docs/ARCHITECTURE.md, "Conventions"): a command-line flag, then the config file (``--config`` or ``$KVMETER_CONFIG``),
-then the named environment variable, then the default. Environment variables:
+Order (docs/ARCHITECTURE.md, "Conventions"): a command-line flag, then the config file
+(``--config`` or ``$KVMETER_CONFIG``), then the named environment variable, then the default.
+Environment variables:
 
 ======================  ===========================================  ==========================
 variable                meaning                                      default

@@ -10,8 +10,8 @@
 3. prints a per-tenant table computed by ClickHouse (through the serve process's read API, since
    the embedded ledger belongs to the serve process): requests, input/cached/output tokens, TTFT
    and ITL p50/p95 — beside each tenant's share of requests and of tokens, the gap
-   docs/ARCHITECTURE.md, "Why tokens, not requests" is about — and, as the clients saw it, how many requests met their tier's SLOs and why the others
-   were refused;
+   docs/ARCHITECTURE.md, "Why tokens, not requests" is about — and, as the clients saw it, how
+   many requests met their tier's SLOs and why the others were refused;
 4. says where the metrics, the ledger and the dashboards are, and stops the server (unless
    ``--keep-running``).
 """
@@ -232,14 +232,15 @@ def run(args: argparse.Namespace) -> int:
                     break
                 time.sleep(1)
         print_table(rows, results)
+        ledger_dir = (run_dir / 'ledger').absolute()
         print(f"""
 Where to look next
   metrics (Prometheus text):  {base_url}/metrics        (while the server runs)
   usage read API:             {base_url}/v1/usage/summary?period=<YYYY-MM-DD>   (Bearer <tenant or admin key>)
-  ledger (embedded chDB):     {(run_dir / 'ledger').absolute()}
-  dashboards:                 kvmeter dashboard --ledger-dsn chdb://{(run_dir / 'ledger').absolute()}
+  ledger (embedded chDB):     {ledger_dir}
+  dashboards:                 kvmeter dashboard --ledger-dsn chdb://{ledger_dir}
                               (or, with the server up: kvmeter dashboard --server {base_url} --api-key {ADMIN_KEY})
-  billing:                    kvmeter billing report --ledger-dsn chdb://{(run_dir / 'ledger').absolute()} --period <YYYY-MM>
+  billing:                    kvmeter billing report --ledger-dsn chdb://{ledger_dir} --period <YYYY-MM>
   server log:                 {log_path}""")
         if args.keep_running:
             print(f"\nThe server keeps running (pid {proc.pid}); stop it with: kill -INT {proc.pid}")

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="engine running-batch cap")
     parser.add_argument("--remote-url", help="upstream OpenAI-compatible server (engine=remote)")
     parser.add_argument("--remote-metrics-url",
-                        help="the upstream's vLLM /metrics, scraped for KV gating (default <remote-url>/metrics; off: none)")
+                        help="the upstream's vLLM /metrics, scraped for KV gating "
+                             "(default <remote-url>/metrics; off: none)")
     parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")
     parser.add_argument("--quota-store", help="memory://, redis://host:port/db or rediss://... (TLS)")
     parser.add_argument("--scheduler", choices=["vtc", "fcfs"], help="scheduling policy")

@@ -23,6 +23,7 @@ as importing that package.
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_no_import_cycle_between_packages():
     graph = package_graph()
     cycle = _cycle(graph)
     if cycle:
-        evidence = [f"  {a} → {b}: {graph[a][b][0]}" for a, b in zip(cycle, cycle[1:])]
+        evidence = [f"  {a} → {b}: {graph[a][b][0]}" for a, b in itertools.pairwise(cycle)]
         pytest.fail("import cycle " + " → ".join(cycle) + "\n" + "\n".join(evidence))
 
 
@@ -243,5 +244,6 @@ def test_every_module_imports():
     names = sorted(m for m in MODULES
                    if m != "kvmeter.dashboards.app" and not m.startswith("kvmeter.dashboards.pages"))
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                          env={**os.environ,
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]

@@ -81,8 +81,9 @@ class Day:
 def tenants(n: int, rng: np.random.Generator) -> tuple[list[str], list[str], np.ndarray]:
     """Names, tiers and Zipf traffic shares (s = 1.1) of ``n`` tenants, demo tenants first."""
     names = list(DEMO_TENANTS) + [f"t{i:03d}" for i in range(n - len(DEMO_TENANTS))]
-    tiers = list(DEMO_TENANTS.values()) + [str(t) for t in rng.choice(["enterprise", "paid_interactive", "batch", "free"],
-                                                          size=n - len(DEMO_TENANTS), p=[0.1, 0.3, 0.1, 0.5])]
+    drawn = rng.choice(["enterprise", "paid_interactive", "batch", "free"], size=n - len(DEMO_TENANTS),
+                       p=[0.1, 0.3, 0.1, 0.5])
+    tiers = list(DEMO_TENANTS.values()) + [str(t) for t in drawn]
     share = 1.0 / np.arange(1, n + 1) ** 1.1
     return names, tiers, share / share.sum()
 
@@ -255,7 +256,8 @@ def write_signals(ledger: Ledger, day: Day, names: list[str], tiers: list[str], 
                 output_tokens=int(rng.normal(1, 0.1) * 4000 * min(1.0, running[k] / 200) * TICK_S / ENGINES)))
         busy = np.flatnonzero((kv_tenant[:, k] > 0) | (queued_tenant[:, k] > 0))
         service = kv_tenant[busy, k]
-        jain = float(service.sum() ** 2 / (len(service) * (service ** 2).sum())) if len(service) > 1 and service.any() else 1.0
+        jain = (float(service.sum() ** 2 / (len(service) * (service ** 2).sum()))
+                if len(service) > 1 and service.any() else 1.0)
         bus.publish(SchedulerStats(
             wall_ts=now, policy="vtc", pressure_level=2 if watermark > 0.95 else (1 if watermark > 0.85 else 0),
             queued_total=int(queued[k]), running_total=int(running[k]), service_rate_per_s=CAPACITY_TOKENS_PER_S,
@@ -287,7 +289,8 @@ def write_signals(ledger: Ledger, day: Day, names: list[str], tiers: list[str], 
                 wall_ts=now, index=g, name="NVIDIA H200", memory_total_bytes=150_754_820_096,
                 memory_used_bytes=int(150_754_820_096 * 0.92), utilization_gpu_ratio=1.0 if running[k] else 0.0,
                 sm_active_ratio=float(min(1, 0.15 + 0.6 * load * rng.uniform(0.9, 1.1))),
-                tensor_active_ratio=float(min(1, 0.1 + 0.5 * load)), dram_bandwidth_ratio=float(min(1, 0.2 + 0.7 * load)),
+                tensor_active_ratio=float(min(1, 0.1 + 0.5 * load)),
+                dram_bandwidth_ratio=float(min(1, 0.2 + 0.7 * load)),
                 power_watts=float(180 + 480 * load), temperature_gpu_celsius=float(32 + 38 * load),
                 temperature_memory_celsius=float(36 + 40 * load)))
         rows = sampler.sample()

@@ -48,7 +48,8 @@ def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def start(kind: str, model_dir: Path, name: str, port: int, args: argparse.Namespace, workdir: Path) -> subprocess.Popen:
+def start(kind: str, model_dir: Path, name: str, port: int, args: argparse.Namespace,
+          workdir: Path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "TOKENIZERS_PARALLELISM": "false"}
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     if kind == "vllm":

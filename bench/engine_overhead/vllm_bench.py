@@ -40,7 +40,10 @@ def client_args(url: str, name: str, model_dir: Path, args: argparse.Namespace) 
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    backend, path = ("openai-chat", "/v1/chat/completions") if args.endpoint == "chat" else ("openai", "/v1/completions")
+    if args.endpoint == "chat":
+        backend, path = "openai-chat", "/v1/chat/completions"
+    else:
+        backend, path = "openai", "/v1/completions"
     return parser.parse_args([
         "--backend", backend, "--base-url", url, "--endpoint", path, "--model", name,
         "--tokenizer", str(model_dir), "--dataset-name", "random", "--seed", str(args.seed),

@@ -100,10 +100,11 @@ def main() -> None:
         collector.start()
         print(f"| NVML collect() via stand-in | {name} | {bench(collector.collect, args.runs)} |")
     for name in CAPTURES:
-        print(f"| capture parse (load_capture) | {name} | {bench(lambda: load_capture(gpu / name), 20)} |")
+        print(f"| capture parse (load_capture) | {name} | {bench(lambda name=name: load_capture(gpu / name), 20)} |")
     for name in sorted((DATA / "vllm_metrics").glob("*.prom")):
         text = name.read_text()
-        print(f"| remote parse_vllm_metrics | {name.name} ({len(text)} B) | {bench(lambda: parse_vllm_metrics(text), args.runs)} |")
+        cost = bench(lambda text=text: parse_vllm_metrics(text), args.runs)
+        print(f"| remote parse_vllm_metrics | {name.name} ({len(text)} B) | {cost} |")
     page1, page2 = big_v1_page(seed_value=1.0), big_v1_page(seed_value=2.0)
     print(f"| remote parse_vllm_metrics | V1-style, 8 engines ({len(page1) // 1024} KiB) | "
           f"{bench(lambda: parse_vllm_metrics(page1), 50)} |")
@@ -111,7 +112,8 @@ def main() -> None:
     scraper.ingest(page1)
     print(f"| remote ingest (parse + diff) | V1-style, 8 engines | {bench(lambda: scraper.ingest(page2), 50)} |")
     dcgm = (DATA / "gpu" / "dcgm" / "dcgm_v100_4gpu_issue250.prom").read_text()
-    print(f"| DCGM gpu_samples_from_dcgm | dcgm_v100_4gpu_issue250.prom | {bench(lambda: gpu_samples_from_dcgm(dcgm), args.runs)} |")
+    cost = bench(lambda: gpu_samples_from_dcgm(dcgm), args.runs)
+    print(f"| DCGM gpu_samples_from_dcgm | dcgm_v100_4gpu_issue250.prom | {cost} |")
 
 
 if __name__ == "__main__":

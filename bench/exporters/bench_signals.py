@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import statistics
 import sys
@@ -27,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 from kvmeter.attribution import Attribution
 from kvmeter.tokens import TokenCounts
-from kvmeter.traces import data_dir  # noqa: E402
+from kvmeter.traces import data_dir
+
+REPO = Path(__file__).resolve().parents[2]
 
 DATA = data_dir()
 sys.path.insert(0, str(Path(__file__).parent))
@@ -115,14 +115,15 @@ def main() -> None:
                     write_t.append(t2 - t1)
                     insert_t.append(t3 - t2)
                     rows_n.append(len(rows))
-            stored = ledger.queries._get().query("SELECT count() FROM signals").result_rows[0][0]
+            stored = ledger.query_client().query("SELECT count() FROM signals").result_rows[0][0]
             assert stored == sum(rows_n) + rows_n[0], (stored, rows_n)  # warm-up round included
         finally:
             ledger.close()
     print(f"tenants {args.tenants}, rows per tick {statistics.median(rows_n):.0f}, runs {args.runs}")
     print("| step | where | cost per tick |")
     print("|---|---|---|")
-    print(f"| `SignalSampler.sample()` (build {statistics.median(rows_n):.0f} rows) | worker thread (asyncio.to_thread) | {fmt(sample_t)} |")
+    print(f"| `SignalSampler.sample()` (build {statistics.median(rows_n):.0f} rows) "
+          f"| worker thread (asyncio.to_thread) | {fmt(sample_t)} |")
     print(f"| `Ledger.write_signals(rows)` | event loop | {fmt(write_t)} |")
     print(f"| insert into chDB (`flush()`: one writer round) | ledger writer thread | {fmt(insert_t)} |")
 

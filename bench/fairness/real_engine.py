@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -152,7 +153,7 @@ async def _replay(base_url: str, model: str, plan, messages, tiers: dict[str, st
 
         sampler = asyncio.create_task(_sample_metrics(client, start, samples))
         try:
-            await asyncio.gather(*(fire(r, m, o) for r, m, o in zip(plan, messages, outs)))
+            await asyncio.gather(*(fire(r, m, o) for r, m, o in zip(plan, messages, outs, strict=True)))
         finally:
             sampler.cancel()
     return outs
@@ -177,7 +178,7 @@ def summarise(outs: list[Outcome], slos: dict[str, tuple[float | None, float | N
                 refused[o.code or f"http_{o.status}"] = refused.get(o.code or f"http_{o.status}", 0) + 1
         tier = rs[0].tier
         ttft_slo, itl_slo = slos.get(tier, (None, None))
-        itls = [b - a for o in done for a, b in zip(o.chunk_s, o.chunk_s[1:])]
+        itls = [b - a for o in done for a, b in itertools.pairwise(o.chunk_s)]
         tpots = [(o.chunk_s[-1] - o.chunk_s[0]) / (len(o.chunk_s) - 1) for o in done if len(o.chunk_s) > 1]
         good = [o for o in done if (ttft_slo is None or o.ttft_s <= ttft_slo) and
                 (itl_slo is None or len(o.chunk_s) < 2 or

@@ -67,7 +67,8 @@ def main() -> dict:
         p50 = float(np.percentile(ok, 50)) if ok else None
         served = sum(1 for r in small if r.outcome == "ok") / len(small)
         itl_slo = SchedulerConfig().tier("paid_interactive").itl_slo_s
-        tpots = [(r.finish_s - r.first_token_s) / (r.generated - 1) for r in small if r.outcome == "ok" and r.generated > 1]
+        tpots = [(r.finish_s - r.first_token_s) / (r.generated - 1)
+                 for r in small if r.outcome == "ok" and r.generated > 1]
         met = sum(1 for r in small if r.outcome == "ok" and r.first_token_s - r.arrival_s <= slo and
                   (r.generated < 2 or (r.finish_s - r.first_token_s) / (r.generated - 1) <= itl_slo)) / len(small)
         worst_tenant = max((g["ttft_s"]["p95"] or 0.0) for t, g in rep["tenants"].items() if t != "noisy")
@@ -79,14 +80,16 @@ def main() -> dict:
             "small_tpot_p50": float(np.percentile(tpots, 50)), "small_tpot_p95": float(np.percentile(tpots, 95)),
             "small_slo_met_fraction": met,
             "worst_small_tenant_ttft_p95": worst_tenant, "small_served_fraction": served,
-            "noisy_completed": noisy["completed"], "noisy_rejected": noisy["rejected"], "noisy_dropped": noisy["dropped"],
+            "noisy_completed": noisy["completed"], "noisy_rejected": noisy["rejected"],
+            "noisy_dropped": noisy["dropped"],
             "noisy_service_share": noisy["service_share"], "throughput_output_tokens_per_s":
                 rep["overall"]["throughput_output_tokens_per_s"], "itl_all_s": small_itl,
             "kv_watermark_mean": rep["overall"]["kv_watermark_mean"], "preemptions": rep["overall"]["preemptions"],
         }
         rows.append([policy, round(p50, 3) if p50 is not None else None, round(p95, 3) if p95 is not None else None,
                      "yes" if figures[policy]["small_p95_within_slo"] else "no", round(worst_tenant, 3),
-                     f"{served:.1%}", round(float(np.percentile(tpots, 50)), 3), round(float(np.percentile(tpots, 95)), 3),
+                     f"{served:.1%}", round(float(np.percentile(tpots, 50)), 3),
+                     round(float(np.percentile(tpots, 95)), 3),
                      f"{met:.1%}", noisy["completed"], sum(noisy["rejected"].values()),
                      sum(noisy["dropped"].values()), noisy["service_share"], rep["overall"]["preemptions"]])
     table = md_table(["policy", "small TTFT p50 s", "small TTFT p95 s", f"p95 ≤ SLO {slo:g} s",

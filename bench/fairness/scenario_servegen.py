@@ -74,12 +74,14 @@ def main() -> dict:
         done_in_window = sum(r.generated for r in res.records if r.outcome == "ok" and r.finish_s <= args.seconds)
         figures[policy] = {
             "jain_index": o["jain_index"], "jain_tenants": o["jain_tenants"],
-            "max_service_gap": o["max_service_gap"], "throughput_output_tokens_per_s": o["throughput_output_tokens_per_s"],
+            "max_service_gap": o["max_service_gap"],
+            "throughput_output_tokens_per_s": o["throughput_output_tokens_per_s"],
             "output_tokens_per_s_in_window": done_in_window / args.seconds,
             "goodput_output_tokens_per_s": o["goodput_output_tokens_per_s"], "slo_attainment": o["slo_attainment"],
             "completed": o["completed"], "rejected": o["rejected"], "dropped": o["dropped"],
             "rejected_while_capacity_free": rej_free, "ttft_p50": o["ttft_s"]["p50"], "ttft_p95": o["ttft_s"]["p95"],
-            "under_equal_share_ttft_p95": small_ttft_p95, "under_equal_share_served_fraction": light_served, "sg104_service_share": rep["tenants"]["sg-104"]["service_share"],
+            "under_equal_share_ttft_p95": small_ttft_p95, "under_equal_share_served_fraction": light_served,
+            "sg104_service_share": rep["tenants"]["sg-104"]["service_share"],
             "kv_watermark_mean": o["kv_watermark_mean"], "sim_span_s": res.sim_end_s, "wall_s": res.wall_s,
         }
         rows.append([policy, o["jain_index"], o["max_service_gap"], round(done_in_window / args.seconds, 1),
@@ -88,7 +90,8 @@ def main() -> dict:
                      small_ttft_p95, round(light_served, 4), rep["tenants"]["sg-104"]["service_share"]])
     table = md_table(["policy", "Jain", "max service gap", "out tok/s in window", "goodput tok/s", "completed",
                       "rejected", "dropped", "rejected while queue empty", "TTFT p50 s", "TTFT p95 s",
-                      "TTFT p95 s, tenants under an equal share", "served fraction, same tenants", "sg-104 share"], rows)
+                      "TTFT p95 s, tenants under an equal share", "served fraction, same tenants", "sg-104 share"],
+                     rows)
     print(table)
     save("servegen", {"capacity_rps": cap, "requests": len(reqs), "tenants": len(tenants), "rpm_limit": rpm,
                       "servegen_start_s": start, "figures": figures, "table": table})

@@ -2,9 +2,9 @@
 
 Data (generated inside ClickHouse with ``INSERT ... SELECT FROM numbers(N)``, untimed):
 N usage events over November 2026 — 500 tenants, 5,000 API keys, 3 models, 4 tiers, 2 %
-aborted — plus 1 % stored duplicates; the engine's record of every non-aborted request, attributed to its tenant as the ledger does
-(0.1 % with a token mismatch), plus 10,000 unattributed engine records; one gateway attempt per
-request plus 2 % rejected attempts.
+aborted — plus 1 % stored duplicates; the engine's record of every non-aborted request,
+attributed to its tenant as the ledger does (0.1 % with a token mismatch), plus 10,000
+unattributed engine records; one gateway attempt per request plus 2 % rejected attempts.
 
 Timed (each twice; the first run reads cold parts):
 
@@ -67,7 +67,8 @@ INSERT INTO engine_requests (request_id, finish_reason, input_tokens, output_tok
     queued_s, prefill_s, decode_s, inference_s, e2e_s, mean_tpot_s, preemptions, wall_ts, tenant_id)
 SELECT concat('r-', toString(number)), 'stop', 20 + number % 4000, 1 + number % 700 + (number % 1000 = 7),
     intDiv(number % 4000, 3), 0.01, 0.04, 2.0, 2.04, 2.5, 0.01, 0,
-    toDateTime64({START} + number * {{step:Float64}} + 2.5, 6, 'UTC'), concat('tenant-', toString((number % 5000) % 500))
+    toDateTime64({START} + number * {{step:Float64}} + 2.5, 6, 'UTC'),
+    concat('tenant-', toString((number % 5000) % 500))
 FROM numbers({{n:UInt64}}) WHERE number % 50 != 0
 """
 
@@ -182,7 +183,8 @@ def main() -> None:
         frame = report.frame
         print(f"reconciliation: {frame.height} tenants, {len(report.failed_tenants)} with drift; "
               f"mismatched {frame['mismatched_requests'].sum():,}, aborted {frame['aborted_requests'].sum():,}, "
-              f"engine-unbilled {frame['engine_unbilled_requests'].sum():,}, duplicate rows {frame['duplicate_rows'].sum():,}")
+              f"engine-unbilled {frame['engine_unbilled_requests'].sum():,}, "
+              f"duplicate rows {frame['duplicate_rows'].sum():,}")
         print(f"best: billing {min(bt):.2f} s, reconciliation {min(rt):.2f} s (target <= 2 s each)")
         client.close()
     finally:

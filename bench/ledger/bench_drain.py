@@ -60,13 +60,14 @@ def main() -> None:
         drain_rates: list[float] = []
         arrow_rates: dict[str, list[float]] = {}
         engines = {"MergeTree ORDER BY tuple()": "MergeTree ORDER BY tuple()",
-                   "ReplacingMergeTree, the ledger's sort key": "ReplacingMergeTree(attempt) ORDER BY (tenant_id, event_id)"}
+                   "ReplacingMergeTree, the ledger's sort key":
+                       "ReplacingMergeTree(attempt) ORDER BY (tenant_id, event_id)"}
         for r in range(args.repeat):
             shutil.copytree(base / "spool", base / f"spool-{r}")
             cfg = LedgerConfig(dsn=f"chdb://{base / f'chdb-{r}'}", spool_dir=base / f"spool-{r}",
                                flush_interval_s=3600, batch_size=args.batch_size)
             ledger = Ledger.open(cfg)
-            client = ledger.queries._get()
+            client = ledger.query_client()
             t = time.perf_counter()
             assert ledger.flush(timeout_s=3600), ledger.stats().last_error
             dt = time.perf_counter() - t
@@ -88,7 +89,8 @@ def main() -> None:
             ledger.close()
             shutil.rmtree(base / f"chdb-{r}", ignore_errors=True)
         best_drain = max(drain_rates)
-        print(f"drain spool -> chDB (JSONCompactEachRow, dedup token), best of {args.repeat}: {best_drain:>12,.0f} events/s")
+        print(f"drain spool -> chDB (JSONCompactEachRow, dedup token), best of {args.repeat}: "
+              f"{best_drain:>12,.0f} events/s")
         for name, rates in arrow_rates.items():
             print(f"bare Arrow insert into {name}, best of {args.repeat}: {max(rates):>12,.0f} rows/s "
                   f"(drain / this = {best_drain / max(rates):.2f})")

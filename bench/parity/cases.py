@@ -5,8 +5,9 @@ on the same model; ``run.py`` compares the answers field by field (``compare.py`
 compared exactly, so every case whose text is compared is deterministic: greedy (temperature 0)
 or sampled with a fixed ``seed`` — ``top_k=1`` too: where two logits tie exactly (bf16), greedy
 takes the lower token id but top-k keeps both and samples, so unseeded ``top_k=1`` is not
-deterministic on this model (the capital question's first token is such a tie). ``max_tokens`` stays ≤ 24 so the whole table runs in a few minutes on two CPU cores, except
-where a tool call must fit (:data:`TOOL_TOKENS`).
+deterministic on this model (the capital question's first token is such a tie). ``max_tokens``
+stays ≤ 24 so the whole table runs in a few minutes on two CPU cores, except where a tool call
+must fit (:data:`TOOL_TOKENS`).
 
 Token ids below are SmolLM2-135M-Instruct's (its tokenizer, vocabulary 49,152): 2 ``<|im_end|>``
 (EOS), 7042 `` Paris``, 260 `` the``, 30 ``.``, 28 ``,``, 314 `` is``, 4461 `` blue``, 19556 ``Hello``.

@@ -4,6 +4,7 @@
     python bench/parity/run.py                                   # starts both servers
     python bench/parity/run.py --target-url http://127.0.0.1:8000 --api-key sk-... --vllm-url http://127.0.0.1:8001
     python bench/parity/run.py --start-vllm --target-url same --no-allowlist   # vLLM against itself
+    python bench/parity/run.py --remote                          # kvmeter --engine remote in front of vLLM
 
 Both servers run the same model (SmolLM2-135M-Instruct, dequantized; ``kvmeter model prepare``)
 with the same engine settings (``servers.py``). Cases go one at a time, vLLM first, so batching
@@ -243,7 +244,7 @@ def render_markdown(outcomes: list[Outcome], meta: dict) -> str:
         f"(of which table {meta['table_s']:.0f} s; server start-up: {meta['startup']}).",
         f"- **Machine:** {m['cores']} × {m['cpu']}, {m['platform']}; load average "
         f"{meta['load_before']} before, {m.get('load_average')} after.",
-        f"- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
+        "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".",
         f"- **Servers:** reference {meta['reference']}; target {meta['target']}. Model {MODEL}, "
         f"max_model_len {MAX_MODEL_LEN}, the same engine settings (`servers.py`).",
         f"- **Allow-list:** {'on (allowlist.py)' if meta['allowlist'] else 'off'}.",
@@ -309,17 +310,27 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ref = ap.add_mutually_exclusive_group()
     ref.add_argument("--vllm-url", help="a running vLLM OpenAI server (started with the flags in servers.py)")
     ref.add_argument("--start-vllm", action="store_true", help="start vLLM's OpenAI server (the default)")
+    ap.add_argument("--remote", action="store_true",
+                    help="start kvmeter serve --engine remote in front of the vLLM server and compare it with "
+                         "that server (results: RESULTS-remote.md, results-remote.json)")
     ap.add_argument("--api-key", default=PARITY_KEY, help="the target's API key (default: the started one's)")
     ap.add_argument("--cases", default="*", help="only the cases whose name matches this glob")
     ap.add_argument("--no-allowlist", action="store_true", help="every difference fails (vLLM vs vLLM)")
-    ap.add_argument("--markdown", default=str(Path(__file__).parent / "RESULTS.md"),
-                    help="where the matrix goes ('-': nowhere)")
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results.json"),
-                    help="where the results go ('-': nowhere)")
+    ap.add_argument("--markdown", default=None,
+                    help="where the matrix goes ('-': nowhere; default RESULTS.md, or RESULTS-remote.md)")
+    ap.add_argument("--json", default=None,
+                    help="where the results go ('-': nowhere; default results.json, or results-remote.json)")
     ap.add_argument("--workdir", help="server logs, ledger and spool (default: a temporary directory)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--kv-gib", type=int, default=1)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.remote and args.target_url:
+        ap.error("--remote starts its own target; it cannot be given with --target-url")
+    suffix = "-remote" if args.remote else ""
+    here = Path(__file__).parent
+    args.markdown = args.markdown or str(here / f"RESULTS{suffix}.md")
+    args.json = args.json or str(here / f"results{suffix}.json")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,10 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = EngineSettings(model_dir, name, max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
                                   kv_cache_gib=args.kv_gib)
         vllm = None if args.vllm_url else start_vllm(settings, workdir / "vllm")
-        kvm = None if args.target_url else start_kvmeter(settings, workdir / "kvmeter")
+        kvm = None if args.target_url or args.remote else start_kvmeter(settings, workdir / "kvmeter")
         servers = [s for s in (vllm, kvm) if s is not None]  # both load at once
         try:
             startup = {kind: f"{secs:.0f} s" for kind, secs in wait_all_ready(servers).items()}
+            if args.remote:  # its engine asks the vLLM server for its models as it starts
+                kvm = start_kvmeter(settings, workdir / "kvmeter-remote", remote_url=args.vllm_url or vllm.url)
+                servers.append(kvm)
+                startup[kvm.kind] = f"{kvm.wait_ready():.0f} s"
         except RuntimeError as exc:
             print(f"cannot start: {exc}", file=sys.stderr)
             return 2
@@ -372,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_before": load_before, "machine": machine(), "versions": _versions(),
         "reference": "vLLM OpenAI server " + ("(started)" if vllm else args.vllm_url),
         "target": ("the same vLLM server" if args.target_url == "same"
+                   else "kvmeter serve --engine remote in front of the reference (started)" if args.remote
                    else "kvmeter serve (started)" if kvm else args.target_url),
         "allowlist": not args.no_allowlist,
     }

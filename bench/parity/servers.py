@@ -1,5 +1,6 @@
-"""Start and stop the two servers the parity harness compares: vLLM's own OpenAI server and
-``kvmeter serve``, on the same model with the same engine settings.
+"""Start and stop the servers the parity harness compares: vLLM's own OpenAI server and
+``kvmeter serve`` — on the same model with the same engine settings (``--engine vllm``), or as
+``--engine remote`` in front of that vLLM server.
 
 Both run as subprocesses in their own process group (``start_new_session``): vLLM's EngineCore
 child does not watch its parent, so :meth:`Server.stop` signals the whole group (SIGINT, then
@@ -192,17 +193,25 @@ def start_vllm(settings: EngineSettings, workdir: Path, port: int | None = None)
     return Server("vllm", f"http://127.0.0.1:{port}", proc, log_path)
 
 
-def start_kvmeter(settings: EngineSettings, workdir: Path, port: int | None = None) -> Server:
-    """Start ``kvmeter serve`` on the vLLM engine with one unlimited tenant (key
-    :data:`PARITY_KEY`), its own embedded ledger and spool under ``workdir``."""
+def start_kvmeter(settings: EngineSettings, workdir: Path, port: int | None = None,
+                  remote_url: str | None = None) -> Server:
+    """Start ``kvmeter serve`` with one unlimited tenant (key :data:`PARITY_KEY`), its own
+    embedded ledger and spool under ``workdir``: on the vLLM engine, or — with ``remote_url``, a
+    running vLLM OpenAI server — as ``--engine remote`` in front of that server (the transparent
+    proxy; the model directory gives it the tokenizer for its estimates)."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     tenants = workdir / "tenants.yaml"
     tenants.write_text(tenants_yaml())
-    log_path = workdir / f"kvmeter-{port}.log"
-    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", "--engine", "vllm", "--model", str(settings.model_dir),
-           "--port", str(port), "--max-model-len", str(settings.max_model_len),
-           "--max-num-seqs", str(settings.max_num_seqs), "--kv-cache-gib", str(settings.kv_cache_gib),
+    kind = "kvmeter-remote" if remote_url else "kvmeter"
+    log_path = workdir / f"{kind}-{port}.log"
+    if remote_url:
+        engine = ["--engine", "remote", "--remote-url", remote_url, "--model", str(settings.model_dir)]
+    else:
+        engine = ["--engine", "vllm", "--model", str(settings.model_dir),
+                  "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
+                  "--kv-cache-gib", str(settings.kv_cache_gib)]
+    cmd = [sys.executable, "-m", "kvmeter.cli", "serve", *engine, "--port", str(port),
            "--tenants", str(tenants), "--ledger-dsn", f"chdb://{workdir / 'chdb'}",
            "--spool-dir", str(workdir / "spool")]
     env = _env(settings)
@@ -210,4 +219,4 @@ def start_kvmeter(settings: EngineSettings, workdir: Path, port: int | None = No
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                 start_new_session=True)
-    return Server("kvmeter", f"http://127.0.0.1:{port}", proc, log_path)
+    return Server(kind, f"http://127.0.0.1:{port}", proc, log_path)

@@ -421,16 +421,19 @@ def markdown(r: dict, args: argparse.Namespace) -> str:
                     f"CPU {x['cpu_ms_per_req'] - y['cpu_ms_per_req']:+.3f} ms / request")
 
         out += ["| added by | vs | difference |", "|---|---|---|",
-                f"| this round's gateway changes | kvmeter/memory (before) | {diff('kvmeter/memory', 'kvmeter/memory (before)')} |",
-                f"| quota on memory (kvmeter/memory) | kvmeter/unlimited | {diff('kvmeter/memory', 'kvmeter/unlimited')} |",
-                f"| quota on Redis (kvmeter/redis) | kvmeter/unlimited | {diff('kvmeter/redis', 'kvmeter/unlimited')} |",
+                f"| this round's gateway changes | kvmeter/memory (before) | "
+                f"{diff('kvmeter/memory', 'kvmeter/memory (before)')} |",
+                f"| quota on memory (kvmeter/memory) | kvmeter/unlimited | "
+                f"{diff('kvmeter/memory', 'kvmeter/unlimited')} |",
+                f"| quota on Redis (kvmeter/redis) | kvmeter/unlimited | "
+                f"{diff('kvmeter/redis', 'kvmeter/unlimited')} |",
                 f"| LiteLLM proxy (per-key TPM/RPM) | upstream (direct) | {diff('litellm', 'upstream (direct)')} |",
                 f"| kvmeter gateway (quota on memory, remote engine) | upstream (direct) | "
                 f"{diff('kvmeter/remote', 'upstream (direct)')} |", ""]
     if r["ceiling"]:
         before = "before" in r["ceiling"][0]
-        out += ["| ceiling run | bare Starlette endpoint req/s | kvmeter/memory req/s | ratio | kvmeter p50 / p99 | non-2xx |"
-                + (" before: req/s | before: ratio |" if before else ""),
+        out += ["| ceiling run | bare Starlette endpoint req/s | kvmeter/memory req/s | ratio | kvmeter p50 / p99 "
+                "| non-2xx |" + (" before: req/s | before: ratio |" if before else ""),
                 "|---|---|---|---|---|---|" + ("---|---|" if before else "")]
         for i, c in enumerate(r["ceiling"], 1):
             line = (f"| {i} | {c['bare']['rps']:,.0f} | {c['kvmeter']['rps']:,.0f} | {c['ratio']:.3f} | "

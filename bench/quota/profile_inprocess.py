@@ -9,24 +9,41 @@ inline (a what-if). Works on older trees too::
 
     TREE=$PWD PYTHONPATH=$PWD .venv/bin/python bench/quota/profile_inprocess.py /tmp/after.prof 1000
 """
-import asyncio, cProfile, json, pstats, sys, tempfile, time, os, resource
+import asyncio
+import collections
+import concurrent.futures.thread as cft
+import cProfile
+import json
+import os
+import pstats
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
-sys.path.insert(0, os.environ["TREE"] + "/bench/quota")
+
 import httpx
 from prometheus_client import CollectorRegistry
-from bench_gateway import BODY, KEY, tenants_yaml
+
+from kvmeter.ledger import drain as _drain
 from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.runtime import ServeRuntime
 
-import threading, concurrent.futures.thread as cft
-_tl = threading.local(); TPROFS = []; PROFILING = [False]
+# bench_gateway is a sibling script of the tree being profiled ($TREE), not an installed module
+sys.path.insert(0, os.environ["TREE"] + "/bench/quota")
+from bench_gateway import BODY, KEY, tenants_yaml  # noqa: E402 — importable only after the path set-up
+
+_tl = threading.local()
+TPROFS = []
+PROFILING = [False]
 _orig = cft._WorkItem.run
 def _run(self):
     if not PROFILING[0]:
         return _orig(self)
     p = getattr(_tl, "p", None)
     if p is None:
-        p = _tl.p = cProfile.Profile(); TPROFS.append(p)
+        p = _tl.p = cProfile.Profile()
+        TPROFS.append(p)
     p.enable()
     try:
         return _orig(self)
@@ -41,16 +58,18 @@ def tasks():
         v = f[f.rindex(")")+2:].split()
         out[t] = (name, int(v[11]) + int(v[12]))
     return out
-import collections
-from kvmeter.ledger import drain as _drain
-PHASE = ['warm']; INS = collections.defaultdict(lambda: [0, 0.0, 0]); MEAS = [False]
+PHASE = ['warm']
+INS = collections.defaultdict(lambda: [0, 0.0, 0])
+MEAS = [False]
 _orig_raw = _drain.Writer._raw_insert
 def _raw(self, client, spec, *a, **k):
     t = time.thread_time()
     try:
         return _orig_raw(self, client, spec, *a, **k)
     finally:
-        e = INS[(spec.table, PHASE[0])]; e[0] += 1; e[1] += time.thread_time() - t
+        e = INS[(spec.table, PHASE[0])]
+        e[0] += 1
+        e[1] += time.thread_time() - t
 _drain.Writer._raw_insert = _raw
 _orig_round = _drain.Writer._round
 ROUNDS = [0, 0.0]
@@ -60,7 +79,8 @@ def _round(self):
         return _orig_round(self)
     finally:
         if MEAS[0]:
-            ROUNDS[0] += 1; ROUNDS[1] += time.thread_time() - t
+            ROUNDS[0] += 1
+            ROUNDS[1] += time.thread_time() - t
 _drain.Writer._round = _round
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
 OUT = sys.argv[1]
@@ -95,27 +115,39 @@ async def main():
             assert r.status_code == 200, r.text
         # client-side cost baseline: hit /healthz? just measure
         prof = cProfile.Profile()
-        t0 = time.process_time(); w0 = time.perf_counter()
-        MEAS[0] = True; PHASE[0] = 'meas'; PROFILING[0] = True; prof.enable()
+        t0 = time.process_time()
+        w0 = time.perf_counter()
+        MEAS[0] = True
+        PHASE[0] = 'meas'
+        PROFILING[0] = True
+        prof.enable()
         for _ in range(N):
             r = await c.post("/v1/chat/completions", content=body, headers=hdr)
             assert r.status_code == 200
-        prof.disable(); PROFILING[0] = False
-        t1 = time.process_time(); w1 = time.perf_counter()
+        prof.disable()
+        PROFILING[0] = False
+        t1 = time.process_time()
+        w1 = time.perf_counter()
         # unprofiled
-        t2 = time.process_time(); a = tasks()
+        t2 = time.process_time()
+        a = tasks()
         for _ in range(N):
             r = await c.post("/v1/chat/completions", content=body, headers=hdr)
-        t3 = time.process_time(); b = tasks(); MEAS[0] = False; PHASE[0] = 'end'
+        t3 = time.process_time()
+        b = tasks()
+        MEAS[0] = False
+        PHASE[0] = 'end'
         print(f"writer rounds {ROUNDS[0]} cpu {1e3*ROUNDS[1]/(2*N):.3f} ms/req")
         for tab, (c, cpu, _) in sorted(INS.items()):
             print(f"  insert {tab}: {c} batches, {1e3*cpu/(2*N):.3f} ms/req thread CPU")
         tck = os.sysconf("SC_CLK_TCK")
         rows = sorted(((b[k][1] - a.get(k, ("", 0))[1], b[k][0], k) for k in b), reverse=True)
-        names = {str(t.native_id): t.name + ":" + getattr(getattr(t, "_target", None), "__qualname__", "?") for t in threading.enumerate()}
+        names = {str(t.native_id): t.name + ":" + getattr(getattr(t, "_target", None), "__qualname__", "?")
+                 for t in threading.enumerate()}
         for d, name, k in rows[:8]:
             print(f"thread {k} {name} {names.get(k, '-')}: {1e6*d/tck/N:.0f} us/req")
-    print(f"profiled: cpu {1e3*(t1-t0)/N:.3f} ms/req wall {1e3*(w1-w0)/N:.3f}; unprofiled cpu {1e3*(t3-t2)/N:.3f} ms/req (process, all threads, incl. client)")
+    print(f"profiled: cpu {1e3*(t1-t0)/N:.3f} ms/req wall {1e3*(w1-w0)/N:.3f}; "
+          f"unprofiled cpu {1e3*(t3-t2)/N:.3f} ms/req (process, all threads, incl. client)")
     prof.dump_stats(OUT)
     if TPROFS:
         st = pstats.Stats(TPROFS[0])
@@ -133,7 +165,8 @@ async def main():
     for tab, (c, cpu, _) in sorted(INS.items()):
         print(f"  insert {tab}: {c} batches, {1e3*cpu:.1f} ms thread CPU total")
     w = led._writer
-    print("writer", {k: getattr(w, k, None) for k in ("drained_total", "insert_batches_total", "insert_retries_total", "rejected_total", "last_error")})
+    print("writer", {k: getattr(w, k, None) for k in ("drained_total", "insert_batches_total",
+                                                      "insert_retries_total", "rejected_total", "last_error")})
     await rt.stop()
 
 asyncio.run(main())

@@ -92,6 +92,12 @@ def _int(raw: str | None, unit: str | None = None) -> int | None:
     return None if value is None else int(value)
 
 
+def _sum_known(values: list[int | None]) -> int | None:
+    """The sum of ``values``, or None when any of them is missing."""
+    known = [v for v in values if v is not None]
+    return sum(known) if len(known) == len(values) else None
+
+
 def _yes_no(raw: str | None) -> bool | None:
     text = parse_na(raw)
     if text is None:
@@ -349,8 +355,7 @@ def _gpu_from_query(index: int, node: QueryNode) -> CapturedGpu:
         uncorrected = [_int(block.get(k)) for k in (
             "SRAM Uncorrectable Parity", "SRAM Uncorrectable SEC-DED", "DRAM Uncorrectable")]
         for kind, values in (("corrected", corrected), ("uncorrected", uncorrected)):
-            gpu.ecc_errors[(kind, scope.lower())] = (
-                None if any(v is None for v in values) else sum(values))
+            gpu.ecc_errors[(kind, scope.lower())] = _sum_known(values)
     remap = node.child("Remapped Rows")
     if remap is not None and remap.children:
         gpu.remapped_rows = (
@@ -451,7 +456,7 @@ def parse_query_gpu_csv(text: str) -> list[dict[str, str | None]]:
     for row in rows[1:]:
         if len(row) != len(header):
             raise CaptureFormatError(f"query-gpu row has {len(row)} fields, header {len(header)}")
-        out.append({k: parse_na(v) for k, v in zip(header, row)})
+        out.append({k: parse_na(v) for k, v in zip(header, row, strict=True)})
     return out
 
 
@@ -507,9 +512,9 @@ def _gpu_from_xml(index: int, g: ET.Element) -> CapturedGpu:
         block = g.find(f"ecc_errors/{scope}")
         if block is None:
             continue
-        def total(tags: tuple[str, ...]) -> int | None:
+        def total(tags: tuple[str, ...], block: ET.Element = block) -> int | None:
             values = [_int(_x(block, t)) for t in tags if block.find(t) is not None]
-            return None if not values or any(v is None for v in values) else sum(values)
+            return _sum_known(values) if values else None
         gpu.ecc_errors[("corrected", scope)] = total(("sram_correctable", "dram_correctable"))
         gpu.ecc_errors[("uncorrected", scope)] = total(
             ("sram_uncorrectable", "sram_uncorrectable_parity", "sram_uncorrectable_secded",

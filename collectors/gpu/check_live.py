@@ -32,8 +32,8 @@ def check_sample(s: GpuSample) -> list[tuple[str, bool, str]]:
     """Consistency checks on one live sample: (name, passed, detail)."""
     out: list[tuple[str, bool, str]] = []
     parts = (s.memory_total_bytes, s.memory_used_bytes, s.memory_free_bytes)
-    if None not in parts:
-        total, used, free = parts
+    total, used, free = parts
+    if total is not None and used is not None and free is not None:
         gap = total - used - free - (s.memory_reserved_bytes or 0)
         out.append(("memory used+free+reserved ≈ total", abs(gap) <= 2 * MIB, f"gap {gap / MIB:.1f} MiB"))
     else:
@@ -56,8 +56,9 @@ def check_sample(s: GpuSample) -> list[tuple[str, bool, str]]:
         out.append(("per-process memory ≤ device used", used_by_procs <= s.memory_used_bytes,
                     f"{used_by_procs / MIB:.0f} ≤ {s.memory_used_bytes / MIB:.0f} MiB"))
     for m in s.mig:
-        if None not in (m.memory_total_bytes, m.memory_used_bytes, m.memory_free_bytes):
-            gap = m.memory_total_bytes - m.memory_used_bytes - m.memory_free_bytes - (m.memory_reserved_bytes or 0)
+        total, used, free = m.memory_total_bytes, m.memory_used_bytes, m.memory_free_bytes
+        if total is not None and used is not None and free is not None:
+            gap = total - used - free - (m.memory_reserved_bytes or 0)
             out.append((f"MIG {m.mig_index} memory adds up", abs(gap) <= 2 * MIB, f"gap {gap / MIB:.1f} MiB"))
     return out
 
@@ -71,12 +72,14 @@ def compare_with_nvidia_smi(samples: list[GpuSample]) -> list[tuple[str, bool, s
     captured = parse_query_text(text, source="nvidia-smi -q (live)")
     out = [("same GPU count as nvidia-smi", len(captured.gpus) == len(samples),
             f"{len(captured.gpus)} vs {len(samples)}")]
-    for cap, s in zip(captured.gpus, samples):
+    for cap, s in zip(captured.gpus, samples, strict=False):  # a count mismatch is reported above
         out.append((f"GPU {s.index} name matches", cap.name == s.name, f"{cap.name!r} vs {s.name!r}"))
         if cap.memory_total_mib is not None and s.memory_total_bytes is not None:
-            out.append((f"GPU {s.index} memory total matches", abs(cap.memory_total_mib - s.memory_total_bytes / MIB) <= 1,
+            out.append((f"GPU {s.index} memory total matches",
+                        abs(cap.memory_total_mib - s.memory_total_bytes / MIB) <= 1,
                         f"{cap.memory_total_mib} MiB vs {s.memory_total_bytes / MIB:.0f} MiB"))
-        out.append((f"GPU {s.index} MIG devices match", len(cap.migs) == len(s.mig), f"{len(cap.migs)} vs {len(s.mig)}"))
+        out.append((f"GPU {s.index} MIG devices match", len(cap.migs) == len(s.mig),
+                    f"{len(cap.migs)} vs {len(s.mig)}"))
     return out
 
 

@@ -191,7 +191,7 @@ class NvmlCollector:
         raw = self._call("nvmlDeviceGetFieldValues", handle, ids)
         if raw is None:
             return [None] * len(ids)
-        out = []
+        out: list[Any] = []  # (raw NVML numbers of the fields' own types)
         for fv in raw:
             if fv.nvmlReturn != 0:
                 out.append(None)
@@ -293,7 +293,7 @@ class NvmlCollector:
         values = self._field_values(h, field_ids)
         s.temperature_memory_celsius = None if values[0] is None else float(values[0])
         s.pcie_replays = values[1]
-        for (_, reason), us in zip(_REASON_FIELDS, values[2:]):
+        for (_, reason), us in zip(_REASON_FIELDS, values[2:], strict=True):
             s.clocks_event_seconds[reason] = None if us is None else us * 1e-6
         s.ecc_corrected_total = _clean(call("nvmlDeviceGetTotalEccErrors", h, self._const(
             "NVML_MEMORY_ERROR_TYPE_CORRECTED"), self._const("NVML_AGGREGATE_ECC")))
@@ -390,7 +390,7 @@ class NvmlCollector:
                         known.add(p.pid)
             if self._gpm_supported.get(index) and m.gpu_instance_id is not None:
                 gi = m.gpu_instance_id
-                gpm = self._gpm((index, gi), lambda smp: call("nvmlGpmMigSampleGet", h, gi, smp))
+                gpm = self._gpm((index, gi), lambda smp, gi=gi: call("nvmlGpmMigSampleGet", h, gi, smp))
                 for field_name, value in gpm.items():
                     setattr(m, field_name, value)
             out.append(m)
@@ -404,7 +404,7 @@ class NvmlCollector:
         xid = self._const("nvmlEventTypeXidCriticalError")
         registered = 0
         for handle in self._handles:
-            fn = getattr(self._nvml, "nvmlDeviceRegisterEvents")
+            fn = self._nvml.nvmlDeviceRegisterEvents
             try:
                 fn(handle, xid, event_set)
                 registered += 1

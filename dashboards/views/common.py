@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import altair as alt
 import streamlit as st
+
+if TYPE_CHECKING:
+    from altair.typing import ChartType  # (altair ≥ 5.4; a type only)
 
 __all__ = ["si", "pct", "secs", "chart", "note_fallback", "empty"]
 
@@ -41,7 +43,7 @@ def secs(value: Any) -> str:
     return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
 
 
-def chart(c: alt.TopLevelMixin) -> None:
+def chart(c: ChartType) -> None:
     """Draw an altair chart across the container (Streamlit's theme)."""
     st.altair_chart(c, width="stretch")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
+from kvmeter.scalars import number
+
 from .. import charts
 from ..signals import GPU, MIG
 from ..ui import PageContext
@@ -48,7 +50,7 @@ def render(ctx: PageContext) -> None:
                 else "—", help="NVML utilization.gpu: fraction of time any kernel ran. Absent under MIG.")
     c[2].metric("Mean SM active (GPM)", pct(sm.get_column("value").mean()) if sm is not None and sm.height else "—",
                 help="Fraction of SMs busy — the honest compute-load figure (GPM: Hopper and later).")
-    peak = mem.get_column("value").max() if mem.height else None
+    peak = number(mem.get_column("value").max()) if mem.height else None
     c[3].metric("Peak memory used", "—" if peak is None else f"{peak / GIB:,.1f} GiB",
                 help="Highest device memory in use of any GPU (vLLM pre-allocates its KV cache here).")
 
@@ -73,9 +75,9 @@ def render(ctx: PageContext) -> None:
     with left:
         used = mem.with_columns((pl.col("value") / GIB).alias("gib")) if mem.height else None
         per_gpu(used, "Device memory used (max per bucket)", "memory used (GiB)", ",.0f", value="gib")
-        if total.height:
-            cap = total.get_column("value").max() / GIB
-            st.caption(f"Capacity {cap:,.0f} GiB per GPU. An engine such as vLLM pre-allocates its KV cache at "
+        cap = number(total.get_column("value").max()) if total.height else None
+        if cap is not None:
+            st.caption(f"Capacity {cap / GIB:,.0f} GiB per GPU. An engine such as vLLM pre-allocates its KV cache at "
                        "start, so device memory stays flat while the KV watermark (KV cache page) moves.")
     with right:
         per_gpu(power, "Board power (mean per bucket)", "power (W)", ",.0f")

@@ -34,7 +34,7 @@ def render(ctx: PageContext) -> None:
         empty("requests")
         return
     cols = st.columns(max(1, table.height))
-    for col, row in zip(cols, table.iter_rows(named=True)):
+    for col, row in zip(cols, table.iter_rows(named=True), strict=True):
         ok = row["ttft_p95_within_slo"]
         col.metric(f"{row['tier']} · TTFT p95", secs(row["ttft_p95_s"]),
                    delta=None if ok is None else ("within SLO " if ok else "over SLO ") + secs(row["ttft_slo_s"]),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
+from kvmeter.scalars import number
+
 from .. import charts, schemas
 from ..frames import long, traffic_rates
 from ..signals import ENGINE, SCHEDULER
@@ -30,8 +32,8 @@ def hidden_load(rates: pl.DataFrame) -> pl.DataFrame:
                        ("output_tokens_per_s", "output tokens / s"), ("active_kv_tokens", "active KV tokens"),
                        ("queue_p95_s", "queue wait p95 (s)")):
         values = busy.get_column(col).drop_nulls() if busy.height else pl.Series([], dtype=pl.Float64)
-        median = float(values.median()) if values.len() else None
-        peak = float(values.max()) if values.len() else None
+        median = number(values.median()) if values.len() else None
+        peak = number(values.max()) if values.len() else None
         ratio = peak / median if (median and peak is not None) else None
         rows.append({"series": label, "median": median, "peak": peak, "peak_over_median": ratio})
     return pl.DataFrame(rows, schema={"series": pl.String, "median": pl.Float64, "peak": pl.Float64,
@@ -67,7 +69,7 @@ def render(ctx: PageContext) -> None:
     with st.container(border=True):
         st.markdown("**What QPS hides** — peak ÷ median over buckets with traffic")
         cols = st.columns(len(hidden))
-        for col, row in zip(cols, hidden.iter_rows(named=True)):
+        for col, row in zip(cols, hidden.iter_rows(named=True), strict=True):
             ratio = row["peak_over_median"]
             col.metric(row["series"], "—" if ratio is None else f"{ratio:.1f}×", help=f"median {si(row['median'])}, "
                        f"peak {si(row['peak'])}")

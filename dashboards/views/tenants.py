@@ -8,6 +8,7 @@ import polars as pl
 import streamlit as st
 
 from kvmeter.ledger.window_queries import BACKLOG_QUEUE_S
+from kvmeter.scalars import number
 
 from .. import charts, schemas
 from ..frames import fill_buckets, jain_by_bucket, per_bucket_rate, tenant_ranking, top_n
@@ -20,6 +21,12 @@ CAPTION = ("Fairness is measured in consumed work — service = 1 × input + 2 �
            "Sheng et al., OSDI 2024) ÷ the tier's weight — not in requests.")
 
 TOP_TENANTS = 10
+
+
+def _index(value: object) -> str:
+    """A mean Jain's index (a polars reduction) with three decimals; ``—`` when there is none."""
+    x = number(value)
+    return "—" if x is None else f"{x:.3f}"
 
 
 def fair_shares(ranking: pl.DataFrame, tiers) -> pl.DataFrame:
@@ -49,16 +56,17 @@ def render(ctx: PageContext) -> None:
     n_backlogged = ranking.filter(pl.col("queued_requests") > 0).height
 
     c = st.columns(4)
-    if ledger_jain is None:
-        c[0].metric("Jain's index (mean)", f"{sched_jain.get_column('value').mean():.3f}",
-                    help="The fair scheduler's own index over backlogged tenants' weight-normalised service rate "
-                         "(1 = perfectly fair, 1/n = one tenant gets everything), averaged over the window.")
-    else:
+    # (exactly one of the two is read: the ledger's estimate when the scheduler has no samples)
+    if ledger_jain is not None:
         c[0].metric("Jain's index (ledger estimate, mean)",
-                    f"{ledger_jain.get_column('jain_index').mean():.3f}" if ledger_jain.height else "—",
+                    _index(ledger_jain.get_column("jain_index").mean()) if ledger_jain.height else "—",
                     help=f"Per bucket, over the weight-normalised service of tenants with a request that waited "
                          f"≥ {BACKLOG_QUEUE_S * 1000:.0f} ms in the queue (the ledger's stand-in for 'backlogged'). "
                          "'—' = no contention in this window.")
+    elif sched_jain is not None:
+        c[0].metric("Jain's index (mean)", _index(sched_jain.get_column("value").mean()),
+                    help="The fair scheduler's own index over backlogged tenants' weight-normalised service rate "
+                         "(1 = perfectly fair, 1/n = one tenant gets everything), averaged over the window.")
     c[1].metric("Tenants with traffic", f"{ranking.height:,}")
     c[2].metric("Tenants that queued", f"{n_backlogged:,}",
                 help=f"Had a request wait ≥ {BACKLOG_QUEUE_S * 1000:.0f} ms in the queue in some bucket.")
@@ -76,15 +84,16 @@ def render(ctx: PageContext) -> None:
                                                                         format=".1%")])
     chart(charts.layer(bars, ticks))
 
-    if ledger_jain is None:
+    if ledger_jain is not None:
+        if ledger_jain.height:
+            chart(charts.timeseries(ledger_jain, "jain_index", title="Jain's index per bucket (tenants that queued)",
+                                    y_title="Jain's index (1 = fair)", window=w, y_format=".2f"))
+            note_fallback("Jain's index", SCHEDULER["jain"])
+        else:
+            st.caption("No tenant queued in this window: fairness was not at stake.")
+    elif sched_jain is not None:
         chart(charts.timeseries(sched_jain, "value", title="Jain's index over time (scheduler, backlogged tenants)",
                                 y_title="Jain's index (1 = fair)", window=w, y_format=".2f"))
-    elif ledger_jain.height:
-        chart(charts.timeseries(ledger_jain, "jain_index", title="Jain's index per bucket (tenants that queued)",
-                                y_title="Jain's index (1 = fair)", window=w, y_format=".2f"))
-        note_fallback("Jain's index", SCHEDULER["jain"])
-    else:
-        st.caption("No tenant queued in this window: fairness was not at stake.")
 
     chart(charts.scatter(ranking.filter(pl.col("total_tokens") > 0), "requests", "total_tokens",
                          title="Noisy neighbours: requests sent vs tokens "

@@ -55,4 +55,5 @@ class AgentMetrics(MetricSource):
 
     def on_stop(self, s: AgentRunStopped) -> None:
         who = s.attribution
-        self.tenant_child(self.stops, 1, (who.tier or "unknown", who.tenant_id, _bounded(s.reason, RUN_STOP_REASONS))).inc()
+        reason = _bounded(s.reason, RUN_STOP_REASONS)
+        self.tenant_child(self.stops, 1, (who.tier or "unknown", who.tenant_id, reason)).inc()

@@ -25,11 +25,17 @@ Conventions: prefix ``kvmeter_``; the unit is the last word before ``_total`` (`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from . import buckets as B
 
-__all__ = ["Metric", "METRICS", "metric", "emitted_names", "reserved_names",
+__all__ = ["Metric", "MultiprocessMode", "METRICS", "metric", "emitted_names", "reserved_names",
            "SignalSeries", "SIGNAL_SERIES", "signal_series", "series", "rate_series", "rate_name"]
+
+
+#: prometheus-client's ways of merging a gauge across worker processes (``Gauge(multiprocess_mode=)``).
+MultiprocessMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum",
+                           "mostrecent", "livemostrecent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +60,7 @@ class Metric:
     source: str
     emitted: bool = True
     buckets: tuple[float, ...] = ()
-    multiprocess_mode: str = "mostrecent"
+    multiprocess_mode: MultiprocessMode = "mostrecent"
 
 
 _E = ("engine", "model")
@@ -150,7 +156,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_gpu_power_watts", "gauge", _GPU, "board power draw, watts", "gpu"),
     Metric("kvmeter_gpu_power_limit_watts", "gauge", _GPU, "enforced power limit, watts", "gpu"),
     Metric("kvmeter_gpu_energy_joules_total", "counter", _GPU, "energy consumed, joules", "gpu"),
-    Metric("kvmeter_gpu_temperature_celsius", "gauge", ("gpu", "sensor"), "temperature (sensor gpu, memory), °C", "gpu"),
+    Metric("kvmeter_gpu_temperature_celsius", "gauge", ("gpu", "sensor"), "temperature (sensor gpu, memory), °C",
+           "gpu"),
     Metric("kvmeter_gpu_clock_hertz", "gauge", ("gpu", "clock"), "current clock, hertz", "gpu"),
     Metric("kvmeter_gpu_clock_max_hertz", "gauge", ("gpu", "clock"), "maximum clock, hertz", "gpu"),
     Metric("kvmeter_gpu_clocks_event_reason_active", "gauge", ("gpu", "reason"),

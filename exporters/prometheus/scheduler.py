@@ -88,7 +88,7 @@ class SchedulerMetrics(MetricSource):
                     g[3] += t.active_kv_tokens
                 self._count_service(t.tier, t.tenant_id, t.service_total)
             for (tier, _), (depth, tokens, oldest, kv, tenant) in groups.items():
-                for metric, value in zip(self._gauges, (depth, tokens, oldest, kv)):
+                for metric, value in zip(self._gauges, (depth, tokens, oldest, kv), strict=True):
                     # child() maps the group's tenant to its label and records a labelled
                     # tenant's series so that a demotion prunes it
                     labels.child(metric, 1, (tier, tenant)).set(value)

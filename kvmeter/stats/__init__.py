@@ -13,7 +13,7 @@ One module per producer:
   gates on, which the remote engine publishes after every scrape);
 * :mod:`.remote` — :class:`RemoteEngineStats` with :class:`HistogramSnapshot` and
   :class:`CounterAnomaly` (a vLLM server kvmeter scrapes but does not host);
-* :mod:`.gateway` — :class:`RequestCompletion`, :class:`AdmissionDecision`,
+* :mod:`.gateway` — :class:`RequestCompletion` (with its :class:`RequestPhase` s), :class:`AdmissionDecision`,
   :class:`RequestRefused` and the refusal label sets;
 * :mod:`.quota` — :class:`ReservationDrift`, :class:`QuotaStoreState`,
   :class:`IdempotencyAttempt`, :class:`ToolCallReported`;
@@ -33,8 +33,8 @@ Units are in the field names or stated; timestamps say which clock they come fro
 from kvmeter.stats.agents import (APPROVAL_EVENTS, RISK_CLASSES, RUN_STOP_REASONS, TOOL_CALL_DECISIONS,
                                   TOOL_CALL_SOURCES, AgentRunStopped, ApprovalEvent, ToolCallDecided)
 from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepStats
-from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, AdmissionDecision, RequestCompletion,
-                                   RequestRefused)
+from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, TRACE_CONTEXT_HEADERS, AdmissionDecision,
+                                   RequestCompletion, RequestPhase, RequestRefused)
 from kvmeter.stats.gpu import (CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample,
                                XidEvent, clock_event_reason_names)
 from kvmeter.stats.ledger import (INGEST_STATUSES, RECONCILIATION_VIEWS, RUN_RESULTS, LedgerStats,
@@ -51,7 +51,8 @@ __all__ = [
     # remote engine
     "RemoteEngineStats", "HistogramSnapshot", "CounterAnomaly",
     # gateway
-    "RequestCompletion", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS",
+    "RequestCompletion", "RequestPhase", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS",
+    "TRACE_CONTEXT_HEADERS",
     # quota
     "ReservationDrift", "QuotaStoreState", "IdempotencyAttempt", "ToolCallReported",
     # tenancy

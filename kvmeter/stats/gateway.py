@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from kvmeter.attribution import Attribution
 from kvmeter.tokens import TokenCounts
 
-__all__ = ["RequestCompletion", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS"]
+__all__ = ["RequestCompletion", "RequestPhase", "TRACE_CONTEXT_HEADERS", "AdmissionDecision", "RequestRefused",
+           "REFUSAL_CODES", "REFUSAL_ENDPOINTS"]
 
 #: Every error code the gateway answers a refusal with (its own, and the tenancy, idempotency and
 #: quota codes it passes on from the tool-call route). A fixed set, so an exporter can use it as a
@@ -40,6 +41,27 @@ REFUSAL_CODES = frozenset({
 REFUSAL_ENDPOINTS = ("chat.completions", "completions", "models", "agent_runs.tool_calls", "approvals", "other")
 
 
+#: The W3C Trace Context headers (https://www.w3.org/TR/trace-context/) a request's completion
+#: carries as received, for the trace exporters to join the caller's trace.
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPhase:
+    """One phase of an admitted request, in seconds from its gateway arrival (the gateway's clock).
+
+    Attributes:
+        name: ``queue`` (arrival → the engine starts it: the gateway's scheduler queue, then the
+            engine's waiting queue as the engine measured it), ``prefill`` (→ the first output
+            token reaches the gateway) or ``decode`` (first → last output token).
+        start_s, end_s: offsets from arrival, ``0 ≤ start_s ≤ end_s ≤ e2e_s``.
+    """
+
+    name: str
+    start_s: float
+    end_s: float
+
+
 @dataclass(slots=True)
 class RequestCompletion:
     """Gateway-side view of one request when it ends, for latency, token and goodput metrics.
@@ -59,6 +81,13 @@ class RequestCompletion:
         slo_met: whether the request met its tier's TTFT and ITL SLO (``None`` when no SLO is set);
             goodput counts the tokens of requests with ``slo_met`` true.
         wall_ts: wall-clock epoch seconds at the end.
+        phases: the request's :class:`RequestPhase` s in order (``queue``; ``prefill`` once a
+            first token came; ``decode`` with two output tokens or more).
+        response_id: the ``id`` of the answer (``chatcmpl-...`` / ``cmpl-...``), ``""`` when unknown.
+        finish_reasons: one finish reason per choice, in the answer's choice order (``stop``,
+            ``length``, ``tool_calls``..., ``abort`` / ``error`` for a choice that did not finish).
+        trace_headers: the request's :data:`TRACE_CONTEXT_HEADERS` as received, ``(name, value)``
+            pairs in order (lower-case names; a header sent twice appears twice); unvalidated.
     """
 
     attribution: Attribution
@@ -71,6 +100,10 @@ class RequestCompletion:
     slo_met: bool | None = None
     wall_ts: float = 0.0
     stream: bool = False
+    phases: tuple[RequestPhase, ...] = ()
+    response_id: str = ""
+    finish_reasons: tuple[str, ...] = ()
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)

@@ -1,9 +1,10 @@
 """Stats of the ledger: its spool and writer, published after every writer round.
 
-The Prometheus/OTLP exporters subscribe to :class:`LedgerStats` and turn it into, e.g., ``kvmeter_ledger_spool_depth_events``,
-``kvmeter_ledger_spool_oldest_age_seconds``, ``kvmeter_ledger_events_ingested_total{status}``
-and ``kvmeter_ledger_insert_retries_total``; and :class:`ReconciliationStats` (after every
-periodic reconciliation, :mod:`kvmeter.ledger.reconciler`) into ``kvmeter_reconciliation_*``.
+The Prometheus/OTLP exporters subscribe to :class:`LedgerStats` and turn it into, e.g.,
+``kvmeter_ledger_spool_depth_events``, ``kvmeter_ledger_spool_oldest_age_seconds``,
+``kvmeter_ledger_events_ingested_total{status}`` and ``kvmeter_ledger_insert_retries_total``; and
+:class:`ReconciliationStats` (after every periodic reconciliation, :mod:`kvmeter.ledger.reconciler`)
+into ``kvmeter_reconciliation_*``.
 """
 
 from __future__ import annotations

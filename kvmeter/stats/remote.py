@@ -107,7 +107,7 @@ class HistogramSnapshot:
         """
         if [b for b, _ in self.buckets] != [b for b, _ in older.buckets]:
             return None
-        buckets = [(b, c - o) for (b, c), (_, o) in zip(self.buckets, older.buckets)]
+        buckets = [(b, c - o) for (b, c), (_, o) in zip(self.buckets, older.buckets, strict=True)]
         if any(c < 0 for _, c in buckets):
             return None
         count = None if self.count is None or older.count is None else self.count - older.count

@@ -103,7 +103,8 @@ class ApprovalDesk(AgentService):
                if self._may_read(principal, a) and (run_id is None or a.run_id == run_id)]
         return out[:limit]
 
-    async def decide(self, principal: Principal, approval_id: str, *, approve: bool, reason: str = "") -> dict[str, Any]:
+    async def decide(self, principal: Principal, approval_id: str, *, approve: bool,
+                     reason: str = "") -> dict[str, Any]:
         """Approve or reject a pending approval.
 
         Args:

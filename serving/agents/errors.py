@@ -21,23 +21,24 @@ code                               status  when
 ``agent_store_unavailable``        503     the shared run store is down (fail closed; retry after 1 s)
 =================================  ======  ================================================================
 
-Every 409 carries ``x-should-retry: false``: OpenAI's SDKs retry 409s on their own, and none of
-these changes by retrying the same request (an approval is a person's decision; a stopped run
-stays stopped). The error body names what it is about beside OpenAI's four fields: ``tool`` and
-``rule``, ``approval_id``, ``reason`` / ``detail`` of a stop, ``mismatch``.
+Every 409, and the 429 ``run_budget_exceeded``, carries ``x-should-retry: false``: OpenAI's SDKs
+retry 409s and 429s on their own, and none of these changes by retrying the same request (an
+approval is a person's decision; a stopped run stays stopped; a spent budget is not given back).
+The error body names what it is about beside OpenAI's four fields: ``tool`` and ``rule``,
+``approval_id``, ``reason`` / ``detail`` of a stop, ``mismatch``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvmeter.errors import Refusal
+from kvmeter.errors import NO_RETRY_HEADERS, Refusal
 from kvmeter.serving.quota.base import QuotaRejected
 
 __all__ = ["AgentRefusal", "ModelCallRefused", "NO_RETRY"]
 
-#: The header telling OpenAI's SDKs not to retry a refusal.
-NO_RETRY = {"x-should-retry": "false"}
+#: The header telling OpenAI's SDKs not to retry a refusal (:data:`kvmeter.errors.NO_RETRY_HEADERS`).
+NO_RETRY = NO_RETRY_HEADERS
 
 
 class AgentRefusal(Refusal):
@@ -53,7 +54,8 @@ class AgentRefusal(Refusal):
 
     def __init__(self, message: str, *, status_code: int, code: str, fields: dict[str, Any] | None = None,
                  param: str | None = None, retry_after_s: float | None = None) -> None:
-        headers = dict(NO_RETRY) if status_code == 409 else None
+        # a 409, or a spent run budget (429): the same call is refused the same way however often it is sent
+        headers = dict(NO_RETRY) if status_code == 409 or code == "run_budget_exceeded" else None
         super().__init__(message, status_code=status_code, code=code, param=param, headers=headers,
                          retry_after_s=retry_after_s, level="agent_run")
         self.fields = dict(fields or {})

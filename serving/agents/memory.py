@@ -62,6 +62,12 @@ class MemoryAgentStore(AgentStore):
         self._keys: dict[tuple[str, str], tuple[str, str, float]] = {}  # (tenant, key) → (sig, id, until)
         self._next_sweep = float("-inf")
 
+    def tracked_runs(self) -> set[tuple[str, str]]:
+        """The ``(tenant id, run id)`` of every run whose state the store holds now (a snapshot);
+        a run is forgotten :data:`~.store.RUN_STATE_TTL_S` after its last write, at the next sweep."""
+        with self._lock:
+            return set(self._runs)
+
     # -- helpers (lock held) ---------------------------------------------------------------------
     def _run(self, tenant_id: str, run_id: str, now: float) -> _Run:
         run = self._runs.get((tenant_id, run_id))

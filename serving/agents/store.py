@@ -54,9 +54,9 @@ __all__ = ["AgentStore", "ReportRequest", "ReportResult", "Approval", "RunStop",
            "binding_key", "RUN_STATE_TTL_S", "IDEMPOTENCY_KEY_TTL_S", "APPROVAL_RETENTION_S"]
 
 #: Outcomes of :meth:`AgentStore.report`.
-REPORT_OUTCOMES = ("allowed", "replayed", "pending_approval", "approval_granted", "approval_rejected", "approval_expired",
-                   "approval_used", "approval_mismatch", "approval_not_found", "idempotency_conflict",
-                   "budget_exceeded", "loop_stopped", "run_stopped")
+REPORT_OUTCOMES = ("allowed", "replayed", "pending_approval", "approval_granted", "approval_rejected",
+                   "approval_expired", "approval_used", "approval_mismatch", "approval_not_found",
+                   "idempotency_conflict", "budget_exceeded", "loop_stopped", "run_stopped")
 #: States of an approval (``expired`` is derived: a pending or approved one past its expiry).
 APPROVAL_STATES = ("pending", "approved", "rejected", "consumed")
 

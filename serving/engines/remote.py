@@ -1,10 +1,18 @@
 """An external OpenAI-compatible server (e.g. ``vllm serve`` on GPUs) as kvmeter's engine.
 
-kvmeter tokenizes (for quota estimation) with the model's own tokenizer and sends the prompt as
-token ids to ``POST /v1/completions`` (vLLM's server accepts a token-id list), streaming with
-``stream_options.include_usage`` so the final usage chunk gives the server's engine-true counts.
-``min_tokens``/``ignore_eos`` are passed through (vLLM extensions). Closing the stream closes the
-HTTP response, which a vLLM server turns into an engine abort.
+**The gateway's path** is a transparent proxy (:mod:`kvmeter.serving.gateway.remote_path`): the
+client's body goes to the upstream's own ``/v1/chat/completions`` or ``/v1/completions`` through
+:meth:`RemoteEngine.open`, and the upstream's answer comes back to the client as it was sent. The
+engine holds the connection pool, the upstream's API key, its tokenizer (kvmeter's count of a
+prompt, for the quota's estimate) and its load.
+
+:meth:`RemoteEngine.generate` (the :class:`~kvmeter.serving.engines.base.Engine` interface, for
+callers that hand it token ids: tests, trace replays) sends the prompt as token ids to
+``POST /v1/completions`` (vLLM's server accepts a token-id list), streaming with
+``stream_options.include_usage`` so the usage chunk gives the server's engine-true counts (the
+latest usage block wins; none ends the stream). ``min_tokens``/``ignore_eos`` are passed through
+(vLLM extensions). Closing the stream closes the HTTP response, which a vLLM server turns into an
+engine abort.
 
 **Load.** The engine owns a :class:`~kvmeter.collectors.remote_vllm.RemoteVllmScraper` of its
 upstream's Prometheus page (``metrics_url``; by default ``<base_url>/metrics``, where vLLM's OpenAI
@@ -86,7 +94,10 @@ def upstream_load(stats: Sequence[RemoteEngineStats], model_name: str) -> Engine
     capacities = [(s.kv_blocks_total or 0) * (s.kv_block_size_tokens or 0) for s in mine]
     if all(capacities):
         capacity = sum(capacities)
-        ratio = ratios[0] if len(ratios) == 1 else sum(r * c for r, c in zip(ratios, capacities)) / capacity
+        if len(ratios) == 1:
+            ratio = ratios[0]
+        else:
+            ratio = sum(r * c for r, c in zip(ratios, capacities, strict=True)) / capacity
         return EngineLoad(min(1.0, ratio), capacity, running, waiting, per_step=False)
     return EngineLoad(max(ratios), 0, running, waiting, per_step=False)
 
@@ -259,6 +270,29 @@ class RemoteEngine(Engine):
             if self._clock.monotonic() >= self._next_scrape:
                 await self.scrape()
 
+    async def open(self, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+        """``POST`` ``content`` to the upstream's ``path`` (``/v1/chat/completions``, ...): the
+        transparent proxy's request (:mod:`kvmeter.serving.gateway.remote_path`).
+
+        Returns:
+            The response, its headers read and its body not: read or stream it, then ``aclose()``
+            it (closing it before its end closes the connection, which a vLLM server turns into
+            an engine abort).
+        Raises:
+            EngineError: retryable when no connection could be made (refused, name resolution,
+                connect or pool timeout); not retryable when the connection broke, or timed out,
+                before the answer's headers.
+        """
+        request = self._client.build_request("POST", path, content=content, headers=headers)
+        try:
+            return await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise EngineError(f"the upstream {self.base_url} is unreachable ({type(exc).__name__}: {exc})",
+                              retryable=True) from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(f"the upstream {self.base_url} failed before answering "
+                              f"({type(exc).__name__}: {exc})") from exc
+
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         body = {"model": self.model_name, "prompt": list(request.prompt_token_ids),
                 "max_tokens": request.max_tokens, "temperature": request.temperature,
@@ -286,22 +320,13 @@ class RemoteEngine(Engine):
                     raise EngineError(f"remote engine answered {resp.status_code}: {detail}",
                                       retryable=resp.status_code >= 500)
                 async for line in resp.aiter_lines():
-                    if final is not None or not line.startswith("data: ") or line == "data: [DONE]":
+                    if not line.startswith("data: ") or line == "data: [DONE]":
                         # read the stream to its end (``[DONE]``): a response closed before its
                         # body is fully read closes the connection instead of returning it to
                         # the pool, and every request would open a new TCP connection
                         continue
                     chunk = json.loads(line[6:])
-                    usage = chunk.get("usage")
-                    if usage:  # the final chunk: the server's own counts
-                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                        final = EngineOutput(new_token_ids=(), new_text="",
-                                             num_output_tokens=int(usage["completion_tokens"]),
-                                             num_input_tokens=int(usage["prompt_tokens"]),
-                                             num_cached_input_tokens=int(cached), finished=True,
-                                             finish_reason=finish or "stop")
-                        continue
-                    for choice in chunk.get("choices", ()):
+                    for choice in chunk.get("choices") or ():
                         text = choice.get("text", "")
                         ids = choice.get("token_ids")
                         # Exact with vLLM's return_token_ids; otherwise an estimate by re-tokenizing
@@ -311,8 +336,20 @@ class RemoteEngine(Engine):
                         finish = choice.get("finish_reason") or finish
                         yield EngineOutput(new_token_ids=ids if ids is not None else (0,) * new, new_text=text,
                                            num_output_tokens=generated, num_input_tokens=input_tokens)
+                    usage = chunk.get("usage")
+                    if usage:  # the server's own counts; the latest block wins (none ends the stream)
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        final = EngineOutput(new_token_ids=(), new_text="",
+                                             num_output_tokens=int(usage["completion_tokens"]),
+                                             num_input_tokens=int(usage["prompt_tokens"]),
+                                             num_cached_input_tokens=int(cached), finished=True)
         except httpx.HTTPError as exc:
             raise EngineError(f"remote engine failed: {type(exc).__name__}: {exc}", retryable=True) from exc
         if final is None:
-            raise EngineError("remote engine stream ended without a usage chunk")
+            if finish is None:
+                raise EngineError("remote engine stream ended without a finish_reason or a usage chunk")
+            # a finished stream without usage: the counts streamed (exact with return_token_ids)
+            final = EngineOutput(new_token_ids=(), new_text="", num_output_tokens=generated,
+                                 num_input_tokens=input_tokens, finished=True)
+        final.finish_reason = finish or "stop"
         yield final

@@ -17,8 +17,9 @@ The steps, in order, and what each can answer:
    a stop releases the reservation) .................................... 409
 6. ask the scheduler (early rejection, then wait for dispatch) ........ 429 + Retry-After
 7. run on the engine, streaming or not; a client that goes away aborts the engine request
-8. meter: one usage event per logical request, durable in the ledger's spool *before* the
-   response completes (for a stream: before the usage chunk and ``[DONE]``)
+8. meter: one usage event per attempt (under its logical request's event id; one that did not
+   end ``ok`` with its undelivered cause and its tier's billing of it), durable in the ledger's
+   spool *before* the response completes (for a stream: before the usage chunk and ``[DONE]``)
 9. reconcile the reservation to engine-true counts; release the scheduler slot.
 
 The agent-run checks (steps 4 and 5) are :class:`~kvmeter.serving.agents.AgentRuns`' hooks, called
@@ -37,9 +38,15 @@ estimate, :meth:`CompletionEndpoint._prepare`; step 7, :meth:`CompletionEndpoint
 * :class:`~kvmeter.serving.gateway.openai_path.OpenAIEndpoint` — the in-process engines
   (``vllm``, ``instant``): vLLM's own OpenAI serving layer (:mod:`kvmeter.serving.openai_api`),
   so the API is vLLM's, every shape of it metered;
-* :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: kvmeter's
-  own request models and response shapes over the remote engine (until it becomes a transparent
-  proxy).
+* :class:`~kvmeter.serving.gateway.remote_path.RemoteEndpoint` — ``--engine remote``: a
+  transparent proxy to the upstream's own OpenAI server (the body validated with vLLM's request
+  models, forwarded as sent; the answer the upstream's, metered from its usage).
+
+Why this module is longer than ~600 lines: it is the one place where the steps above happen in
+order, and the order is what makes metering exact on every exit path (each ``try``/``finally``
+here pairs a reservation or an engine request with its record). Body reading (``body.py``),
+metering (``metering.py``), tool checks (``tools.py``, ``emitted.py``) and errors (``errors.py``)
+are already their own modules; what remains is the sequence itself.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
-from kvmeter.stats import AdmissionDecision, RequestRefused
+from kvmeter.stats import TRACE_CONTEXT_HEADERS, AdmissionDecision, RequestRefused
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "Prepared", "Admitted",
@@ -216,6 +223,25 @@ class _Seen:
     decided: bool = False  # an AdmissionDecision was published (quota or scheduler refusal)
 
 
+def _undelivered_cause(adm: Admitted, outcome: str) -> str:
+    """Why an admitted attempt that did not end ``ok`` reached no client, as the gateway can tell:
+    ``client_abandoned`` when the client disconnected (the disconnect watcher or the stream's
+    response saw it), ``shutdown`` when the task finishing it is being cancelled and the client did
+    not leave (uvicorn cancels the requests still running at the end of its graceful shutdown; a
+    stream cut that way used to be recorded as the client's abort), else ``client_abandoned`` for
+    ``aborted`` and ``server_failure`` for ``error``. ``deadline`` is given by the caller that
+    drops a dispatched request at its deadline.
+
+    Call it outside a shielded cancel scope (it reads :meth:`asyncio.Task.cancelling`).
+    """
+    if adm.client_left:
+        return "client_abandoned"
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
+        return "shutdown"
+    return "client_abandoned" if outcome == "aborted" else "server_failure"
+
+
 def _bounded(value: str, max_chars: int) -> str:
     """A client-chosen header value as the attempt record keeps it: unchanged when it is within
     ``max_chars`` (the longest the gateway accepts), else ``sha256:<64 hex>`` — the request was
@@ -252,14 +278,23 @@ class ClosingStreamingResponse(StreamingResponse):
     (the client left before the first chunk was asked for), so the request is finalized there."""
 
     def __init__(self, content: AsyncGenerator[bytes, None], *, on_close: Callable[[], Awaitable[None]],
-                 **kwargs: Any) -> None:
+                 on_disconnect: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._body = content  # Starlette's body_iterator, typed as the generator it is (it has aclose)
         self._on_close = on_close
+        self._on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        on_disconnect = self._on_disconnect
+
+        async def watched() -> Any:  # the client's disconnect, noted before it cancels the stream
+            message = await receive()
+            if message["type"] == "http.disconnect" and on_disconnect is not None:
+                on_disconnect()
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, watched, send)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
@@ -309,6 +344,8 @@ class Admitted:
     engine_ids: list[str] = field(default_factory=list)
     #: called just before the usage event is built (the protocol's last counts, e.g. reasoning)
     before_finish: Callable[[], None] | None = None
+    #: the client disconnected (seen by the disconnect watcher or the stream's response)
+    client_left: bool = False
 
 
 class CompletionEndpoint:
@@ -394,8 +431,9 @@ class CompletionEndpoint:
         except BaseException as exc:
             # Cancelled (server shutdown: the client gets app.py's 503) or an unexpected error
             # (500): never leave the reservation, the scheduler slot or the idempotency ticket held.
-            status = 503 if isinstance(exc, asyncio.CancelledError) else 500
-            await self._close_unfinished(admitted, status_code=status, outcome="error")
+            shutdown = isinstance(exc, asyncio.CancelledError)
+            await self._close_unfinished(admitted, status_code=503 if shutdown else 500, outcome="error",
+                                         cause="shutdown" if shutdown else "server_failure")
             raise
         finally:
             if admitted.watch is not None:  # a stream's response watches the client itself
@@ -405,8 +443,11 @@ class CompletionEndpoint:
                            on_close: Callable[[], Awaitable[None]] | None = None) -> Response:
         """The SSE response of ``body``; closing it (the client left, or it ended) closes ``body``
         and then runs ``on_close`` (default: finalize the request as aborted if it did not end)."""
+        def left() -> None:
+            adm.client_left = True
+
         return ClosingStreamingResponse(
-            body, on_close=on_close or (lambda: self._close_unfinished(adm)),
+            body, on_close=on_close or (lambda: self._close_unfinished(adm)), on_disconnect=left,
             media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
     async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,
@@ -460,11 +501,16 @@ class CompletionEndpoint:
         agents = gw.agents
         if agents is not None and prepared.tool_names:  # 403 before anything is reserved
             await agents.check_declared_tools(principal, run_id, prepared.tool_names)
-        ticket = await self._idempotency(principal, idem, data)
+        # the request's fingerprint: the idempotency store's check and a part of the event id
+        digest = fingerprint(data, self.endpoint) if idem else ""
+        ticket = await self._idempotency(principal, idem, digest)
         identity = RequestIdentity(request_id=request_id, attribution=attribution, stream=prepared.stream,
-                                   idempotency_key=idem, attempt=ticket.attempt if ticket is not None else 1)
+                                   idempotency_key=idem, attempt=ticket.attempt if ticket is not None else 1,
+                                   fingerprint=digest)
         reserved = TokenCounts(input_tokens=prepared.input_tokens, output_tokens=prepared.output_tokens)
         meter = RequestMeter(identity, gw.clock, reserved=reserved, arrival=arrival)
+        # the caller's trace context, handed on as received: the trace exporter joins it
+        meter.trace_headers = tuple((k, v) for k, v in request.headers.items() if k in TRACE_CONTEXT_HEADERS)
         estimate = UsageEstimate(attribution=attribution, tokens=reserved, request_id=request_id,
                                  attempt=identity.attempt)
         try:
@@ -498,14 +544,14 @@ class CompletionEndpoint:
             await self.gw.quota.reconcile(reservation, NO_TOKENS)
             raise
 
-    async def _idempotency(self, principal: Principal, key: str, data: dict) -> IdempotencyTicket | None:
-        """Begin the attempt of ``(tenant, Idempotency-Key)``: run it (FIRST), or raise
-        :class:`_Replay` to answer from the earlier attempt (JOINED / REPLAYED)."""
+    async def _idempotency(self, principal: Principal, key: str, digest: str) -> IdempotencyTicket | None:
+        """Begin the attempt of ``(tenant, Idempotency-Key)`` for a request of fingerprint
+        ``digest``: run it (FIRST), or raise :class:`_Replay` to answer from the earlier attempt
+        (JOINED / REPLAYED)."""
         manager = self.gw.idempotency
         if not key or manager is None:
             return None
-        ticket = await manager.begin(principal.tenant_id, key,
-                                     fingerprint=fingerprint(data, self.endpoint))  # IdempotencyError
+        ticket = await manager.begin(principal.tenant_id, key, fingerprint=digest)  # IdempotencyError
         if ticket.replayed:
             raise _Replay(ticket)
         return ticket
@@ -566,6 +612,7 @@ class CompletionEndpoint:
             raise
         if work in done:
             return work.result()
+        adm.client_left = True
         work.cancel()
         try:
             await work
@@ -575,20 +622,23 @@ class CompletionEndpoint:
 
     # -- steps 8–9 ------------------------------------------------------------------------------------
     async def _finalize(self, adm: Admitted, outcome: Outcome, *, status_code: int,
-                        finish_reason: str | None = None) -> UsageEvent:
+                        finish_reason: str | None = None, cause: str = "") -> UsageEvent:
         """Record the usage event (durably), release the scheduler slot, reconcile the quota.
 
         Idempotent (the first call wins) and shielded from cancellation: a client that leaves
-        mid-way never interrupts the ledger write.
+        mid-way never interrupts the ledger write. ``cause``: why an attempt that did not end
+        ``ok`` reached no client (:data:`~kvmeter.events.UNDELIVERED_CAUSES`); default
+        :func:`_undelivered_cause`.
         """
         if adm.finalized is not None:
             return adm.finalized
+        cause = "" if outcome == "ok" else (cause or _undelivered_cause(adm, outcome))
         with anyio.CancelScope(shield=True):  # shielded, no deadline: it never swallows an exception
-            event = await self._finalize_now(adm, outcome, status_code, finish_reason)
+            event = await self._finalize_now(adm, outcome, status_code, finish_reason, cause)
         return event
 
     async def _finalize_now(self, adm: Admitted, outcome: Outcome, status_code: int,
-                            finish_reason: str | None) -> UsageEvent:
+                            finish_reason: str | None, cause: str) -> UsageEvent:
         gw = self.gw
         if outcome != "ok" and adm.engine_ids and adm.meter.engine_stats is None:
             # ended early (the engine streams are closed, so the engine was told): bill the work
@@ -602,7 +652,7 @@ class CompletionEndpoint:
             adm.before_finish()
         event, completion = adm.meter.finish(outcome, status_code=status_code,
                                              policy=gw.tier_policy(adm.principal.tier),
-                                             finish_reason=finish_reason)
+                                             finish_reason=finish_reason, cause=cause)
         adm.finalized = event
         try:
             await gw.recorder.record(event)
@@ -618,13 +668,14 @@ class CompletionEndpoint:
         return event
 
     async def _close_unfinished(self, adm: Admitted, *, status_code: int = 499,
-                                outcome: Outcome = "aborted") -> None:
+                                outcome: Outcome = "aborted", cause: str = "") -> None:
         """Finalize (reconcile, release the slot, record) a request that did not end normally, and
         abandon its idempotency ticket so a retry runs. A no-op for what already ended."""
+        cause = cause or _undelivered_cause(adm, outcome)  # before the shield: it reads the cancellation
         with anyio.CancelScope(shield=True):
             if adm.finalized is None:
                 await self._finalize(adm, outcome, status_code=status_code,
-                                     finish_reason="abort" if outcome == "aborted" else "error")
+                                     finish_reason="abort" if outcome == "aborted" else "error", cause=cause)
             await self._settle_idempotency(adm, None)
 
     async def _release_unrun(self, adm: Admitted) -> None:

@@ -14,8 +14,11 @@ and hands to :meth:`RequestMeter.engine_account`: the input tokens the engine ha
 prefill cut partway bills the part it ran) and the tokens it generated, ``token_source``
 ``engine_hooks``. Without one (an engine without hooks), the engine-true counts carried by the
 outputs the frontend received (``token_source`` ``frontend``); a request that ended before its
-first output then bills no tokens: the frontend cannot prove the prefill happened. Reasoning
-tokens (a part of the output) are what the protocol's reasoning parser counted (:attr:`RequestMeter.reasoning_tokens`; 0 without one).
+first output then bills no tokens: the frontend cannot prove the prefill happened. An attempt that
+did not complete carries its cause (:data:`~kvmeter.events.UNDELIVERED_CAUSES`, decided by the
+gateway) and whether its tier bills that work (:meth:`RequestMeter.finish`). Reasoning
+tokens (a part of the output) are what the protocol's reasoning parser counted
+(:attr:`RequestMeter.reasoning_tokens`; 0 without one).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 
 from kvmeter.attribution import Attribution
 from kvmeter.clock import Clock
-from kvmeter.events import Outcome, UsageEvent, event_id_for
+from kvmeter.events import DEFAULT_UNDELIVERED_BILLING, Outcome, UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.tenancy.tiers import TierPolicy
-from kvmeter.stats import EngineRequestStats, RequestCompletion
+from kvmeter.stats import EngineRequestStats, RequestCompletion, RequestPhase
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["RequestMeter", "RequestIdentity"]
@@ -45,6 +48,9 @@ class RequestIdentity:
         stream: whether the response is streamed.
         idempotency_key: the client's ``Idempotency-Key``, or ``""``.
         attempt: 1 for the first attempt of the logical request.
+        fingerprint: with an ``Idempotency-Key``, the request's fingerprint (SHA-256 hex of the
+            endpoint and the canonical body, :func:`~kvmeter.serving.gateway.replays.fingerprint`):
+            part of the event id, so the key reused with another body is another logical request.
     """
 
     request_id: str
@@ -52,6 +58,7 @@ class RequestIdentity:
     stream: bool
     idempotency_key: str = ""
     attempt: int = 1
+    fingerprint: str = ""
 
 
 class RequestMeter:
@@ -85,13 +92,29 @@ class RequestMeter:
         self.finish_reason: str | None = None
         #: output tokens that were reasoning (set by the protocol's reasoning parser; ⊆ output)
         self.reasoning_tokens = 0
+        #: the answer's ``id``, set by the protocol once known ("": unknown)
+        self.response_id = ""
+        #: each choice's finish reason in the answer's order, set by the protocol (None: the
+        #: choice did not finish; empty: one choice, the request's finish reason)
+        self.choice_finish_reasons: tuple[str | None, ...] = ()
+        #: the request's W3C trace-context headers as received (``(name, value)`` pairs)
+        self.trace_headers: tuple[tuple[str, str], ...] = ()
+        #: the event's ``token_source`` where the engine gave no account, when the protocol knows
+        #: better than ``frontend`` (the remote proxy: ``estimate`` when no upstream usage covers
+        #: the counts)
+        self.token_source: str | None = None
         self._event_id: str | None = None
 
     def event_id(self) -> str:
-        """The logical request's deterministic event id (tenant + Idempotency-Key or request id)."""
+        """The logical request's deterministic event id: tenant + Idempotency-Key + the request's
+        fingerprint, or tenant + request id without a key (:func:`~kvmeter.events.event_id_for`)."""
         if self._event_id is None:
             ident = self.identity
-            self._event_id = event_id_for(ident.attribution.tenant_id, ident.idempotency_key or ident.request_id)
+            tenant = ident.attribution.tenant_id
+            if ident.idempotency_key:
+                self._event_id = event_id_for(tenant, ident.idempotency_key, ident.fingerprint)
+            else:
+                self._event_id = event_id_for(tenant, ident.request_id)
         return self._event_id
 
     def dispatched(self) -> None:
@@ -138,7 +161,7 @@ class RequestMeter:
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self, outcome: Outcome, *, status_code: int, policy: TierPolicy | None = None,
-               finish_reason: str | None = None) -> tuple[UsageEvent, RequestCompletion]:
+               finish_reason: str | None = None, cause: str = "") -> tuple[UsageEvent, RequestCompletion]:
         """Close the meter and build the usage event and completion stats.
 
         Args:
@@ -146,9 +169,24 @@ class RequestMeter:
             status_code: HTTP status the client got.
             policy: the request's tier, whose SLOs decide ``slo_met`` (goodput,
                 :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.meets_slo`; ``None`` when the tier
-                promises nothing, or a request that did not complete with a first token: False).
+                promises nothing, or a request that did not complete with a first token: False),
+                and whose :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.undelivered` decides
+                whether undelivered work is billed (``None``: the default policy).
             finish_reason: overrides the engine's (``abort`` / ``error``).
+            cause: for an outcome other than ``ok``, why the work reached no client (one of
+                :data:`~kvmeter.events.UNDELIVERED_CAUSES`); ``""`` for ``ok``. Not given:
+                ``client_abandoned`` for ``aborted``, ``server_failure`` for ``error``.
+        Raises:
+            ValueError: a cause with ``ok``.
+            KeyError: an unknown cause.
         """
+        billing = ""
+        if outcome == "ok":
+            if cause:
+                raise ValueError(f"an ok outcome has no undelivered cause, got {cause!r}")
+        else:
+            cause = cause or ("client_abandoned" if outcome == "aborted" else "server_failure")
+            billing = policy.undelivered(cause) if policy is not None else DEFAULT_UNDELIVERED_BILLING[cause]
         now_mono = self._clock.monotonic()
         now_wall = self._clock.wall()
         stats = self.engine_stats
@@ -161,10 +199,10 @@ class RequestMeter:
         elif self.outputs_seen:
             tokens = TokenCounts(input_tokens=self.input_tokens, cached_input_tokens=self.cached_input_tokens,
                                  output_tokens=self.output_tokens)
-            source = "frontend"
+            source = self.token_source or "frontend"
         else:
             tokens = NO_TOKENS
-            source = "frontend"
+            source = self.token_source or "frontend"
         reasoning = min(max(0, self.reasoning_tokens), tokens.output_tokens)
         if reasoning != tokens.reasoning_tokens:  # the reasoning parser's count, a part of the output
             tokens = dataclasses.replace(tokens, reasoning_tokens=reasoning)
@@ -184,13 +222,31 @@ class RequestMeter:
             prefill_s=timed.prefill_s if timed else None, decode_s=timed.decode_s if timed else None,
             e2e_s=e2e, itl_mean_s=itl_mean, kv_token_seconds=self.kv_token_seconds,
             token_source=source, attempt=ident.attempt,
-            preemptions=stats.preemptions if stats else 0)
+            preemptions=stats.preemptions if stats else 0, undelivered_cause=cause, undelivered_billing=billing)
         slo_met: bool | None = None
         if policy is not None and policy.has_slo:
             slo_met = outcome == "ok" and ttft is not None and policy.meets_slo(ttft, itl_mean)
         completion_stats = RequestCompletion(
             attribution=ident.attribution, outcome=outcome, tokens=tokens,
             ttft_s=ttft, itls_s=self.itls_s, e2e_s=e2e, queue_s=gateway_queue or 0.0,
-            slo_met=slo_met, wall_ts=now_wall, stream=ident.stream)
+            slo_met=slo_met, wall_ts=now_wall, stream=ident.stream,
+            phases=self._phases(queue_s, ttft, e2e, tokens.output_tokens), response_id=self.response_id,
+            finish_reasons=tuple(r or reason for r in self.choice_finish_reasons) or (reason,),
+            trace_headers=self.trace_headers)
         return event, completion_stats
+
+    def _phases(self, queue_s: float | None, ttft: float | None, e2e: float,
+                output_tokens: int) -> tuple[RequestPhase, ...]:
+        """The request's queue, prefill and decode phases in seconds from arrival (see
+        :class:`~kvmeter.stats.RequestPhase`): queue ends at dispatch plus the engine's own
+        waiting-queue time (``queue_s``; never after the first token), or at the end for a request
+        never dispatched; prefill runs to the first token, decode to the last."""
+        end_queue = e2e if queue_s is None else min(queue_s, e2e if ttft is None else ttft)
+        phases = [RequestPhase("queue", 0.0, max(0.0, end_queue))]
+        if ttft is not None:
+            phases.append(RequestPhase("prefill", phases[0].end_s, max(phases[0].end_s, ttft)))
+            if output_tokens >= 2 and self._last_token_mono is not None:
+                last = max(ttft, min(e2e, self._last_token_mono - self.arrival_mono))
+                phases.append(RequestPhase("decode", ttft, last))
+        return tuple(phases)
 

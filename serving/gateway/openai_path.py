@@ -124,7 +124,15 @@ class OpenAIEndpoint(CompletionEndpoint):
             reasoning=payload.layer.reasoning_counter(payload.request, self.chat),
             stats_wait_s=STATS_WAIT_S, request=payload.request, rendered=payload.rendered,
             started=adm.engine_ids, attribution=adm.meter.identity.attribution)
-        adm.before_finish = bound.count_reasoning
+        meter = adm.meter
+
+        def before_finish() -> None:  # the protocol's last counts, just before the usage event is built
+            bound.count_reasoning()
+            meter.choice_finish_reasons = bound.finish_reasons()
+            # the answer's id, as vLLM's layer built it (chatcmpl-/cmpl-...) and left it on the request
+            meter.response_id = str(getattr(getattr(request.state, "request_metadata", None), "request_id", "") or "")
+
+        adm.before_finish = before_finish
         work = payload.layer.create(payload.request, request, self.chat)
         bound.bind()  # the engine calls vLLM's layer makes inside create() are this request's
         try:

@@ -1,499 +1,481 @@
-"""The protocol's part of a request on ``--engine remote``: kvmeter's own request models and
-response shapes over the remote engine.
+"""The protocol's part of a request on ``--engine remote``: a transparent, metering proxy.
 
-The in-process engines run vLLM's OpenAI serving layer
-(:mod:`kvmeter.serving.gateway.openai_path`); the remote engine keeps the gateway's earlier path
-until it becomes a transparent metering proxy that forwards the body and meters the upstream's
-answer. Here requests are validated strictly (``"max_tokens": "10"`` is a type error, as on
-OpenAI's API); unknown fields are ignored, except parameters this path cannot honour (``n`` > 1,
-``tools``, ``logprobs``, non-text ``response_format``, ``max_completion_tokens`` on
-``/v1/completions``): those are 400s rather than silent drops. vLLM extensions accepted:
-``min_tokens``, ``ignore_eos``. The prompt is tokenized with the model's tokenizer and chat
-template (the remote engine's), the engine's deltas are metered here, and the answers are built
-in the OpenAI shapes below.
+The upstream is an OpenAI-compatible server (vLLM's, normally); it answers the whole API itself —
+tools, ``n``, logprobs, structured outputs, every sampling parameter, prompt lists, ``echo`` —
+so kvmeter writes no request or response shapes of its own here. For each request, after the
+orchestrator's authentication and body checks (:mod:`kvmeter.serving.gateway.handler`):
+
+1. **Validate** the body with vLLM's own request models
+   (:func:`~kvmeter.serving.openai_api.layer.validate_request`: vLLM's 400 for what its server
+   would refuse, kvmeter's two refusals: ``max_completion_tokens`` on ``/v1/completions`` and
+   ``use_beam_search``) and check the model (vLLM's 404 for another name; no name: the served
+   one). Nothing reaches the upstream before these pass.
+2. **Estimate** for the quota's reservation: the prompt's tokens with the model's tokenizer (the
+   chat template with the request's ``tools``; each prompt of a completion), and the output
+   ceiling ``n`` × Σ per prompt ``min(max_tokens, window − prompt)`` (without ``max_tokens`` on a
+   chat: what the window, or the caller's quota ``max_context_tokens``, leaves).
+3. After admission and dispatch, **forward the body as the client sent it** (re-serialized JSON:
+   the same values) to the same route of the upstream, with the client's ``X-Request-Id`` (else
+   kvmeter's request id). kvmeter changes one thing: a streamed request without
+   ``stream_options.include_usage`` gets it, so the upstream reports its own counts, and
+   :class:`~kvmeter.serving.gateway.upstream.ClientView` takes out of the stream what that added
+   (the usage chunk; the ``system_fingerprint`` that vLLM then moves onto it is put back on each
+   choice's last chunk) — the client sees what it would without kvmeter. kvmeter does not add
+   ``continuous_usage_stats``: usage on every chunk would have to be cut out of every chunk.
+4. **Answer with the upstream's answer unchanged** — status, body, stream — with kvmeter's headers
+   (``x-kvmeter-request-id``, the reservation's ``x-ratelimit-*``; ``content-type`` and
+   ``x-request-id`` are the upstream's when it sends them).
+5. **Meter** from the upstream's usage (:class:`~kvmeter.serving.gateway.upstream.AnswerReader`:
+   the final usage block, else running usage, else the streamed text's tokens, ``token_source``
+   ``estimate``). A stream's usage event is durable before the client gets ``[DONE]`` (or the
+   final usage chunk it asked for).
+
+Failures: an upstream 4xx goes to the client as it is (status, body); the request is billed 0
+(the upstream reports no usage for it) and the reservation released. An upstream 5xx is a 502,
+an upstream that cannot be reached a 503 (``upstream_error``, retryable), both billed 0. A stream
+that breaks after it started (the upstream's connection, a stream without ``[DONE]``) ends with
+an error event and ``[DONE]``, billed what it streamed (estimated). A client that leaves closes
+the upstream's response, which a vLLM server turns into an engine abort.
+
+Under agent runs, a chat request that declares ``tools`` has the tool calls the model emits
+decided before they reach the client (:mod:`kvmeter.serving.gateway.emitted`), as on the
+in-process engines.
+
+Not forwarded: kvmeter's tier priority (the body is the client's), the client's own headers other
+than ``X-Request-Id`` (the upstream gets the engine's API key, never the client's).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import aclosing
-from typing import Annotated, Any, AsyncGenerator, Literal
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence, cast
 
 import anyio
+import httpx
 import orjson
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler,
-                      field_validator)
-from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvmeter.events import UsageEvent
-from kvmeter.serving.engines.base import EngineError, EngineOutput, EngineRequest
-from kvmeter.serving.gateway.body import json_type
+from kvmeter.errors import Refusal
+from kvmeter.serving.engines.base import EngineError, EngineOutput, Tokenizer
+from kvmeter.serving.engines.remote import RemoteEngine
+from kvmeter.serving.gateway.emitted import EmittedToolCalls
 from kvmeter.serving.gateway.errors import ApiError, error_response
-from kvmeter.serving.gateway.handler import Admitted, ClientGone, CompletionEndpoint, Prepared
+from kvmeter.serving.gateway.handler import REQUEST_ID_HEADER, Admitted, ClientGone, CompletionEndpoint, Prepared
 from kvmeter.serving.gateway.replays import stored_headers
+from kvmeter.serving.gateway.upstream import DONE, UNKNOWN, AnswerReader, ClientView
+from kvmeter.serving.openai_api.errors import invalid_body, model_not_found
+from kvmeter.serving.openai_api.layer import request_kind, validate_request
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.tenancy import Principal
-from kvmeter.tokens import TokenCounts
 
-__all__ = [
-    "RemoteEndpoint", "ChatCompletionRequest", "CompletionRequest", "parse_request", "usage_block",
-    "MAX_STOP_SEQUENCES", "MAX_TOKENS_CEILING", "SEED_MIN", "SEED_MAX",
-]
+__all__ = ["RemoteEndpoint", "chat_prompt_ids"]
 
 log = logging.getLogger(__name__)
 
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-_DONE = b"data: [DONE]\n\n"
-
-#: OpenAI accepts up to 4 stop sequences.
-MAX_STOP_SEQUENCES = 4
-#: Absolute ceiling on max_tokens before the context check (rejects absurd values early).
-MAX_TOKENS_CEILING = 1 << 24
-#: ``seed`` range: a signed 64-bit integer, as vLLM's own OpenAI server accepts (the engine seeds a
-#: torch generator with it; a larger value fails inside the engine, after admission).
-SEED_MIN = -(1 << 63)
-SEED_MAX = (1 << 63) - 1
+#: Upstream response headers the client gets (besides kvmeter's own).
+_PASSED_HEADERS = ("content-type", "x-request-id")
 
 
-def _one_of(what: str):
-    """A wrap validator for a union field: any failure becomes one message saying what the field
-    accepts (pydantic's own names the union member it tried first, e.g. ``prompt.constrained-str:
-    Input should be a valid string`` for a list of bad token ids)."""
-
-    def validate(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise PydanticCustomError("invalid_union", f"must be {what}") from None
-
-    return classmethod(validate)
+def _text_parts(content: Any) -> Any:
+    """A message's content as a chat template reads it: a list of text parts joined by newlines
+    (what vLLM does for templates that take a string); anything else unchanged."""
+    if isinstance(content, list):
+        texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return "\n".join(texts)
+    return content
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+def _template_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    out = {**message, "content": _text_parts(message.get("content"))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):  # templates read the arguments as an object, as vLLM hands them over
+        fixed = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+                except ValueError:
+                    pass
+            fixed.append(call)
+        out["tool_calls"] = fixed
+    return out
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    _content = field_validator("content", mode="wrap")(
-        _one_of('a string or a list of {"type": "text", "text": ...} parts'))
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Sampling(_Strict):
-    model: Annotated[str, Field(min_length=1, max_length=256)]
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1  # strict: true is not 1
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    user: str | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_CEILING)] = 0
-    ignore_eos: bool = False
-
-    # wrap validators run before the after-validator defined below (definition order)
-    _stop_type = field_validator("stop", mode="wrap")(
-        _one_of(f"a string or a list of at most {MAX_STOP_SEQUENCES} strings"))
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return v
-
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class ChatCompletionRequest(_Sampling):
-    """``POST /v1/chat/completions`` body (the subset kvmeter serves)."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = None
-
-    def output_ceiling(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
-
-
-class CompletionRequest(_Sampling):
-    """``POST /v1/completions`` body: one prompt, as text or token ids."""
-
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_CEILING)] | None = 16  # OpenAI's default
-    echo: Literal[False] = False
-
-    _prompt = field_validator("prompt", mode="wrap")(
-        _one_of("a non-empty string or a non-empty list of token ids (integers, 0 ≤ id < vocab size)"))
-
-    def output_ceiling(self) -> int | None:
-        return self.max_tokens
-
-
-_UNSUPPORTED = {
-    "tools": "tool calling is not supported by this gateway",
-    "functions": "function calling is not supported by this gateway",
-    "tool_choice": "tool calling is not supported by this gateway",
-    "logprobs": "logprobs are not supported by this gateway",
-    "top_logprobs": "logprobs are not supported by this gateway",
-    "best_of": "best_of is not supported; send one request per completion",
-    "suffix": "suffix is not supported",
-}
-
-
-#: Chat-only parameters refused on ``/v1/completions``. OpenAI's legacy completions API has no
-#: ``max_completion_tokens`` (only ``max_tokens``) and answers an unrecognized argument with a 400,
-#: so an OpenAI-compatible client expects a refusal, not an alias. Ignoring it (as this gateway
-#: used to, and as vLLM does with a warning) silently runs to ``max_tokens`` (default 16) instead
-#: of the ceiling the client asked for; honouring it as an alias would make ``max_tokens`` and it
-#: disagree with no rule OpenAI defines. So any non-null value is a 400 pointing at ``max_tokens``.
-_CHAT_ONLY = {
-    "max_completion_tokens": "max_completion_tokens is a chat completions parameter; "
-                             "/v1/completions takes max_tokens",
-}
-
-
-def _reject_unsupported(data: dict[str, Any], chat: bool = True) -> None:
-    if not chat:
-        for key, why in _CHAT_ONLY.items():
-            if data.get(key) is not None:  # null is "not set", as OpenAI reads it
-                raise ApiError(400, why, param=key, code="unsupported_parameter")
-    for key, why in _UNSUPPORTED.items():
-        value = data.get(key)
-        if value in (None, False, [], 0) or (key == "best_of" and type(value) is int and value == 1):
-            continue
-        raise ApiError(400, why, param=key, code="unsupported_parameter")
-    fmt = data.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
-                       param="response_format", code="unsupported_parameter")
-
-
-def _check_text(value: Any, where: str) -> None:
-    """Reject lone surrogates (valid JSON escapes, but not text a tokenizer can encode)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, f"{where} contains an invalid Unicode surrogate", param=where,
-                           code="invalid_encoding") from None
-
-
-def parse_request(data: dict[str, Any], kind: type[_Sampling]) -> Any:
-    """Validate a parsed JSON object as ``kind``.
-
-    Raises:
-        ApiError: 400 naming the first offending field (``param``) and why: ``invalid_value`` for
-            a wrong type or range (``max_tokens`` / ``max_completion_tokens``: an integer from 1
-            to ``MAX_TOKENS_CEILING``), ``unsupported_parameter`` for what kvmeter cannot honour
-            (``max_completion_tokens`` on ``/v1/completions`` included).
+def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[Any], tools: Any = None) -> list[int]:
+    """kvmeter's count of a chat's prompt: the model's chat template over ``messages`` (content
+    parts joined, tool-call arguments as objects) and ``tools``, with the generation prompt, as
+    token ids. An estimate (the upstream's own render is what it bills); when the template cannot
+    render the messages, the ids of their text.
     """
-    _reject_unsupported(data, chat=issubclass(kind, ChatCompletionRequest))
-    if "n" in data:
-        n = data["n"]
-        if type(n) is not int:  # a JSON true is not 1
-            raise ApiError(400, f"invalid n: must be an integer, got {json_type(n)}", param="n",
-                           code="invalid_value")
-        if n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
-    try:
-        req = kind.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        msg = first.get("msg")
-        # a union field's error already says what the field accepts: "prompt must be ..."
-        message = f"{loc} {msg}" if first.get("type") == "invalid_union" else f"invalid {loc or 'request'}: {msg}"
-        raise ApiError(400, message, param=loc or None, code="invalid_value") from None
-    if isinstance(req, ChatCompletionRequest):
-        for i, m in enumerate(req.messages):
-            _check_text(m.text(), f"messages.{i}.content")
-    elif isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
-        _check_text(req.prompt, "prompt")
-    for s in req.stop_list():
-        _check_text(s, "stop")
-    return req
-
-
-def usage_block(tokens: TokenCounts) -> dict[str, Any]:
-    """OpenAI ``usage`` object of ``tokens`` — the one place kvmeter writes OpenAI's wire names
-    (on the in-process engines vLLM's serving layer writes its own): input → ``prompt_tokens``,
-    cached input → ``prompt_tokens_details.cached_tokens``, output → ``completion_tokens``,
-    reasoning → ``completion_tokens_details.reasoning_tokens``."""
-    return {
-        "prompt_tokens": tokens.input_tokens,
-        "completion_tokens": tokens.output_tokens,
-        "total_tokens": tokens.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": tokens.cached_input_tokens},
-        "completion_tokens_details": {"reasoning_tokens": tokens.reasoning_tokens},
-    }
+    hf = getattr(tokenizer, "hf", None)
+    rendered = [_template_message(m) for m in messages]
+    if hf is not None and getattr(hf, "chat_template", None):
+        try:
+            text = hf.apply_chat_template(rendered, tools=tools or None, add_generation_prompt=True, tokenize=False)
+            if isinstance(text, str):
+                return tokenizer.encode(text)
+        except Exception:  # noqa: BLE001 — jinja errors of all kinds: fall back to the text
+            pass
+    parts = [m.get("content") for m in rendered if isinstance(m, dict)]
+    text = "\n".join(p for p in parts if isinstance(p, str))
+    if tools:
+        text += "\n" + json.dumps(tools, ensure_ascii=False)
+    return tokenizer.encode(text)
 
 
 class _Payload:
-    __slots__ = ("body", "engine_request")
+    """The forwarded body and what the bill needs, from admission to the answer."""
 
-    def __init__(self, body: "ChatCompletionRequest | CompletionRequest", engine_request: EngineRequest) -> None:
+    __slots__ = ("body", "strip_usage", "input_tokens", "single_prompt", "choices", "emitted")
+
+    def __init__(self, body: bytes, strip_usage: bool, input_tokens: int, single_prompt: bool, choices: int) -> None:
         self.body = body
-        self.engine_request = engine_request
+        self.strip_usage = strip_usage
+        self.input_tokens = input_tokens
+        self.single_prompt = single_prompt
+        self.choices = choices  # n × prompts: the choices the answer will hold
+        self.emitted: EmittedToolCalls | None = None
+
+
+def _upstream_headers(resp: httpx.Response, headers: dict[str, str]) -> dict[str, str]:
+    out = dict(headers)
+    for name in _PASSED_HEADERS:
+        value = resp.headers.get(name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _parse(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(data)  # e.g. an integer past 64 bits
+        except ValueError:
+            return None
+
+
+async def _sse_events(resp: httpx.Response) -> AsyncGenerator[tuple[bytes, Any], None]:
+    """The upstream's server-sent events: each event's bytes (its lines and the blank line that
+    ends it) and its parsed ``data`` (:data:`DONE` for ``[DONE]``; None when not JSON or none)."""
+    lines: list[str] = []
+    data: list[str] = []
+    async for line in resp.aiter_lines():
+        if line:
+            lines.append(line)
+            if line.startswith("data:"):
+                data.append(line[6:] if line.startswith("data: ") else line[5:])
+            continue
+        if lines:
+            yield _event(lines, data)
+            lines, data = [], []
+    if lines:
+        yield _event(lines, data)
+
+
+def _event(lines: list[str], data: list[str]) -> tuple[bytes, Any]:
+    raw = ("\n".join(lines) + "\n\n").encode("utf-8")
+    if not data:
+        return raw, None
+    text = "\n".join(data)
+    return raw, DONE if text.strip() == DONE else _parse(text.encode("utf-8"))
 
 
 class RemoteEndpoint(CompletionEndpoint):
-    """``/v1/chat/completions`` or ``/v1/completions`` on the remote engine (see the module)."""
+    """``/v1/chat/completions`` or ``/v1/completions`` proxied to the remote engine's upstream (see
+    the module)."""
 
     def __init__(self, gateway: Any, *, chat: bool) -> None:
         super().__init__(gateway, chat=chat)
-        self._kind = ChatCompletionRequest if chat else CompletionRequest
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        request_kind(chat)  # vLLM's request model, imported (seconds: torch) before the first request
+        #: the upstream's system_fingerprint, learnt from its usage chunks (see ClientView)
+        self.fingerprint: Any = UNKNOWN
 
+    def _id_headers(self, request: Request, request_id: str) -> dict[str, str]:
+        # as vLLM's --enable-request-id-headers: the client's X-Request-Id, else one of ours
+        return {REQUEST_ID_HEADER: request_id, "x-request-id": request.headers.get("x-request-id", request_id)}
+
+    def _body_refusal(self, err: ApiError) -> Refusal:
+        return invalid_body(err.message, getattr(err, "loc", ("body",)))
+
+    # -- steps 2–4 -----------------------------------------------------------------------------
     async def _prepare(self, request: Request, data: dict, principal: Principal, run_id: str) -> Prepared:
-        body = parse_request(data, self._kind)
+        vreq = validate_request(dict(data), self.chat)  # (vLLM's validators fill in the dict they get)
+        stream = bool(vreq.stream)
+        strip_usage = stream and not (vreq.stream_options is not None and vreq.stream_options.include_usage)
+        forwarded = data
+        if strip_usage:  # the one change kvmeter makes to the body (see the module docstring)
+            options = data.get("stream_options")
+            forwarded = {**data, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                                    "include_usage": True}}
+        body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         engine = self.gw.engine
-        if body.model != engine.model_name:
-            raise ApiError(404, f"The model '{body.model}' does not exist; this server serves "
-                                f"'{engine.model_name}'", param="model", code="model_not_found")
-        prompt_ids = await self._tokenize(body)
-        max_tokens = self._output_budget(body, len(prompt_ids), self._context_limit(principal, run_id))
-        engine_request = EngineRequest(
-            request_id="", prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-            min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, temperature=body.temperature,
-            top_p=body.top_p, stop=body.stop_list(), seed=body.seed)
-        return Prepared(stream=body.stream, input_tokens=len(prompt_ids), output_tokens=max_tokens,
-                        payload=_Payload(body, engine_request),
-                        prompts=(prompt_ids,) if run_id else ())  # the run's repeated-prompt stop
+        if vreq.model and vreq.model != engine.model_name:  # vLLM's server: no name is the served model
+            raise model_not_found(vreq.model)
+        prompts = await self._prompt_ids(data)
+        n = int(vreq.n or 1)
+        fields = vreq.__dict__  # (reading max_tokens as an attribute warns it is deprecated)
+        asked = fields.get("max_completion_tokens") if self.chat else None
+        if asked is None:
+            asked = fields.get("max_tokens")
+        context_limit = self._context_limit(principal, run_id)
+        ceilings = [self._ceiling(asked, len(p), context_limit) for p in prompts]
+        input_tokens = sum(len(p) for p in prompts)
+        tools = getattr(vreq, "tools", None) if self.chat else None
+        names = tuple(t.function.name for t in tools) if tools else ()
+        payload = _Payload(body, strip_usage, input_tokens, single_prompt=len(prompts) == 1,
+                           choices=n * len(prompts))
+        agents = self.gw.agents
+        if names and agents is not None and agents.can_withhold(principal):
+            payload.emitted = EmittedToolCalls(agents, principal, run_id)
+        return Prepared(stream=stream, input_tokens=input_tokens, output_tokens=n * sum(ceilings), payload=payload,
+                        tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else ())
 
-    async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
-        engine_request = adm.prepared.payload.engine_request
-        engine_request.request_id = adm.meter.identity.request_id
-        engine_request.attribution = adm.meter.identity.attribution  # the engine stamps its stats
-        if adm.grant is not None:
-            engine_request.priority = adm.grant.priority
-        if adm.prepared.stream:
-            return self.streaming_response(self._stream(adm, headers), adm, headers)
-        return await self._complete(request, adm, headers)
-
-    async def _tokenize(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
-        tokenizer = self.gw.engine.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            messages = body.chat()
-            size = sum(len(m["content"]) for m in messages)
-            call = lambda: tokenizer.encode_chat(messages)  # noqa: E731
-        elif isinstance(body.prompt, list):
-            vocab = tokenizer.vocab_size
-            bad = next((t for t in body.prompt if t >= vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               param="prompt", code="invalid_value")
-            return list(body.prompt)
-        else:
-            text = body.prompt
-            size = len(text)
-            call = lambda: tokenizer.encode(text, add_special_tokens=True)  # noqa: E731
-        try:
-            if size > self.gw.settings.tokenize_in_thread_chars:
-                ids = await anyio.to_thread.run_sync(call)
-            else:
-                ids = call()
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        if not ids:
-            raise ApiError(400, "the prompt is empty after tokenization", param="prompt",
-                           code="invalid_value")
-        return ids
-
-    def _output_budget(self, body: ChatCompletionRequest | CompletionRequest, input_tokens: int,
-                       context_limit: int | None = None) -> int:
-        """The output ceiling: the request's ``max_tokens``, else what the context window leaves —
-        the engine's window or, when tighter, the caller's quota ``max_context_tokens`` (a request
-        without ``max_tokens`` is not refused for a reservation it never asked for; at least 1
-        token, so a prompt over the quota limit is refused by the quota, naming its level).
-
-        Raises:
-            ApiError: 400 ``context_length_exceeded`` when prompt (+ max_tokens) does not fit the
-                engine's window.
-        """
+    def _ceiling(self, asked: int | None, prompt_tokens: int, context_limit: int | None) -> int:
+        """One prompt's output ceiling: ``max_tokens`` up to what the window leaves (the upstream
+        refuses more itself); without it, what the window — or, when tighter, the caller's quota
+        ``max_context_tokens`` — leaves (at least 1)."""
         window = self.gw.engine.max_model_len
-        requested = body.output_ceiling()
-        ceiling_param = ("max_completion_tokens" if isinstance(body, ChatCompletionRequest)
-                         and body.max_completion_tokens is not None else "max_tokens")
-        if input_tokens >= window:
-            raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                f"your prompt is {input_tokens} tokens, leaving no room for output.",
-                           param="messages" if self.chat else "prompt", code="context_length_exceeded")
-        if requested is None:
-            budget = window - input_tokens
+        room = max(1, window - prompt_tokens)
+        if asked is None:
             if context_limit is not None and context_limit < window:
-                budget = max(1, context_limit - input_tokens)
-        else:
-            if input_tokens + requested > window:
-                raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
-                                    f"you requested {input_tokens + requested} tokens ({input_tokens} "
-                                    f"in the prompt, {requested} in the completion). Please reduce the "
-                                    f"prompt or {ceiling_param}.",
-                               param=ceiling_param, code="context_length_exceeded")
-            budget = requested
-        if body.min_tokens > budget:
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the output budget ({budget})",
-                           param="min_tokens", code="invalid_value")
-        return budget
+                return max(1, context_limit - prompt_tokens)
+            return room
+        return min(max(0, asked), room)
 
-    # -- step 7, non-streaming ---------------------------------------------------------------------
-    async def _complete(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
-        texts: list[str] = []
+    async def _prompt_ids(self, data: dict) -> list[list[int]]:
+        """kvmeter's token ids of each prompt (one for a chat), for the estimate."""
+        tokenizer = self.gw.engine.tokenizer
+        if self.chat:
+            messages = data.get("messages") or []
+            tools = data.get("tools")
+            size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+            return [await self._tokenize(size, lambda: chat_prompt_ids(tokenizer, messages, tools))]
+        prompt = data.get("prompt")
+        if isinstance(prompt, str):
+            return [await self._tokenize(len(prompt), lambda: tokenizer.encode(prompt, add_special_tokens=True))]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        if isinstance(prompt, list) and prompt:
+            out: list[list[int]] = []
+            for p in prompt:
+                if isinstance(p, str):
+                    out.append(await self._tokenize(len(p), lambda t=p: tokenizer.encode(t, add_special_tokens=True)))
+                else:
+                    out.append([t for t in p if isinstance(t, int)] if isinstance(p, list) else [])
+            return out
+        return [[]]  # prompt_embeds, or none (vLLM's answer decides)
 
-        async def collect() -> None:
-            async with aclosing(self._engine_stream(adm)) as outputs:
-                async for out in outputs:
-                    if out.new_text:
-                        texts.append(out.new_text)
+    async def _tokenize(self, size: int, call: Any) -> list[int]:
+        if size > self.gw.settings.tokenize_in_thread_chars:
+            return await anyio.to_thread.run_sync(call)
+        return call()
 
+    # -- step 7 ----------------------------------------------------------------------------------
+    async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
+        payload: _Payload = adm.prepared.payload
+        tokenizer = self.gw.engine.tokenizer
+        reader = AnswerReader(lambda text: len(tokenizer.encode(text)), payload.input_tokens,
+                              single_prompt=payload.single_prompt)
+        answered = False  # the upstream accepted the request (a 200): its counts bill
+
+        def source() -> None:  # the event's token_source, on every exit path
+            adm.meter.token_source = "estimate" if answered and not reader.exact() else "frontend"
+
+        adm.before_finish = source
+        send_headers = {"content-type": "application/json",
+                        "x-request-id": request.headers.get("x-request-id") or adm.meter.identity.request_id}
+        engine = cast(RemoteEngine, self.gw.engine)  # the app serves this path for the remote engine only
         try:
-            await self._until_disconnect(request, collect(), adm)
+            resp = await self._until_disconnect(request, engine.open(self.path, payload.body, send_headers), adm)
         except ClientGone:
             await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
             await self._settle_idempotency(adm, None)
             return Response(status_code=499)
         except EngineError as exc:
-            log.error("engine failed %s: %s", adm.meter.identity.request_id, exc)
-            await self._finalize(adm, "error", status_code=503 if exc.retryable else 500,
-                                 finish_reason="error")
+            return await self._upstream_failed(adm, exc, headers)
+        if resp.status_code != 200:
+            return await self._upstream_refused(request, adm, resp, headers)
+        answered = True
+        out_headers = _upstream_headers(resp, headers)
+        if adm.prepared.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+            view = ClientView(payload.strip_usage, self.fingerprint)
+
+            async def on_close() -> None:
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+                await self._close_unfinished(adm)
+
+            events = self._relay(adm, resp, reader, view, out_headers)
+            return self.streaming_response(events, adm, out_headers, on_close)
+        return await self._complete(request, adm, resp, reader, out_headers)
+
+    def _progress(self, adm: Admitted, reader: AnswerReader, finished: bool = False) -> None:
+        """The meter (and the scheduler's charge) follow the reader's counts (until the event is built)."""
+        if adm.finalized is not None:
+            return
+        tokens = reader.tokens()
+        new = adm.meter.on_output(EngineOutput(
+            new_token_ids=(), new_text="", num_output_tokens=tokens.output_tokens,
+            num_input_tokens=tokens.input_tokens, num_cached_input_tokens=tokens.cached_input_tokens,
+            finished=finished, finish_reason=(reader.finish_reason() or "stop") if finished else None))
+        adm.meter.reasoning_tokens = tokens.reasoning_tokens
+        if new and adm.grant is not None:
+            self.gw.scheduler.charge_output(adm.grant, new)
+
+    async def _complete(self, request: Request, adm: Admitted, resp: httpx.Response, reader: AnswerReader,
+                        headers: dict[str, str]) -> Response:
+        try:
+            raw = await self._until_disconnect(request, resp.aread(), adm)
+        except ClientGone:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
             await self._settle_idempotency(adm, None)
-            err = ApiError(503 if exc.retryable else 500, "the engine failed this request; retry",
-                           code="engine_error")
-            return error_response(err, headers)
-        event = await self._finalize(adm, "ok", status_code=200)
-        response = Response(orjson.dumps(self._full_response(adm, "".join(texts), event)),
-                            media_type="application/json", headers=headers)
-        await self._settle_idempotency(adm, StoredResponse(
-            200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
+            return Response(status_code=499)
+        except httpx.HTTPError as exc:
+            await resp.aclose()
+            broke = EngineError(f"the upstream's answer broke off ({type(exc).__name__}: {exc})")
+            return await self._upstream_failed(adm, broke, headers)
+        body = _parse(raw)
+        if not isinstance(body, dict):
+            return await self._upstream_failed(adm, EngineError("the upstream answered 200 with a body that is not "
+                                                                "a JSON object"), headers)
+        reader.on_answer(body)
+        if isinstance(body.get("id"), str):
+            adm.meter.response_id = body["id"]  # the upstream's answer id (traces' gen_ai.response.id)
+        if isinstance(body.get("system_fingerprint"), str):
+            self.fingerprint = body["system_fingerprint"]
+        self._progress(adm, reader, finished=True)
+        await self._finalize(adm, "ok", status_code=200)
+        gate = adm.prepared.payload.emitted
+        if gate is not None and any((c.get("message") or {}).get("tool_calls") for c in body.get("choices") or ()
+                                    if isinstance(c, dict)):
+            raw = json.dumps(await gate.response(body), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        response = Response(raw, status_code=200, headers=headers)
+        await self._settle_idempotency(adm, StoredResponse(200, stored_headers(headers), raw))
         return response
 
-    # -- step 7, streaming ---------------------------------------------------------------------------
-    async def _stream(self, adm: Admitted, headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
-        created = int(self.gw.clock.wall())
-        include_usage = adm.prepared.payload.body.include_usage()
-        outputs = self._engine_stream(adm)
-        sent: list[bytes] | None = [] if adm.ticket is not None else None  # kept for replays
+    async def _relay(self, adm: Admitted, resp: httpx.Response, reader: AnswerReader, view: ClientView,
+                     headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """The upstream's events to the client (through ``view``, and the emitted-tool-call gate
+        when there is one), metered as they pass; the usage event is made durable before the
+        client gets ``[DONE]`` or the final usage chunk."""
+        payload: _Payload = adm.prepared.payload
+        sent: list[bytes] | None = [] if adm.ticket is not None else None
         completed = False
+        upstream = self._client_events(adm, resp, reader, view)
+        events = upstream if payload.emitted is None else self._gated(payload.emitted, upstream)
         try:
-            first = True
-            async for out in outputs:
-                if out.new_text or first or out.finished:
-                    chunk = _sse(self._chunk(adm, created, out, first, include_usage))
-                    if sent is not None:
-                        sent.append(chunk)
-                    yield chunk
-                    first = False
-            event = await self._finalize(adm, "ok", status_code=200)
-            tail = (_sse(self._usage_chunk(adm, created, event)) if include_usage else b"") + _DONE
-            if sent is not None:
-                sent.append(tail)
-                await self._settle_idempotency(adm, StoredResponse(
-                    200, stored_headers(headers), b"".join(sent), streamed=True))
-            completed = True
-            yield tail
-        except EngineError as exc:
-            log.error("engine failed %s mid-stream: %s", adm.meter.identity.request_id, exc)
-            await self._finalize(adm, "error", status_code=200, finish_reason="error")
-            yield _sse(ApiError(503 if exc.retryable else 500, "the engine failed this request",
-                                code="engine_error").body())
-            yield _DONE
+            async for data in events:
+                if sent is not None:
+                    sent.append(data)
+                yield data
+            completed = adm.finalized is not None and adm.finalized.outcome == "ok"
+            if completed and sent is not None:
+                await self._settle_idempotency(adm, StoredResponse(200, stored_headers(headers), b"".join(sent),
+                                                                   streamed=True))
         finally:
-            # Closing the engine stream aborts the engine request if it is still running (the
-            # client went away: GeneratorExit at a yield, or cancellation at an await).
             with anyio.CancelScope(shield=True):
-                await outputs.aclose()
+                await events.aclose()
+                if events is not upstream:
+                    await upstream.aclose()
+                await resp.aclose()  # the client left: a vLLM upstream aborts the request
             await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
             if not completed:
                 await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
 
-    async def _engine_stream(self, adm: Admitted) -> AsyncGenerator[EngineOutput, None]:
-        """The engine's deltas, metered and charged to the scheduler as they arrive. Closing this
-        iterator early closes the engine's, which aborts the engine request."""
-        engine_request = adm.prepared.payload.engine_request
-        stream = self.gw.engine.generate(engine_request)
-        adm.engine_ids.append(engine_request.request_id)
+    @staticmethod
+    async def _gated(gate: EmittedToolCalls, events: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+        async def texts() -> AsyncGenerator[str, None]:
+            async for data in events:
+                yield data.decode("utf-8")
+
+        async with aclosing(cast(AsyncGenerator[str, None], gate.stream(texts()))) as gated:  # an async generator
+            async for text in gated:
+                yield text.encode("utf-8")
+
+    async def _client_events(self, adm: Admitted, resp: httpx.Response, reader: AnswerReader,
+                             view: ClientView) -> AsyncGenerator[bytes, None]:
+        payload: _Payload = adm.prepared.payload
+        broke: str | None = None
         try:
-            async for out in stream:
-                new = adm.meter.on_output(out)
-                if new and adm.grant is not None:
-                    self.gw.scheduler.charge_output(adm.grant, new)
-                yield out
-        finally:
+            async with aclosing(_sse_events(resp)) as upstream:
+                async for raw, data in upstream:
+                    reader.on_event(data)
+                    if not adm.meter.response_id and isinstance(data, dict) and isinstance(data.get("id"), str):
+                        adm.meter.response_id = data["id"]  # the upstream's answer id (traces)
+                    if data == DONE or (isinstance(data, dict) and not data.get("choices") and reader.final is not None
+                                        and reader.all_finished(payload.choices)):
+                        await self._end(adm, reader)  # durable before [DONE] / the usage chunk leaves
+                    elif isinstance(data, dict):
+                        self._progress(adm, reader)
+                    for out in view.event(raw, data):
+                        yield out
+                    self.fingerprint = view.fingerprint
+                    if data == DONE:
+                        return
+        except httpx.HTTPError as exc:
+            broke = f"the upstream's stream broke off ({type(exc).__name__}: {exc})"
+        if broke is None:
+            broke = "the upstream's stream ended before [DONE]"
+        log.error("request %s: %s", adm.meter.identity.request_id, broke)
+        self._progress(adm, reader)
+        await self._finalize(adm, "error", status_code=200, finish_reason="error")
+        for out in view.release():
+            yield out
+        yield b"data: " + orjson.dumps(ApiError(502, broke, code="upstream_error").body()) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def _end(self, adm: Admitted, reader: AnswerReader) -> None:
+        """The stream's end (``[DONE]``, or the final usage chunk once every choice finished)."""
+        if adm.finalized is not None:
+            return
+        if reader.error is not None:  # the upstream's own error event: forwarded, billed what ran
+            self._progress(adm, reader)
+            await self._finalize(adm, "error", status_code=200, finish_reason="error")
+            return
+        self._progress(adm, reader, finished=True)
+        await self._finalize(adm, "ok", status_code=200)
+
+    # -- failures ------------------------------------------------------------------------------------
+    async def _upstream_refused(self, request: Request, adm: Admitted, resp: httpx.Response,
+                                headers: dict[str, str]) -> Response:
+        """A non-200 answer: a 4xx goes to the client as it is; a 5xx is a 502."""
+        try:
+            raw = await self._until_disconnect(request, resp.aread(), adm)
+        except ClientGone:
             with anyio.CancelScope(shield=True):
-                await stream.aclose()
+                await resp.aclose()
+            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
+            await self._settle_idempotency(adm, None)
+            return Response(status_code=499)
+        except httpx.HTTPError:
+            raw = b""
+        finally:
+            await resp.aclose()
+        if resp.status_code >= 500:
+            body = _parse(raw)
+            err = body.get("error") if isinstance(body, dict) else None
+            said = err.get("message") if isinstance(err, dict) else raw[:200].decode("utf-8", "replace")
+            return await self._upstream_failed(adm, EngineError(f"the upstream answered {resp.status_code}: {said}"),
+                                               headers)
+        await self._finalize(adm, "error", status_code=resp.status_code, finish_reason="error")
+        await self._settle_idempotency(adm, None)
+        return Response(raw, status_code=resp.status_code, headers=_upstream_headers(resp, headers))
 
-    # -- response shapes ----------------------------------------------------------------------------
-    def _usage(self, event: UsageEvent) -> dict[str, Any]:
-        return usage_block(event.tokens)
-
-    def _full_response(self, adm: Admitted, text: str, event: UsageEvent) -> dict[str, Any]:
-        rid = adm.meter.identity.request_id
-        created = int(self.gw.clock.wall())
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": event.finish_reason, "logprobs": None}
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created,
-                    "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
-        choice = {"index": 0, "text": text, "finish_reason": event.finish_reason, "logprobs": None}
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                "model": event.attribution.model, "choices": [choice], "usage": self._usage(event)}
-
-    def _chunk(self, adm: Admitted, created: int, out: EngineOutput, first: bool,
-               include_usage: bool) -> dict[str, Any]:
-        rid = adm.meter.identity.request_id
-        reason = out.finish_reason if out.finished else None
-        if self.chat:
-            delta: dict[str, Any] = {"content": out.new_text}
-            if first:
-                delta["role"] = "assistant"
-            chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
-                     "model": self.gw.engine.model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
-        else:
-            chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created,
-                     "model": self.gw.engine.model_name,
-                     "choices": [{"index": 0, "text": out.new_text, "finish_reason": reason,
-                                  "logprobs": None}]}
-        if include_usage:
-            chunk["usage"] = None  # OpenAI: only the final usage chunk carries totals
-        return chunk
-
-    def _usage_chunk(self, adm: Admitted, created: int, event: UsageEvent) -> dict[str, Any]:
-        rid = adm.meter.identity.request_id
-        return {"id": f"{'chatcmpl' if self.chat else 'cmpl'}-{rid}",
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": created, "model": event.attribution.model, "choices": [], "usage": self._usage(event)}
+    async def _upstream_failed(self, adm: Admitted, exc: EngineError, headers: dict[str, str]) -> Response:
+        """No usable answer: 503 when the upstream could not be reached (retry), else 502."""
+        status = 503 if exc.retryable else 502
+        log.error("request %s: %s", adm.meter.identity.request_id, exc)
+        await self._finalize(adm, "error", status_code=status, finish_reason="error")
+        await self._settle_idempotency(adm, None)
+        return error_response(ApiError(status, str(exc), code="upstream_error"), headers)

@@ -22,7 +22,8 @@ in :mod:`kvmeter.serving.agents.store`); the answer is::
     409 agent_run_stopped (reason, detail) · 422 idempotency_key_reused
     429 run_budget_exceeded (level agent_run, dimension tool_calls) · 503 agent_store_unavailable
 
-  (the codes are :mod:`kvmeter.serving.agents.errors`'; every 409 carries ``x-should-retry: false``).
+  (the codes are :mod:`kvmeter.serving.agents.errors`'; every 409 and the 429 carry
+  ``x-should-retry: false``).
 
 **A count** (the original form, no tool named) — ``{"count": n}`` (default 1; an empty body counts
 one call): counts ``n`` calls against the run's budget without policy; the answer is the run's

@@ -22,10 +22,10 @@ variable), runs each ``generate`` call as one of kvmeter's engine requests:
 * when an engine request finishes, its finished stats are taken from the engine
   (:class:`~kvmeter.serving.engines.finished.FinishedStats`, claimed under the request's
   attribution, which it stamps on every report — vLLM's hooks know only ids; one per sequence,
-  ``n`` for ``n`` choices); when the last one finishes, they are merged into one engine record for the logical
-  request (:func:`merge_stats`), stamped with the request's attribution, published, and the gateway's ``on_done`` makes the usage event
-  durable — all before the final output reaches vLLM's layer, so before the usage chunk,
-  ``[DONE]`` or the JSON response.
+  ``n`` for ``n`` choices); when the last one finishes, they are merged into one engine record
+  for the logical request (:func:`merge_stats`), stamped with the request's attribution,
+  published, and the gateway's ``on_done`` makes the usage event durable — all before the final
+  output reaches vLLM's layer, so before the usage chunk, ``[DONE]`` or the JSON response.
 
 A ``generate`` call that ends early (the client left: the gateway closes the generators,
 :meth:`BoundRequest.aclose`; or the engine failed) closes the engine's stream, which aborts the
@@ -72,6 +72,7 @@ class _EngineRequest:
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     token_ids: dict[int, list[int]] | None = None  # kept only to count reasoning tokens
     finish_reason: str | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
     finished: bool = False
     stats: list[EngineRequestStats] | None = None
 
@@ -194,8 +195,10 @@ class BoundRequest:
                     call.token_ids.setdefault(i, []).extend(choice.token_ids)
                 else:  # cumulative: the engine's own growing list (read at the end only)
                     call.token_ids[i] = choice.token_ids
-            if choice.finish_reason is not None and i == 0:
-                call.finish_reason = choice.finish_reason
+            if choice.finish_reason is not None:
+                call.finish_reasons[i] = choice.finish_reason
+                if i == 0:
+                    call.finish_reason = choice.finish_reason
         new = self.meter.on_output(self._totals())
         if new:
             self._charge(new)
@@ -235,6 +238,11 @@ class BoundRequest:
             self.failed = exc
         if self._finished is not None and not call.finished:
             self._finished.release(call.engine_id)
+
+    def finish_reasons(self) -> tuple[str | None, ...]:
+        """Each choice's finish reason as the engine gave it, in the answer's choice order (the
+        engine inputs in order, then each one's ``n`` choices); None for a choice that did not finish."""
+        return tuple(call.finish_reasons.get(i) for call in self._calls for i in range(call.n))
 
     def count_reasoning(self) -> None:
         """Set the meter's reasoning tokens from what every choice generated so far."""

@@ -23,7 +23,7 @@ from typing import Any
 from kvmeter.errors import Refusal
 
 __all__ = ["OpenAIError", "from_exception", "from_error_response", "from_validation_error",
-           "invalid_body", "unsupported"]
+           "invalid_body", "unsupported", "model_not_found"]
 
 #: Most validation errors listed in one message (vLLM's ``_MAX_REPORTED_ERRORS``).
 MAX_REPORTED_ERRORS = 10
@@ -129,3 +129,11 @@ def invalid_body(message: str, loc: tuple[Any, ...]) -> OpenAIError:
 def unsupported(message: str, param: str) -> OpenAIError:
     """A parameter kvmeter cannot honour, in vLLM's shape (400 ``BadRequestError`` naming it)."""
     return OpenAIError(_vllm_body(message, "BadRequestError", 400, param), code="unsupported_parameter")
+
+
+def model_not_found(model: str) -> OpenAIError:
+    """vLLM's 404 for a model it does not serve (its ``OpenAIServingModels.check_model``)."""
+    from vllm.entrypoints.serve import create_error_response
+
+    return from_error_response(create_error_response(f"The model `{model}` does not exist.", "NotFoundError",
+                                                     HTTPStatus.NOT_FOUND, "model"))

@@ -11,8 +11,9 @@ hooks report them), with a log-probability of 0 for each token when ``logprobs``
 logprobs) are asked for. Stop strings, structured outputs and sampling parameters do not change
 what it answers. An instant engine with a scripted ``reply`` (``streams_tokens``) is streamed
 token by token instead (for ``n`` = 1), as a real engine streams, so vLLM's streaming parsers
-(tool calls, reasoning) see one token per delta. So ``--engine instant`` runs the same serving layer, metering and ledger as
-``--engine vllm``, and the gateway's measured cost includes vLLM's layer.
+(tool calls, reasoning) see one token per delta. So ``--engine instant`` runs the same serving
+layer, metering and ledger as ``--engine vllm``, and the gateway's measured cost includes vLLM's
+layer.
 """
 
 from __future__ import annotations

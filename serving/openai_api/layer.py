@@ -37,13 +37,10 @@ from kvmeter.serving.openai_api.errors import (from_error_response, from_excepti
                                                unsupported)
 
 if TYPE_CHECKING:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
     from kvmeter.serving.engines.instant import InstantEngine
     from kvmeter.serving.engines.vllm_engine import VllmEngine
 
-__all__ = ["OpenAIApi", "OpenAILayer", "Plan", "layer_args"]
+__all__ = ["OpenAIApi", "OpenAILayer", "Plan", "layer_args", "request_kind", "validate_request"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +88,10 @@ class _RenderOnce:
         return done if done is not None else await self._inner.render_completion(request)
 
 
+#: Every serving flag at its default (ServingFlags is frozen, so one shared instance is a safe default).
+_DEFAULT_FLAGS = ServingFlags()
+
+
 def layer_args(engine_argv: Sequence[str], flags: ServingFlags) -> Any:
     """vLLM's ``Namespace`` for the serving layer: the engine's ``vllm serve`` words, then the
     serving flags (these win).
@@ -107,12 +108,51 @@ def layer_args(engine_argv: Sequence[str], flags: ServingFlags) -> Any:
     return args
 
 
+def request_kind(chat: bool) -> Any:
+    """vLLM's pydantic request model: ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest``."""
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest
+
+
+def validate_request(data: dict, chat: bool) -> Any:
+    """``data`` as vLLM's ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest`` — what
+    vLLM's own server checks a body with — plus kvmeter's two refusals. Used by both completion
+    paths (the in-process layer, and the remote proxy before it forwards a body).
+
+    Raises:
+        OpenAIError: vLLM's 400 for a body its model refuses; kvmeter's 400 naming
+            ``max_completion_tokens`` on ``/v1/completions`` or ``use_beam_search``.
+    """
+    from pydantic import ValidationError
+
+    try:
+        request = request_kind(chat).model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 — a validator's own error: vLLM's answer for it
+        raise from_exception(exc) from None
+    if not chat and data.get("max_completion_tokens") is not None:
+        # vLLM ignores it there (not a completions field), which would silently run to
+        # max_tokens (default 16) instead of the ceiling the client asked for
+        raise unsupported("max_completion_tokens is a chat completions parameter; /v1/completions "
+                          "takes max_tokens", "max_completion_tokens")
+    if request.use_beam_search:
+        raise unsupported("use_beam_search is not supported by this gateway: beam search runs an "
+                          "engine request per beam and output token, which kvmeter cannot "
+                          "reserve quota for; sample with n and best-of selection on the client",
+                          "use_beam_search")
+    return request
+
+
 class OpenAILayer:
     """vLLM's serving objects for one engine client (see the module docstring)."""
 
     def __init__(self, state: Any, client: MeteredEngineClient, args: Any) -> None:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         self.state = state
@@ -123,8 +163,6 @@ class OpenAILayer:
         self.models = state.openai_serving_models
         for serving in (self.chat, self.completion):
             serving.online_renderer = _RenderOnce(serving.online_renderer)
-        self._kinds: dict[bool, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-            True: ChatCompletionRequest, False: CompletionRequest}
         self._error_response = ErrorResponse
         self.model_config = client.model_config
         self.max_model_len = int(self.model_config.max_model_len)
@@ -152,31 +190,8 @@ class OpenAILayer:
 
     # -- step 1 ---------------------------------------------------------------------------------
     def validate(self, data: dict, chat: bool) -> Any:
-        """``data`` as vLLM's ``ChatCompletionRequest`` (``chat``) or ``CompletionRequest``.
-
-        Raises:
-            OpenAIError: vLLM's 400 for a body its model refuses; kvmeter's 400 naming
-                ``use_beam_search``.
-        """
-        from pydantic import ValidationError
-
-        try:
-            request = self._kinds[chat].model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-        except Exception as exc:  # noqa: BLE001 — a validator's own error: vLLM's answer for it
-            raise from_exception(exc) from None
-        if not chat and data.get("max_completion_tokens") is not None:
-            # vLLM ignores it there (not a completions field), which would silently run to
-            # max_tokens (default 16) instead of the ceiling the client asked for
-            raise unsupported("max_completion_tokens is a chat completions parameter; /v1/completions "
-                              "takes max_tokens", "max_completion_tokens")
-        if request.use_beam_search:
-            raise unsupported("use_beam_search is not supported by this gateway: beam search runs an "
-                              "engine request per beam and output token, which kvmeter cannot "
-                              "reserve quota for; sample with n and best-of selection on the client",
-                              "use_beam_search")
-        return request
+        """:func:`validate_request` (vLLM's request model, kvmeter's two refusals)."""
+        return validate_request(data, chat)
 
     # -- step 2 ---------------------------------------------------------------------------------
     async def render(self, request: Any, chat: bool) -> Any:
@@ -286,7 +301,7 @@ class OpenAIApi:
         VllmArgsError: vLLM refuses the arguments (checked here, before the engine loads).
     """
 
-    def __init__(self, engine: VllmEngine | InstantEngine, flags: ServingFlags = ServingFlags()) -> None:
+    def __init__(self, engine: VllmEngine | InstantEngine, flags: ServingFlags = _DEFAULT_FLAGS) -> None:
         self.engine = engine
         self.flags = flags
         self.args = layer_args(engine.argv, flags)

@@ -211,7 +211,7 @@ class FailoverQuotaStore(QuotaStore):
             if pol == LOCAL:
                 local_idx.append(i)
         l_items = [self._local_item(items[i]) for i in local_idx]
-        for i, it in zip(local_idx, l_items):
+        for i, it in zip(local_idx, l_items, strict=True):
             if it.kind != DEADLINE and src[it.source] > it.limit:  # over this replica's share
                 return ReserveResult(False, i, None, None, now=now, item=it)
         res = await self.local.reserve(l_items, [keys[i] for i in local_idx], src, now)

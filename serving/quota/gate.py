@@ -54,7 +54,9 @@ Rejections (:class:`~kvmeter.serving.quota.base.QuotaRejected`):
   SDKs retry 429s automatically; ``Retry-After`` is the time to the start of the next UTC day /
   month. ``spend_status_code=429`` selects OpenAI's own convention (429 ``insufficient_quota``).
 * **429** ``run_budget_exceeded`` (level ``agent_run``) — a run budget (model calls, tool calls,
-  runtime, cost, retries, parallel branches). Only ``parallel_branches`` gets a ``Retry-After``.
+  runtime, cost, retries, parallel branches). Only ``parallel_branches`` gets a ``Retry-After``;
+  every other one carries ``x-should-retry: false`` (a spent budget is not given back by waiting,
+  and OpenAI's SDKs would otherwise retry the 429 twice by default).
   A run's own 7-dimension limits (``agent_run_limits``) answer like any level's limits
   (``rate_limited``, ``concurrency_limited``, ... with level ``agent_run``).
 * **400** ``context_length_exceeded`` — input + ``max_tokens`` over the tightest
@@ -69,6 +71,12 @@ one price function, :meth:`kvmeter.ledger.prices.PriceList.cost` (``kvmeter serv
 ``price``): the reservation holds the dearest cost the request can turn out to have (no cache
 discount, the whole ``max_tokens`` at the dearer of the output and reasoning prices), and
 reconciliation moves it to the cost of the engine-true counts, reasoning tokens at their price.
+
+Why this module is longer than ~600 lines: reserve, reconcile and release are one all-or-nothing
+transaction over the same chain of levels × dimensions; kept together, the invariant "a
+reservation is held on every level or on none" is checked in one place. The stores (memory,
+Redis), the GCRA arithmetic, the plan of limits and the idempotency store already live in their
+own modules beside it.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ from typing import Any, Callable, Sequence
 from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.errors import NO_RETRY_HEADERS
 from kvmeter.money import format_money
 from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.headers import rate_item_headers, ratelimit_headers, retry_after_headers
@@ -467,6 +476,11 @@ class HierarchicalQuota(QuotaGate):
             err.headers.setdefault("x-kvmeter-quota-level", err.level)
         if err.dimension:
             err.headers.setdefault("x-kvmeter-quota-dimension", err.dimension)
+        if err.reason == "run_budget_exceeded" and err.retry_after_s is None:
+            # a spent run budget comes back by no wait (only parallel_branches, released as calls
+            # end, has a Retry-After): the 429 is kept, and OpenAI's SDKs are told not to retry it
+            for name, value in NO_RETRY_HEADERS.items():
+                err.headers.setdefault(name, value)
         return err
 
     # -- reconcile ---------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def ratelimit_headers(items: Sequence[PlanItem], states: Sequence[Any], now: flo
     """
     best: dict[str, tuple[int, float, int]] = {}  # dim → (remaining, reset, limit)
     floor = math.floor
-    for it, st in zip([it for it in items if it.kind == RATE], states):
+    for it, st in zip([it for it in items if it.kind == RATE], states, strict=True):
         if st is None or it.level == "agent_run":
             continue
         tat = float(st)

@@ -107,7 +107,7 @@ class MemoryQuotaStore(QuotaStore):
                     actual: Sequence[int], now: float) -> None:
         """Synchronous :meth:`settle`."""
         v = self._v
-        adjust = [a - r for a, r in zip(actual, reserved)]
+        adjust = [a - r for a, r in zip(actual, reserved, strict=True)]
         release = [-r for r in reserved]
         with self._lock:
             for i in range(len(items)):

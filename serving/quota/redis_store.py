@@ -314,7 +314,7 @@ class RedisQuotaStore(QuotaStore):
         if not items:
             return
         args: list[Any] = [self._now_arg(now)]
-        args += [a - r for a, r in zip(actual, reserved)]
+        args += [a - r for a, r in zip(actual, reserved, strict=True)]
         args += [-r for r in reserved]
         args.append(b"".join([it.desc for it in items]))
         try:

@@ -119,7 +119,7 @@ async def replay(base_url: str, model: str, plan: list[ReplayRequest],
 
         progress = asyncio.create_task(reporter())
         try:
-            results = await asyncio.gather(*(fire(r, m) for r, m in zip(plan, bodies)))
+            results = await asyncio.gather(*(fire(r, m) for r, m in zip(plan, bodies, strict=True)))
         finally:
             progress.cancel()
     print_fn(f"  replay: {done}/{len(plan)} done, {failed} rejected/failed, "

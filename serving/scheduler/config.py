@@ -170,8 +170,8 @@ class SchedulerConfig:
         for name in ("engine_itl_target_ratio", "engine_ttft_target_ratio", "engine_limit_decrease"):
             v = getattr(self, name)
             if not 0 < v <= 1 or (name != "engine_itl_target_ratio" and v == 1):
-                raise ValueError(f"SchedulerConfig.{name} must be in (0, 1{']' if name == 'engine_itl_target_ratio' else ')'}, "
-                                 f"got {v!r}")
+                close = "]" if name == "engine_itl_target_ratio" else ")"
+                raise ValueError(f"SchedulerConfig.{name} must be in (0, 1{close}, got {v!r}")
         for name in ("pressure_min_dwell_s",):
             if getattr(self, name) < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be ≥ 0")

@@ -45,6 +45,11 @@ constant-time updates; see ``bench/fairness/bench_scheduler_cost.py``.
 Errors: bad requests are refused with :class:`SchedulerRejected` (status 400 for malformed input,
 429 for overload); calls about unknown or finished grants are ignored; nothing here raises into the
 serving path for a well-typed call.
+
+Why this module is longer than ~600 lines: VTC counters, per-tenant queues, KV and prefill
+budgets, deadlines and overload shedding are one state machine mutated under one invariant per
+event (arrival, dispatch, progress, finish); the simulator and the asyncio adapter both drive
+this one object. The tier policy, configuration and pressure levels live in their own modules.
 """
 
 from __future__ import annotations
@@ -178,6 +183,13 @@ class SchedulerCore:
     def max_service_gap(self) -> float:
         """The largest :attr:`service_gap` seen since start."""
         return self._fairness.max_service_gap
+
+    @property
+    def engine_gates(self) -> tuple[EngineGate, ...]:
+        """Per engine replica (by index), its :class:`~.gating.EngineGate`: the last load report,
+        outstanding work and the adaptive running limit with its decision counters. For reading;
+        the core updates them."""
+        return tuple(self._engines)
 
     def engine_limits(self) -> list[int | None]:
         """Per engine, the adaptive running limit now (None: inactive, the static caps apply)."""
@@ -753,7 +765,7 @@ class SchedulerCore:
         now = self._clock.monotonic()
         t = self._tenants.get(tenant_id)
         if t is None and self.policy.counter_ordered:
-            name = tier if tier in self.config.tiers else self.config.default_tier
+            name = tier if tier is not None and tier in self.config.tiers else self.config.default_tier
             t = TenantState(tenant_id, self._tier(name), float(self.config.tenant_weights.get(tenant_id, 1.0)))
         return self._projected_wait(t, now)
 

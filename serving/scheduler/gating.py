@@ -118,8 +118,8 @@ class AdaptiveEngineLimit:
     """
 
     __slots__ = ("_cfg", "_idx", "limit", "_slow_start", "_hold_until", "_next_eval", "_itl_sum", "_itl_n",
-                 "_ttfts", "_past", "_check", "_judge_at", "_no_cut_until", "_no_cut_windows", "limited", "decreases", "increases",
-                 "undone", "last_ratio", "ttft_estimate_s")
+                 "_ttfts", "_past", "_check", "_judge_at", "_no_cut_until", "_no_cut_windows", "limited", "decreases",
+                 "increases", "undone", "last_ratio", "ttft_estimate_s")
 
     def __init__(self, config: SchedulerConfig, idx: int = 0) -> None:
         self._cfg = config
@@ -282,6 +282,7 @@ class AdaptiveEngineLimit:
 
     def _undo(self, now: float, why: str) -> None:
         """Restore the limit before the last cut; no cut for a while (doubling each time)."""
+        assert self.limit is not None, "update() calls _undo only once the limit is active"
         before = self._check[0] if self._check is not None else self.limit
         self._check = None
         log.info("engine %d running limit %d → %d (undoing the last cut: %s)", self._idx, int(self.limit),
@@ -365,7 +366,9 @@ def pick_engine(engines: Sequence[EngineGate], config: SchedulerConfig) -> Engin
         if e.outstanding >= config.max_engine_running:
             continue
         if e.outstanding >= e.running_limit(config):
-            e.adaptive.limited = True
+            # (below the static cap, checked above, only an adaptive limit can stop it)
+            if e.adaptive is not None:
+                e.adaptive.limited = True
             continue
         if e.waiting_estimate() >= config.max_engine_waiting:
             continue

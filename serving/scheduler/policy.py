@@ -60,7 +60,7 @@ class OrderingPolicy(abc.ABC):
         """A refusal of the policy's own, or ``None``. Must not record anything."""
         return None
 
-    def on_submitted(self, tenant: "TenantState", now: float) -> None:
+    def on_submitted(self, tenant: "TenantState", now: float) -> None:  # noqa: B027 — optional hook, no-op by default
         """A request of ``tenant`` was queued at ``now`` (record it for rate limits)."""
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmeter.serving.tenancy.tiers import TierPolicy
@@ -168,7 +168,7 @@ class TierState:
 class CoreGrant(Grant):
     """A :class:`Grant` with the core's bookkeeping (the gateway only reads :class:`Grant` fields)."""
 
-    tenant_state: TenantState | None = None
+    tenant_state: TenantState = field(kw_only=True)  # the core always passes it (by keyword)
     started: bool = False
     first_token_s: float = math.nan
     released: bool = False

@@ -91,7 +91,8 @@ class SelfCheckMonitor:
         if c.ttft_s is not None and tokens.input_tokens > 0:
             floor = self.bounds.ttft_floor(tokens.input_tokens, tokens.cached_input_tokens)
             if c.ttft_s < floor:
-                self._violation(SelfCheckViolation("ttft_below_floor", c.attribution.tier, c.ttft_s, floor, wall_ts=c.wall_ts))
+                self._violation(SelfCheckViolation("ttft_below_floor", c.attribution.tier, c.ttft_s, floor,
+                                                   wall_ts=c.wall_ts))
         roofline = self.bounds.output_roofline()
         if roofline is not None and c.itls_s:
             decode_s = sum(c.itls_s)

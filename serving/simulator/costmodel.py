@@ -82,6 +82,11 @@ class RooflineCostModel:
     block_size: int = 16
     use_calibration: bool | None = None
     _operators: OperatorModel | None = field(default=None, init=False, repr=False, compare=False)
+    # the factors above with the accelerator's defaults filled in (set in __post_init__)
+    _compute_eff: float = field(default=0.0, init=False, repr=False, compare=False)
+    _memory_eff: float = field(default=0.0, init=False, repr=False, compare=False)
+    _overhead_s: float = field(default=0.0, init=False, repr=False, compare=False)
+    _memory_util: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         acc = self.accelerator
@@ -90,18 +95,21 @@ class RooflineCostModel:
             raise ValueError(f"tp must be ≥ 1, got {self.tp}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
-        for name, default in (("compute_efficiency", acc.default_compute_efficiency),
-                              ("memory_efficiency", acc.default_memory_efficiency),
-                              ("memory_utilization", acc.default_memory_utilization),
-                              ("step_overhead_s", acc.default_step_overhead_s)):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
-        for name in ("compute_efficiency", "memory_efficiency", "memory_utilization"):
-            v = getattr(self, name)
+        ce = acc.default_compute_efficiency if self.compute_efficiency is None else self.compute_efficiency
+        me = acc.default_memory_efficiency if self.memory_efficiency is None else self.memory_efficiency
+        mu = acc.default_memory_utilization if self.memory_utilization is None else self.memory_utilization
+        overhead = acc.default_step_overhead_s if self.step_overhead_s is None else self.step_overhead_s
+        for name, private, v in (("compute_efficiency", "_compute_eff", ce),
+                                 ("memory_efficiency", "_memory_eff", me),
+                                 ("memory_utilization", "_memory_util", mu),
+                                 ("step_overhead_s", "_overhead_s", overhead)):
+            object.__setattr__(self, name, v)
+            object.__setattr__(self, private, v)
+        for name, v in (("compute_efficiency", ce), ("memory_efficiency", me), ("memory_utilization", mu)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        if self.step_overhead_s < 0:
-            raise ValueError(f"step_overhead_s must be ≥ 0, got {self.step_overhead_s!r}")
+        if overhead < 0:
+            raise ValueError(f"step_overhead_s must be ≥ 0, got {overhead!r}")
         if self.num_kv_blocks < 1:
             raise ValueError(
                 f"{self.model.name} does not fit {self.tp}× {acc.name}: weights "
@@ -111,7 +119,8 @@ class RooflineCostModel:
         if self.use_calibration and not applies:
             raise ValueError(f"no GPU calibration applies to {self.model.name} on {acc.name} "
                              "(the accelerator has none, or the model has no layer shapes)")
-        if self.use_calibration or (self.use_calibration is None and applies and not explicit):
+        # (without a calibration this never holds: use_calibration=True has raised above)
+        if cal is not None and (self.use_calibration or (self.use_calibration is None and applies and not explicit)):
             object.__setattr__(self, "_operators", OperatorModel(
                 self.model, acc.flops(self.model.compute_dtype), acc.memory_bandwidth_bytes_per_s, self.tp, cal))
 
@@ -127,7 +136,7 @@ class RooflineCostModel:
         acc = self.accelerator
         if acc.kv_cache_bytes:
             return float(acc.kv_cache_bytes)
-        return (acc.memory_bytes * self.memory_utilization - self.model.weight_bytes / self.tp
+        return (acc.memory_bytes * self._memory_util - self.model.weight_bytes / self.tp
                 - acc.runtime_reserved_bytes)
 
     @property
@@ -153,11 +162,11 @@ class RooflineCostModel:
 
     @property
     def _compute_rate(self) -> float:
-        return self.accelerator.flops(self.model.compute_dtype) * self.compute_efficiency
+        return self.accelerator.flops(self.model.compute_dtype) * self._compute_eff
 
     @property
     def _memory_rate(self) -> float:
-        return self.accelerator.memory_bandwidth_bytes_per_s * self.memory_efficiency
+        return self.accelerator.memory_bandwidth_bytes_per_s * self._memory_eff
 
     def weight_bytes_read(self, n_tokens: int) -> float:
         """Weight bytes read by a step of ``n_tokens`` tokens, whole replica."""
@@ -193,10 +202,10 @@ class RooflineCostModel:
             return 0.0
         if self._operators is not None:
             n = n_dec + sum(length for _, length in chunks)
-            return (self.step_overhead_s + self._operators.step_time(n, n_dec + len(chunks))
+            return (self._overhead_s + self._operators.step_time(n, n_dec + len(chunks))
                     + self._attention_time(n_dec, ctx_dec_sum, chunks))
         flops, nbytes = self.step_flops_bytes(n_dec, ctx_dec_sum, chunks)
-        return self.step_overhead_s + max(flops / self.tp / self._compute_rate,
+        return self._overhead_s + max(flops / self.tp / self._compute_rate,
                                           nbytes / self.tp / self._memory_rate)
 
     def _attention_time(self, n_dec: int, ctx_dec_sum, chunks: Sequence[tuple[int, int]] = ()):
@@ -219,11 +228,11 @@ class RooflineCostModel:
         m = self.model
         ctx = ctx_dec_sum + n_dec * np.arange(k, dtype=np.float64)
         if self._operators is not None:
-            return self.step_overhead_s + self._operators.step_time(n_dec, n_dec) + self._attention_time(n_dec, ctx)
+            return self._overhead_s + self._operators.step_time(n_dec, n_dec) + self._attention_time(n_dec, ctx)
         flops = m.linear_flops_per_token * n_dec + m.attn_flops_per_ctx_token * ctx
         kvb = m.kv_bytes_per_token * (self.tp if m.kv_replicated_across_tp else 1)
         nbytes = self.weight_bytes_read(n_dec) + kvb * ctx
-        return self.step_overhead_s + np.maximum(flops / self.tp / self._compute_rate,
+        return self._overhead_s + np.maximum(flops / self.tp / self._compute_rate,
                                                  nbytes / self.tp / self._memory_rate)
 
     def describe(self) -> dict:

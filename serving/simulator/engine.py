@@ -42,7 +42,8 @@ _TOKEN = 32
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as token ids (0–255): a real, lossless tokenizer that needs no model files."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """The text's UTF-8 bytes (this tokenizer has no special tokens to add)."""
         return list(text.encode("utf-8"))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -96,7 +97,7 @@ class SimEngine(Engine):
         self.model_name = model_name or cost.model.name
         self.max_model_len = cost.model.max_model_len
         self._clock = clock
-        self._virtual = isinstance(clock, ManualClock)
+        self._manual: ManualClock | None = clock if isinstance(clock, ManualClock) else None  # virtual time
         self._bus = bus
         self._idx = engine_idx
         self._scale = time_scale
@@ -194,9 +195,9 @@ class SimEngine(Engine):
                 await self._wake.wait()
                 continue
             duration = end - now
-            if self._virtual:
+            if self._manual is not None:
                 await self._sleep(0)
-                self._clock.advance(max(0.0, end - self._clock.monotonic()))
+                self._manual.advance(max(0.0, end - self._manual.monotonic()))
             else:
                 await self._sleep(duration * self._scale)
             q0, h0 = rep.cache.queries_tokens, rep.cache.hits_tokens
@@ -218,14 +219,16 @@ class SimEngine(Engine):
 
     def _stats(self, st: _Stream) -> EngineRequestStats:
         req = st.req
-        first = req.first_token_s if req.first_token_s is not None else req.finish_s
+        finish = req.finish_s
+        assert finish is not None, "stats are taken of a finished request"
+        first = req.first_token_s if req.first_token_s is not None else finish
         n = req.out
         return EngineRequestStats(
             request_id=req.request_id, finish_reason="length",
             tokens=TokenCounts(input_tokens=req.input_tokens, cached_input_tokens=req.cached_tokens, output_tokens=n),
-            queued_s=0.0, prefill_s=first - req.engine_arrival_s, decode_s=req.finish_s - first,
-            inference_s=req.finish_s - req.engine_arrival_s, e2e_s=req.finish_s - st.arrival,
-            mean_tpot_s=(req.finish_s - first) / (n - 1) if n > 1 else 0.0,
+            queued_s=0.0, prefill_s=first - req.engine_arrival_s, decode_s=finish - first,
+            inference_s=finish - req.engine_arrival_s, e2e_s=finish - st.arrival,
+            mean_tpot_s=(finish - first) / (n - 1) if n > 1 else 0.0,
             preemptions=req.preemptions, wall_ts=self._clock.wall(), attribution=st.attribution)
 
     def _publish(self, out, q0: int, h0: int) -> None:
@@ -243,7 +246,7 @@ class SimEngine(Engine):
             batch_size=load.num_running + len(out.finished), scheduled_tokens=out.scheduled_tokens,
             input_tokens=sum(r.input_tokens for r in out.first_tokens),
             output_tokens=out.generated_tokens,
-            ttfts_s=[r.first_token_s - r.engine_arrival_s for r in out.first_tokens],
+            ttfts_s=[r.engine_ttft_s() for r in out.first_tokens],
             itls_s=self._itls(out)))
 
     @staticmethod

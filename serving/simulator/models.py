@@ -3,8 +3,9 @@
 Formulas (per token, per model):
 
 * KV cache, dense MHA/GQA: ``2 (K and V) × layers × kv_heads × head_dim × bytes`` (the formula
-  of docs/ARCHITECTURE.md, "Why tokens, not requests"). MLA (DeepSeek-V2/V3 style) caches one compressed latent plus the decoupled
-  RoPE key per layer: ``layers × (kv_lora_rank + qk_rope_head_dim) × bytes``.
+  of docs/ARCHITECTURE.md, "Why tokens, not requests"). MLA (DeepSeek-V2/V3 style) caches one
+  compressed latent plus the decoupled RoPE key per layer:
+  ``layers × (kv_lora_rank + qk_rope_head_dim) × bytes``.
 * Linear-layer FLOPs: ``2 × active parameters`` per token (one multiply-add per weight).
 * Attention FLOPs per token per context token it attends to: GQA ``4 × layers × q_heads ×
   head_dim`` (QKᵀ and AV, 2 FLOPs per multiply-add each); MLA with absorbed projections

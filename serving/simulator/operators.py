@@ -46,7 +46,8 @@ from .models import ModelSpec
 
 __all__ = [
     "GEMM_OPS", "LAYER_STREAM_OPS", "STEP_STREAM_OPS", "POOLED_GEMM", "ACTIVATION_BYTES",
-    "gemm_time_s", "stream_time_s", "all_reduce_time_s", "GemmFit", "StreamFit", "AllReduceFit", "GpuCalibration", "GemmShape",
+    "gemm_time_s", "stream_time_s", "all_reduce_time_s", "GemmFit", "StreamFit", "AllReduceFit", "GpuCalibration",
+    "GemmShape",
     "layer_gemms", "layer_stream_bytes_per_token", "all_reduce_bytes", "OperatorModel",
     "CALIBRATION_PATH", "load_calibrations", "stored_calibrations",
 ]
@@ -233,9 +234,10 @@ def layer_stream_bytes_per_token(model: ModelSpec, tp: int) -> dict[str, float]:
     """Bytes each elementwise kernel reads and writes per token on one GPU (bf16 activations).
 
     RMSNorm reads and writes the hidden state (``2h``); RoPE rotates the query and key heads of the
-    shard in place (``2(q + kv)·d`` with the shard's head counts); the gated activation reads gate and up and writes their
-    product (``3·I / tp``); the residual add reads two hidden states and writes one (``3h``); the
-    embedding lookup reads a row and writes the hidden state (``2h``). Times :data:`ACTIVATION_BYTES`.
+    shard in place (``2(q + kv)·d`` with the shard's head counts); the gated activation reads gate
+    and up and writes their product (``3·I / tp``); the residual add reads two hidden states and
+    writes one (``3h``); the embedding lookup reads a row and writes the hidden state (``2h``).
+    Times :data:`ACTIVATION_BYTES`.
     """
     q, kv = _heads_per_gpu(model, tp)
     h, d, b = model.hidden_size, model.head_dim, ACTIVATION_BYTES
@@ -276,6 +278,8 @@ class OperatorModel:
         if tp > 1 and calibration.all_reduce is None:
             raise ValueError(f"{calibration.gpu}: no all-reduce calibration for tp={tp}")
         self.model, self.tp, self.calibration = model, tp, calibration
+        # the all-reduce term, present exactly when tp > 1 (checked above)
+        self._all_reduce: AllReduceFit | None = calibration.all_reduce if tp > 1 else None
         self.peak_flops, self.bandwidth = float(peak_flops), float(bandwidth)
         self._gemms = layer_gemms(model, tp)
         self._stream = layer_stream_bytes_per_token(model, tp)
@@ -292,8 +296,8 @@ class OperatorModel:
                for g in self._gemms}
         for op in (*LAYER_STREAM_OPS, *STEP_STREAM_OPS):
             out[op] = float(cal.stream[op].time_s(self._stream[op] * tokens, self.bandwidth))
-        if self.tp > 1:
-            out["all_reduce"] = float(cal.all_reduce.time_s(all_reduce_bytes(self.model, tokens), self.tp))
+        if self._all_reduce is not None:
+            out["all_reduce"] = float(self._all_reduce.time_s(all_reduce_bytes(self.model, tokens), self.tp))
         return out
 
     def step_time(self, tokens: int, logits: int) -> float:

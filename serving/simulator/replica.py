@@ -103,6 +103,16 @@ class SimRequest:
         self.version = 0
         self.charged = 0
 
+    def engine_ttft_s(self) -> float:
+        """Seconds from the engine's arrival to the first token (engine-side TTFT).
+
+        Raises:
+            ValueError: the request has no first token yet.
+        """
+        if self.first_token_s is None:
+            raise ValueError(f"request {self.request_id!r} has no first token yet")
+        return self.first_token_s - self.engine_arrival_s
+
 
 @dataclass(slots=True)
 class StepOutcome:
@@ -219,6 +229,11 @@ class SimReplica:
     def _p_now(self) -> np.ndarray:
         return self._p0 + self._dec * (self.S - self._s0)
 
+    def private_tokens(self) -> np.ndarray:
+        """Private KV tokens of each slot now: an int64 array of length ``max_seqs``, 0 for a free
+        slot (shared prefix groups are not counted; :attr:`cache` holds those)."""
+        return self._p_now()
+
     def private_blocks(self) -> int:
         """Private KV blocks in use now (excludes shared groups)."""
         B = self.B
@@ -236,6 +251,14 @@ class SimReplica:
 
     def running_requests(self) -> list[SimRequest]:
         return [r for r in self._slot_req if r is not None]
+
+    def planned_chunks(self) -> list[tuple[SimRequest, int]]:
+        """The prefill chunks of the step :meth:`plan` planned and :meth:`complete` has not yet
+        applied: ``(request, prefill tokens in this step)`` each, in scheduling order; ``[]``
+        when no step is planned or the plan is a decode-only segment."""
+        if self._pending is None:
+            return []
+        return [(req, c) for req, c, _ in self._pending[0]]
 
     def load(self) -> EngineLoad:
         """The replica's :class:`EngineLoad` (KV watermark excludes evictable cached groups)."""

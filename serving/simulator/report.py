@@ -130,7 +130,7 @@ class _Aggregator:
             "goodput_requests_per_s": _round(len(good) / self.span, 4),
             "slo_attainment": _round(len(good) / len(recs) if recs else 1.0, 4),
             "ttft_s": {k: _round(v) for k, v in _pcts(r.first_token_s - r.arrival_s for r in done).items()},
-            "itl_s": {f"p{q}": _round(v) for q, v in zip(_QS, itl)},
+            "itl_s": {f"p{q}": _round(v) for q, v in zip(_QS, itl, strict=True)},
             "tpot_s": {k: _round(v) for k, v in _pcts(
                 (r.finish_s - r.first_token_s) / (r.generated - 1) for r in done if r.generated > 1).items()},
             "e2e_s": {k: _round(v) for k, v in _pcts(r.finish_s - r.arrival_s for r in done).items()},

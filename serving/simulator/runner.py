@@ -268,7 +268,7 @@ class Simulation:
         core = self.core
         # the step's latencies, as the vLLM engine hooks report them on the serving path
         core.observe_engine_latency(rep.idx, itl_sum_s=outcome.itl_sum_s, itl_count=outcome.itl_count,
-                                    ttfts_s=[r.first_token_s - r.engine_arrival_s for r in outcome.first_tokens])
+                                    ttfts_s=[r.engine_ttft_s() for r in outcome.first_tokens])
         for req in outcome.first_tokens:
             if req.charged == 0:
                 req.charged = 1
@@ -281,7 +281,7 @@ class Simulation:
             core.release(req.payload)
             rec, _ = self._by_id.pop(req.request_id)
             rec.first_token_s = req.first_token_s if req.first_token_s is not None else math.nan
-            rec.finish_s = req.finish_s
+            rec.finish_s = req.finish_s if req.finish_s is not None else math.nan
             rec.generated = req.target
             rec.cached_tokens = req.cached_tokens
             rec.preemptions = req.preemptions
@@ -373,7 +373,7 @@ class Simulation:
         bar.close()
         self._sync()
         self.core.tick(self.clock.monotonic())
-        for rid, (rec, _) in self._by_id.items():  # only after a stall
+        for rec, _ in self._by_id.values():  # only after a stall
             rec.outcome, rec.reason = "dropped", "simulation_stalled"
         core = self.core
         return SimResult(

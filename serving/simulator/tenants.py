@@ -177,7 +177,7 @@ def servegen_arrivals(rates: pl.DataFrame, *, start_s: int, duration_s: float, l
     if total_rate_rps is not None:
         if not total_rate_rps > 0:
             raise ValueError(f"total_rate_rps must be > 0, got {total_rate_rps}")
-        mean_total = span["rate_rps"].sum() * wlen / duration_s
+        mean_total = float(span["rate_rps"].sum()) * wlen / duration_s  # (a Float64 column)
         scale = total_rate_rps / mean_total
     rng = np.random.default_rng(seed)
     pool = np.arange(len(lengths))

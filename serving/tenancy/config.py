@@ -27,7 +27,10 @@ org → workspace → project → API key, the tiers and the platform-wide (``gl
 Any node (org, workspace, project, key) may also set a ``tool_policy`` (allowed / blocked tools and
 risk classes of agent tool calls, :mod:`kvmeter.serving.tenancy.toolpolicy`) and ``approvers``
 (ids of keys of the same org that may approve the high-risk tool calls of runs below the node);
-a tier may set ``loop_stops`` (:class:`~kvmeter.serving.tenancy.limits.LoopStops`).
+a tier may set ``loop_stops`` (:class:`~kvmeter.serving.tenancy.limits.LoopStops`) and
+``undelivered_billing`` (who pays for engine work that reached no client, per cause:
+``{client_abandoned: billed, server_failure: absorbed, shutdown: absorbed, deadline: absorbed}``
+by default; a cause not given keeps the tier's value).
 
 Validation is pydantic's, with ``extra="forbid"`` everywhere; every problem is reported as a
 dotted field path (``orgs.acme.workspaces.research.limits.requests_per_minute: ...``) in one
@@ -43,13 +46,14 @@ import hashlib
 import re
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from kvmeter.billing_calendar import check_zone
+from kvmeter.events import UNDELIVERED_CAUSES
 from kvmeter.serving.tenancy.limits import NODE_LEVELS
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS, TIER_FIELDS, tier_field_problem
 from kvmeter.serving.tenancy.toolpolicy import ToolPolicyModel
@@ -59,6 +63,7 @@ __all__ = [
     "LimitsModel",
     "RunBudgetModel",
     "LoopStopsModel",
+    "UndeliveredBillingModel",
     "TierModel",
     "ApiKeyModel",
     "ProjectModel",
@@ -151,6 +156,29 @@ class LoopStopsModel(BaseModel):
     max_repeated_prompts: int | None = Field(default=None, ge=1)
 
 
+_Billing = Literal["billed", "absorbed"]
+
+
+class UndeliveredBillingModel(BaseModel):
+    """A tier's billing of undelivered engine work per cause (see
+    :attr:`~kvmeter.serving.tenancy.tiers.TierPolicy.undelivered_billing`): ``billed`` or
+    ``absorbed``; a cause not given keeps the tier's value, an unknown cause is refused."""
+
+    model_config = _STRICT
+
+    client_abandoned: _Billing | None = None
+    server_failure: _Billing | None = None
+    shutdown: _Billing | None = None
+    deadline: _Billing | None = None
+
+    def given(self) -> dict[str, str]:
+        """The causes this config sets, cause → ``billed`` / ``absorbed``."""
+        return {c: getattr(self, c) for c in UNDELIVERED_CAUSES if getattr(self, c) is not None}
+
+
+assert tuple(UndeliveredBillingModel.model_fields) == UNDELIVERED_CAUSES
+
+
 def _check_levels(value: Mapping[str, Any]) -> Mapping[str, Any]:
     for level in value:
         if level not in NODE_LEVELS:
@@ -182,6 +210,7 @@ class TierModel(BaseModel):
     limits: dict[str, LimitsModel] = Field(default_factory=dict)
     run_budget: RunBudgetModel | None = None
     loop_stops: LoopStopsModel | None = None
+    undelivered_billing: UndeliveredBillingModel | None = None
 
     @field_validator(*TIER_FIELDS, mode="before")
     @classmethod

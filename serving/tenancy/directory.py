@@ -168,9 +168,11 @@ def _compile_tiers(overrides: Mapping[str, TierModel]) -> dict[str, TierPolicy]:
         levels = dict(base.limits)
         for level, lm in m.limits.items():
             levels[level] = _overlay(base.limits_for(level), lm, Limits)
+        billing = {**base.undelivered_billing, **(m.undelivered_billing.given() if m.undelivered_billing else {})}
         tiers[name] = replace(base, **m.fields_set(), limits=MappingProxyType(levels),
                               run_budget=_overlay(base.run_budget, m.run_budget, RunBudget),
-                              loop_stops=_overlay(base.loop_stops, m.loop_stops, LoopStops))
+                              loop_stops=_overlay(base.loop_stops, m.loop_stops, LoopStops),
+                              undelivered_billing=MappingProxyType(billing))
     return tiers
 
 
@@ -223,7 +225,7 @@ def compile_snapshot(cfg: TenancyConfig, version: int, source_sha256: str = "") 
                     paths = (f"orgs.{oid}", f"orgs.{oid}.workspaces.{wid}",
                              f"orgs.{oid}.workspaces.{wid}.projects.{pid}",
                              f"orgs.{oid}.workspaces.{wid}.projects.{pid}.api_keys.{kid}")
-                    policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes)],
+                    policy = compile_tool_policy([node_rules(p, n) for p, n in zip(paths, nodes, strict=True)],
                                                  approvers=[a for n in nodes for a in n.approvers])
                     keys[kid] = KeyEntry(principal, chain, run_limits, run_budget, policy, org.billing_timezone)
                     digest = key.digest()

@@ -11,10 +11,14 @@ config file adds). Its :class:`TierPolicy` says
 * how it behaves under overload: ``pause_at``, ``shed_new_at``, ``shed_queued_at`` (pressure levels
   :data:`PRESSURE_ELEVATED` and :data:`PRESSURE_OVERLOAD`, which the scheduler sets);
 * what its tenants may use by default: ``limits`` per node level and the agent ``run_budget``;
-* when an agent run is stopped as a loop: ``loop_stops``.
+* when an agent run is stopped as a loop: ``loop_stops``;
+* who pays for engine work that reached no client: ``undelivered_billing`` (each of
+  :data:`~kvmeter.events.UNDELIVERED_CAUSES` → ``billed`` to the tenant or ``absorbed`` by the
+  platform; default :data:`~kvmeter.events.DEFAULT_UNDELIVERED_BILLING`).
 
 Where it lives, and why here: tenancy owns the tiers (it maps every tenant to one, and a config
-file sets their fields), and this module imports nothing but :mod:`.limits`. The scheduler
+file sets their fields), and this module imports nothing but :mod:`.limits` and the usage
+event's cause list (:mod:`kvmeter.events`, which imports no serving code). The scheduler
 (:mod:`kvmeter.serving.scheduler.config`) imports the policy from here — an edge from the
 scheduler to tenancy only, never back — so no package imports the gateway or the scheduler to learn
 a tier, and there is no import cycle.
@@ -36,9 +40,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from kvmeter.events import DEFAULT_UNDELIVERED_BILLING, UNDELIVERED_BILLING, UNDELIVERED_CAUSES
 from kvmeter.serving.tenancy.limits import DEFAULT_LOOP_STOPS, NO_LIMITS, NO_RUN_BUDGET, Limits, LoopStops, RunBudget
 
-__all__ = ["TierPolicy", "DEFAULT_TIERS", "TIER_FIELDS", "tier_field_problem",
+__all__ = ["TierPolicy", "DEFAULT_TIERS", "TIER_FIELDS", "tier_field_problem", "undelivered_billing_problem",
            "PRESSURE_NORMAL", "PRESSURE_ELEVATED", "PRESSURE_OVERLOAD"]
 
 #: Pressure levels the scheduler sets (thresholds in :class:`~kvmeter.serving.scheduler.SchedulerConfig`);
@@ -91,6 +96,20 @@ def tier_field_problem(name: str, value: Any) -> str | None:
     raise KeyError(name)
 
 
+def undelivered_billing_problem(value: Any) -> str | None:
+    """Why ``value`` is not a valid ``undelivered_billing`` mapping, or ``None`` when it is: a
+    mapping from causes of :data:`~kvmeter.events.UNDELIVERED_CAUSES` (not necessarily all: the
+    others keep the default) to ``billed`` or ``absorbed``. The message names the bad cause."""
+    if not isinstance(value, Mapping):
+        return "undelivered_billing must map causes to 'billed' or 'absorbed'"
+    for cause, billing in value.items():
+        if cause not in UNDELIVERED_CAUSES:
+            return f"undelivered_billing.{cause}: unknown cause; expected one of {', '.join(UNDELIVERED_CAUSES)}"
+        if billing not in UNDELIVERED_BILLING:
+            return f"undelivered_billing.{cause} must be 'billed' or 'absorbed'"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TierPolicy:
     """One tier: how it is weighted, prioritised, promised, given a deadline, shed and limited.
@@ -121,9 +140,14 @@ class TierPolicy:
         run_budget: default :class:`~kvmeter.serving.tenancy.limits.RunBudget` of an agent run.
         loop_stops: when an agent run of the tier is stopped as a loop or a retry storm
             (:class:`~kvmeter.serving.tenancy.limits.LoopStops`).
+        undelivered_billing: for each cause of :data:`~kvmeter.events.UNDELIVERED_CAUSES`, whether
+            engine work that reached no client for that cause is ``billed`` to the tenant or
+            ``absorbed`` by the platform (it is recorded either way). Causes not given keep
+            :data:`~kvmeter.events.DEFAULT_UNDELIVERED_BILLING` (client abandoned: billed; server
+            failure, shutdown, deadline: absorbed). See :meth:`undelivered`.
     Raises:
         ValueError: naming the field, for an empty name or any value :func:`tier_field_problem`
-            refuses.
+            or :func:`undelivered_billing_problem` refuses.
     """
 
     name: str
@@ -139,6 +163,7 @@ class TierPolicy:
     limits: Mapping[str, Limits] = field(default_factory=lambda: MappingProxyType({}))
     run_budget: RunBudget = NO_RUN_BUDGET
     loop_stops: LoopStops = DEFAULT_LOOP_STOPS
+    undelivered_billing: Mapping[str, str] = field(default_factory=lambda: DEFAULT_UNDELIVERED_BILLING)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -148,6 +173,21 @@ class TierPolicy:
             problem = tier_field_problem(label, value)
             if problem is not None:
                 raise ValueError(f"tier {self.name!r}: {problem}, got {value!r}")
+        problem = undelivered_billing_problem(self.undelivered_billing)
+        if problem is not None:
+            raise ValueError(f"tier {self.name!r}: {problem}")
+        if self.undelivered_billing is not DEFAULT_UNDELIVERED_BILLING:  # every cause, in the list's order
+            merged = {c: self.undelivered_billing.get(c, DEFAULT_UNDELIVERED_BILLING[c]) for c in UNDELIVERED_CAUSES}
+            object.__setattr__(self, "undelivered_billing", MappingProxyType(merged))
+
+    def undelivered(self, cause: str) -> str:
+        """``billed`` or ``absorbed``: what becomes of this tier's engine work that reached no
+        client for ``cause`` (one of :data:`~kvmeter.events.UNDELIVERED_CAUSES`).
+
+        Raises:
+            KeyError: an unknown cause.
+        """
+        return self.undelivered_billing[cause]
 
     # -- the rules every reader shares --------------------------------------------------------
     def deadline_s(self, arrival_s: float) -> float | None:

@@ -17,7 +17,8 @@ N = 50
 
 
 async def test_50_parallel_branches_against_10_model_calls_admit_exactly_10(make_kit):
-    kit = make_kit(config().replace("run_budget: {max_tool_calls: 100}", "run_budget: {max_model_calls: 10, max_parallel_branches: 64}"))
+    kit = make_kit(config().replace("run_budget: {max_tool_calls: 100}",
+                                    "run_budget: {max_model_calls: 10, max_parallel_branches: 64}"))
     p = kit.principal("agent")
     guarded = kit.quota  # HierarchicalQuota on the parametrized store's counters
 

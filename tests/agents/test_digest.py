@@ -20,7 +20,8 @@ from kvmeter.serving.agents.loops import cycle_repeats
     (9007199254740992.0, "9007199254740992"), (9007199254740994.0, "9007199254740994"),
     (1e21, "1e+21"), (1e20, "100000000000000000000"), (1e-7, "1e-7"), (0.000001, "0.000001"),
     (0.00001, "0.00001"), (123.456, "123.456"), (-1.5e-7, "-1.5e-7"), (333333333.3333333, "333333333.3333333"),
-    (2 ** 60, "1152921504606847000")  # the shortest digits of the double, as JavaScript, (10 ** 30, "1e+30"), (True, "true"), (None, "null"),
+    (2 ** 60, "1152921504606847000"),  # the shortest digits of the double, as JavaScript
+    (10 ** 30, "1e+30"), (True, "true"), (None, "null"),
 ])
 def test_numbers_and_literals_as_rfc_8785(value, text):
     assert canonical_json(value) == text
@@ -29,7 +30,8 @@ def test_numbers_and_literals_as_rfc_8785(value, text):
 def test_rfc_8785_section_3_2_3_example_sorting():
     # the RFC's sorting example: keys ordered by UTF-16 code units
     value = {"\u20ac": "Euro Sign", "\r": "Carriage Return", "\ufb33": "Hebrew Letter Dalet With Dagesh",
-             "1": "One", "\U0001f600": "Emoji: Grinning Face", "\u0080": "Control", "\u00f6": "Latin Small Letter O With Diaeresis"}
+             "1": "One", "\U0001f600": "Emoji: Grinning Face", "\u0080": "Control",
+             "\u00f6": "Latin Small Letter O With Diaeresis"}
     keys = [k for k in json.loads(canonical_json(value))]
     assert keys == ["\r", "1", "\u0080", "\u00f6", "\u20ac", "\U0001f600", "\ufb33"]
 

@@ -226,7 +226,8 @@ async def test_the_tool_call_budget_refuses_the_call_after_the_last_permit(make_
     # the quota sees the run over its budget: its next model call is refused
     from kvmeter.serving.quota import QuotaRejected
     with pytest.raises(QuotaRejected) as exc:
-        await kit.quota.reserve(kit.principal("agent"), estimate("m", 10, 10, agent_run_id="run-1", principal=kit.principal("agent")))
+        await kit.quota.reserve(kit.principal("agent"),
+                                estimate("m", 10, 10, agent_run_id="run-1", principal=kit.principal("agent")))
     assert exc.value.dimension == "tool_calls"
 
 
@@ -338,7 +339,7 @@ async def test_idle_runs_are_forgotten_after_their_ttl(make_kit, clock, store_ki
     p = kit.principal("agent")
     await kit.agents.on_model_call(p, "idle-run")  # no digest, no state: nothing is remembered
     await kit.agents.on_model_call(p, "prompted", "d1")
-    assert set(kit.store._runs) == {("acme", "prompted")}
+    assert kit.store.tracked_runs() == {("acme", "prompted")}
     clock.advance(7 * 86_400 + 61)
     await kit.agents.on_model_call(p, "other", "d2")  # a sweep runs
-    assert set(kit.store._runs) == {("acme", "other")}
+    assert kit.store.tracked_runs() == {("acme", "other")}

@@ -239,7 +239,7 @@ def test_gpm_needs_two_samples_and_maps_percent_to_ratio(data_dir):
 def test_stand_in_refuses_api_it_does_not_implement(data_dir):
     nvml = capture(data_dir, H200)
     with pytest.raises(AttributeError, match="nvmlDeviceGetBoardId"):
-        nvml.nvmlDeviceGetBoardId
+        _ = nvml.nvmlDeviceGetBoardId
     assert nvml.NVML_TEMPERATURE_GPU == pynvml.NVML_TEMPERATURE_GPU  # constants pass through
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         nvml.nvmlDeviceGetCount()

@@ -58,7 +58,7 @@ async def test_gpu_machine_gets_gpu_signals_and_their_history(tmp_path, tokenize
         assert runtime.signal_recorder.tick(force=True) > 0
         ledger = runtime.recorder.ledger
         assert ledger.flush(30.0)
-        rows = ledger.queries._get().query(
+        rows = ledger.query_client().query(
             "SELECT name, labels['gpu'], value FROM signals WHERE name LIKE 'kvmeter_gpu_%'").result_rows
         assert ("kvmeter_gpu_memory_used_bytes", "0", 32362 * MIB) in rows
     finally:

@@ -25,7 +25,7 @@ from typing import Iterator
 
 import pytest
 import uvicorn
-from dashkit import ACTIVE_READERS, H200_CAPTURE, ReaderServer, ReplayData, close_dashboard_backend, workload
+from dashkit import H200_CAPTURE, ReaderServer, ReplayData, close_dashboard_backend, workload
 from prometheus_client import CollectorRegistry
 
 from kvmeter.serving.config import load_serve_config
@@ -79,10 +79,7 @@ async def replay(vllm_engine, tmp_path_factory):
 @pytest.fixture
 def reader(replay: ReplayData) -> Iterator[ReaderServer]:
     """The replay's ledger served by ``kvmeter serve`` with the dashboard routes (mode *a*)."""
-    if replay._reader is None or replay._reader not in ACTIVE_READERS:
-        close_dashboard_backend()  # a mode-b test's chDB client must go before serve opens the path
-        replay._reader = ReaderServer(replay)
-    yield replay._reader
+    yield replay.reader_start()
 
 
 @pytest.fixture

@@ -67,6 +67,14 @@ class ReplayData:
         """Requests that must have a usage event: completed plus aborted (billed for the work done)."""
         return self.ok.get(tenant, {}).get("requests", 0) + self.aborted.get(tenant, 0)
 
+    def reader_start(self) -> "ReaderServer":
+        """The replay's ledger served by ``kvmeter serve`` (mode *a*): the running reader, or a new
+        one (a mode-b test's chDB client is closed first: serve must open the path)."""
+        if self._reader is None or self._reader not in ACTIVE_READERS:
+            close_dashboard_backend()
+            self._reader = ReaderServer(self)
+        return self._reader
+
     def reader_stop(self) -> None:
         if self._reader is not None:
             reader, self._reader = self._reader, None

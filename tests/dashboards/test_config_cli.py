@@ -217,5 +217,6 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     sampler.close()
     read = set(signals.ALL)
     # GPM fields (SM/tensor/DRAM activity) are absent from nvidia-smi captures: missing stays missing
-    gpm = {signals.GPU["sm_active"], signals.GPU["tensor_active"], signals.GPU["dram_bandwidth"], signals.MIG["sm_active"]}
+    gpm = {signals.GPU["sm_active"], signals.GPU["tensor_active"], signals.GPU["dram_bandwidth"],
+           signals.MIG["sm_active"]}
     assert read - gpm <= written, sorted(read - gpm - written)

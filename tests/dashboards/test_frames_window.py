@@ -106,7 +106,7 @@ def test_ranking_puts_the_kv_holder_first_not_the_chatty_tenant():
 def test_top_n_folds_the_rest_and_keeps_totals():
     df = pl.DataFrame({"ts": [T0] * 4, "tenant": ["a", "b", "c", "d"], "value": [10.0, 5.0, 2.0, 1.0]})
     out = top_n(df, "tenant", "value", 2)
-    assert dict(zip(out["tenant"], out["value"])) == {"a": 10.0, "b": 5.0, OTHER: 3.0}
+    assert dict(zip(out["tenant"], out["value"], strict=True)) == {"a": 10.0, "b": 5.0, OTHER: 3.0}
     assert top_n(df, "tenant", "value", 4).equals(df)
 
 

@@ -83,9 +83,9 @@ def test_counts_match_what_the_clients_received(reader, dashboard_env, replay):
     dashboard_env(server=reader.url, key=KEYS["admin"])
     at = run_page("tenants")
     table = ranking_table(at)
-    got = dict(zip(table["tenant_id"], table["requests"]))
+    got = dict(zip(table["tenant_id"], table["requests"], strict=True))
     assert got == {t: replay.billed_requests(t) for t in TENANTS if replay.billed_requests(t)}
-    tokens = dict(zip(table["tenant_id"], table["total_tokens"]))
+    tokens = dict(zip(table["tenant_id"], table["total_tokens"], strict=True))
     for tenant in ("acme", "umbrella", "hobbyist"):
         ok = replay.ok[tenant]
         assert tokens[tenant] == ok["input_tokens"] + ok["output_tokens"]

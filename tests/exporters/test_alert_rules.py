@@ -85,7 +85,7 @@ def test_every_alert_fires_in_some_unit_test():
 
 
 def test_every_alert_has_severity_and_summary():
-    for name, rule in _alerts():
+    for _, rule in _alerts():
         if "alert" in rule:
             assert rule["labels"]["severity"] in {"page", "critical", "warning", "ticket", "info"}, rule["alert"]
             assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
@@ -101,7 +101,8 @@ def test_rules_read_only_declared_metrics():
         for pattern in _NAME_REGEX.findall(rule["expr"]):
             head, alternatives, tail = re.fullmatch(r"([a-z0-9_]*)\(([a-z0-9_|]+)\)([a-z0-9_]*)", pattern).groups()
             for alt in alternatives.split("|"):
-                assert head + alt + tail in declared, f"{name}: {rule.get('alert')} reads undeclared {head + alt + tail}"
+                assert head + alt + tail in declared, (
+                    f"{name}: {rule.get('alert')} reads undeclared {head + alt + tail}")
         expr = _NAME_REGEX.sub("", rule["expr"])
         for metric in set(re.findall(r"\bkvmeter_[a-z0-9_]+", expr)):
             base = metric

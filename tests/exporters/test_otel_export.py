@@ -30,13 +30,13 @@ from starlette.routing import Route
 
 from kvmeter.attribution import Attribution
 from kvmeter.exporters.otel import install_otel
-from kvmeter.stats import RequestCompletion
+from kvmeter.stats import RequestCompletion, RequestPhase
 from kvmeter.tokens import TokenCounts
 
 
-def completion(tenant="acme", outcome="ok", prompt=1200, cached=512, out=101, ttft=0.4, e2e=4.4, **kw):
+def completion(tenant="acme", outcome="ok", prompt=1200, cached=512, out=101, ttft=0.4, e2e=4.4, endpoint="", **kw):
     return RequestCompletion(
-        attribution=Attribution(tenant, tier="paid_interactive", model="smollm2"),
+        attribution=Attribution(tenant, tier="paid_interactive", model="smollm2", endpoint=endpoint),
         tokens=TokenCounts(input_tokens=prompt, cached_input_tokens=cached, output_tokens=out),
         outcome=outcome,
         ttft_s=ttft,
@@ -131,6 +131,89 @@ def test_failed_and_aborted_requests(bus, in_memory):
     assert by_outcome["aborted"].attributes["gen_ai.usage.output_tokens"] == 40  # work done is reported
 
 
+# -- the caller's trace, the response, the phases --------------------------------------------------
+
+TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
+PHASES = (RequestPhase("queue", 0.0, 0.05), RequestPhase("prefill", 0.05, 0.4), RequestPhase("decode", 0.4, 4.39))
+
+
+def test_a_traceparent_makes_the_span_a_child_of_the_callers(bus, in_memory):
+    _, spans = in_memory
+    bus.publish(completion(trace_headers=(("traceparent", TRACEPARENT), ("tracestate", TRACESTATE))))
+    (span,) = spans.get_finished_spans()
+    assert span.parent is not None and span.parent.is_remote
+    assert (span.context.trace_id, span.parent.span_id) == (int(TRACE_ID, 16), int(PARENT_ID, 16))
+    assert span.context.span_id != int(PARENT_ID, 16)
+    assert span.context.trace_state.to_header() == TRACESTATE  # the caller's vendors' state goes on
+    assert span.context.trace_flags.sampled
+
+
+@pytest.mark.parametrize("traceparent", [
+    "00-4bf92f3577b34da6a3ce929d0e0e4736", "hello", "",
+    f"00-{'0' * 32}-{PARENT_ID}-01",  # all-zero trace id
+    f"00-{TRACE_ID}-{'0' * 16}-01",  # all-zero parent id
+    f"ff-{TRACE_ID}-{PARENT_ID}-01",  # version ff is invalid
+    f"00-{TRACE_ID.upper()}-{PARENT_ID}-01",  # upper-case hex
+    f"00-{TRACE_ID}-{PARENT_ID}-01" + "x" * 10_000,
+])
+def test_a_malformed_traceparent_starts_a_new_root_trace(bus, in_memory, traceparent):
+    _, spans = in_memory
+    bus.publish(completion(trace_headers=(("traceparent", traceparent), ("tracestate", TRACESTATE))))
+    (span,) = spans.get_finished_spans()  # recorded; the bus fixture checks nothing raised
+    assert span.parent is None and span.context.trace_id != int(TRACE_ID, 16)
+    assert span.context.trace_state.to_header() == ""  # tracestate is never read without a valid parent
+
+
+def test_no_trace_headers_start_a_root_span_even_inside_another_span(bus, in_memory):
+    _, spans = in_memory
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("whatever publishes"):  # the bus runs subscribers in the publisher's context
+        bus.publish(completion())
+    (span,) = spans.get_finished_spans()
+    assert span.parent is None
+
+
+@pytest.mark.parametrize("endpoint, operation", [("chat.completions", "chat"), ("completions", "text_completion")])
+def test_the_operation_follows_the_endpoint(bus, in_memory, endpoint, operation):
+    reader, spans = in_memory
+    bus.publish(completion(endpoint=endpoint))
+    (span,) = spans.get_finished_spans()
+    assert span.name == f"{operation} smollm2" and span.attributes["gen_ai.operation.name"] == operation
+    for name, pts in points(reader).items():
+        assert {p.attributes["gen_ai.operation.name"] for p in pts} == {operation}, name
+
+
+def test_response_attributes_and_phase_events(bus, in_memory):
+    _, spans = in_memory
+    bus.publish(completion(response_id="chatcmpl-abc", finish_reasons=("stop", "length"), phases=PHASES))
+    (span,) = spans.get_finished_spans()
+    a = span.attributes
+    assert a["gen_ai.response.id"] == "chatcmpl-abc" and a["gen_ai.response.model"] == "smollm2"
+    assert a["gen_ai.response.finish_reasons"] == ("stop", "length")
+    assert [e.name for e in span.events] == ["kvmeter.queue", "kvmeter.prefill", "kvmeter.decode"]
+    start = span.start_time
+    assert [e.timestamp - start for e in span.events] == [0, int(0.05e9), int(0.4e9)]
+    assert [e.attributes["kvmeter.duration_s"] for e in span.events] == pytest.approx([0.05, 0.35, 3.99])
+    bus.publish(completion(outcome="error", out=0, ttft=None, phases=PHASES[:1], finish_reasons=("error",)))
+    failed = spans.get_finished_spans()[1]
+    assert "gen_ai.response.id" not in failed.attributes  # unknown: not invented
+    assert [e.name for e in failed.events] == ["kvmeter.queue"]
+
+
+def test_the_semantic_convention_names_are_the_packaged_ones():
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+
+    from kvmeter.exporters import otel
+
+    assert (otel._RESPONSE_ID, otel._RESPONSE_MODEL, otel._FINISH_REASONS, otel._OPERATION) == (
+        genai.GEN_AI_RESPONSE_ID, genai.GEN_AI_RESPONSE_MODEL, genai.GEN_AI_RESPONSE_FINISH_REASONS,
+        genai.GEN_AI_OPERATION_NAME)
+    assert set(otel.GENAI_OPERATIONS.values()) == {genai.GenAiOperationNameValues.CHAT.value,
+                                                   genai.GenAiOperationNameValues.TEXT_COMPLETION.value}
+
+
 def test_env_switches(bus, monkeypatch):
     assert install_otel(bus, env={"OTEL_SDK_DISABLED": "true"}) is None
     assert install_otel(bus, env={"OTEL_METRICS_EXPORTER": "none", "OTEL_TRACES_EXPORTER": "none"}) is None
@@ -179,12 +262,15 @@ def otlp_receiver(port):
     thread.join(timeout=10)
 
 
+def _value(any_value):
+    which = any_value.WhichOneof("value")
+    if which == "array_value":
+        return [_value(v) for v in any_value.array_value.values]
+    return getattr(any_value, which)
+
+
 def _attrs(kvs) -> dict:
-    out = {}
-    for kv in kvs:
-        which = kv.value.WhichOneof("value")
-        out[kv.key] = getattr(kv.value, which)
-    return out
+    return {kv.key: _value(kv.value) for kv in kvs}
 
 
 def test_otlp_http_to_a_real_receiver(bus, otlp_receiver, monkeypatch):
@@ -220,3 +306,101 @@ def test_otlp_http_to_a_real_receiver(bus, otlp_receiver, monkeypatch):
     acme = _attrs(by_tenant["acme"].attributes)
     assert acme["gen_ai.usage.input_tokens"] == 1200 and acme["gen_ai.usage.output_tokens"] == 101
     assert by_tenant["globex"].status.code == 2  # STATUS_CODE_ERROR
+
+
+# -- end to end: the real OpenAI SDK → kvmeter's gateway (instant engine) → a real OTLP receiver -----
+
+
+@pytest.fixture
+async def traced_gateway(model_dir, otlp_receiver, free_port, monkeypatch):
+    """The gateway with vLLM's serving layer over the instant engine on loopback, its OTLP
+    exporter (built from the ``OTEL_*`` environment, as ``serve`` builds it) sending to the receiver."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmeter.model import DEFAULT_MODEL_NAME
+    from kvmeter.serving.config import load_serve_config
+    from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+    from kvmeter.serving.engines.instant import InstantEngine
+    from kvmeter.serving.gateway.app import create_app
+    from kvmeter.serving.runtime import ServeRuntime
+    from tests.conftest import start_uvicorn
+    from tests.gateway.conftest import MemoryRecorder
+
+    endpoint, receiver = otlp_receiver
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # export on flush only
+    port = free_port()
+    config = load_serve_config(None, {("engine", "kind"): "instant", ("server", "port"): port}, env={})
+    engine = InstantEngine(HFTokenizer(model_dir), DEFAULT_MODEL_NAME, max_model_len=4096)
+    await engine.start()
+    runtime = ServeRuntime(config, registry=CollectorRegistry(), engine=engine)
+    runtime.gateway.recorder = MemoryRecorder()
+    otel = install_otel(runtime.bus)
+    app = create_app(runtime.gateway, on_startup=[runtime.scheduler.start], on_shutdown=[runtime.scheduler.stop])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    task = await start_uvicorn(server)
+    yield f"http://127.0.0.1:{port}", otel, receiver
+    server.should_exit = True
+    await task
+    otel.close()
+    runtime.exporter.close()
+    await engine.shutdown()
+
+
+def _spans(receiver) -> list:
+    return [s for req in receiver.traces for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+async def test_the_openai_sdk_traceparent_joins_the_callers_trace(traced_gateway):
+    import openai
+
+    from tests.gateway.conftest import KEYS
+
+    base_url, otel, receiver = traced_gateway
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=KEYS["acme"])
+    caller = {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
+    chat = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=5, n=2,
+        extra_headers=caller)
+    text = await client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=4,
+                                           extra_headers={"traceparent": f"00-{TRACE_ID}-{'1' * 16}-01"})
+    chunks = [c async for c in await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}, extra_headers=caller)]
+    malformed = await client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2,
+                                                extra_headers={"traceparent": "00-not-a-trace-01"})
+    unsampled = await client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=2,
+                                                extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00"})
+    await client.close()
+    assert otel.force_flush()
+
+    spans = {_attrs(s.attributes).get("gen_ai.response.id"): s for s in _spans(receiver)}
+    assert unsampled.id not in spans  # the caller did not sample its trace: neither does kvmeter
+    streamed_id = chunks[0].id
+    assert set(spans) == {chat.id, text.id, streamed_id, malformed.id}
+    for reply_id, parent, operation in ((chat.id, PARENT_ID, "chat"), (text.id, "1" * 16, "text_completion"),
+                                        (streamed_id, PARENT_ID, "chat")):
+        span = spans[reply_id]
+        assert (span.trace_id.hex(), span.parent_span_id.hex()) == (TRACE_ID, parent), reply_id
+        assert span.kind == 2  # SPAN_KIND_SERVER
+        a = _attrs(span.attributes)
+        assert a["gen_ai.operation.name"] == operation and span.name == f"{operation} SmolLM2-135M-Instruct"
+        assert a["gen_ai.response.model"] == "SmolLM2-135M-Instruct"
+        events = list(span.events)
+        assert [e.name for e in events] == ["kvmeter.queue", "kvmeter.prefill", "kvmeter.decode"], reply_id
+        times = [e.time_unix_nano for e in events]
+        assert span.start_time_unix_nano <= times[0] <= times[1] <= times[2] <= span.end_time_unix_nano
+        durations = [_attrs(e.attributes)["kvmeter.duration_s"] for e in events]
+        assert all(d >= 0 for d in durations)
+        assert times[1] - times[0] == pytest.approx(durations[0] * 1e9, abs=1e3)  # prefill starts as the queue ends
+    assert spans[chat.id].trace_state == TRACESTATE and spans[streamed_id].trace_state == TRACESTATE
+    chat_attrs = _attrs(spans[chat.id].attributes)
+    assert chat_attrs["gen_ai.response.finish_reasons"] == [c.finish_reason for c in chat.choices] == ["length"] * 2
+    assert chat_attrs["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens == 10
+    assert chat_attrs["gen_ai.usage.input_tokens"] == chat.usage.prompt_tokens
+    assert _attrs(spans[text.id].attributes)["gen_ai.response.finish_reasons"] == [text.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        _attrs(spans[streamed_id].attributes)["gen_ai.response.finish_reasons"]
+    # a malformed traceparent: answered 200, its span the root of a new trace
+    root = spans[malformed.id]
+    assert root.parent_span_id == b"" and root.trace_id.hex() != TRACE_ID and len(root.trace_id) == 16

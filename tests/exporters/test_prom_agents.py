@@ -14,9 +14,10 @@ def value(registry, name, **labels):
 
 def test_agent_metrics(bus, registry, clock):
     install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=1, tenant_refresh_s=10))
+    who = Attribution("acme", tier="free", api_key_id="k", agent_run_id="r1")
     for decision in ("allowed", "allowed", "blocked", "made_up"):
-        bus.publish(ToolCallDecided(Attribution("acme", tier="free", api_key_id="k", agent_run_id="r1"), "search", "read_only", "reported", decision))
-    bus.publish(ToolCallDecided(Attribution("acme", tier="free", api_key_id="k", agent_run_id="r1"), "x", "weird", "emitted", "blocked"))
+        bus.publish(ToolCallDecided(who, "search", "read_only", "reported", decision))
+    bus.publish(ToolCallDecided(who, "x", "weird", "emitted", "blocked"))
     assert value(registry, "kvmeter_agent_tool_calls_total", source="reported", risk_class="read_only",
                  decision="allowed") == 2
     assert value(registry, "kvmeter_agent_tool_calls_total", source="reported", risk_class="read_only",

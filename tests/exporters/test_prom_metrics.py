@@ -169,8 +169,8 @@ def test_admission(bus, registry, exporter):
         )
     )
     assert value(registry, "kvmeter_admission_admitted_requests_total", tier="free", tenant="acme") == 1
-    assert value(registry, "kvmeter_admission_rejected_requests_total", tier="free", tenant="acme", reason="quota_exceeded",
-                 level="project", dimension="input_tokens_per_minute") == 1
+    assert value(registry, "kvmeter_admission_rejected_requests_total", tier="free", tenant="acme",
+                 reason="quota_exceeded", level="project", dimension="input_tokens_per_minute") == 1
     assert value(registry, "kvmeter_admission_rejected_requests_total", tier="free", tenant="acme", reason="shed",
                  level="", dimension="") == 1
 

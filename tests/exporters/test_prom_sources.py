@@ -11,8 +11,8 @@ import pytest
 from kvmeter.attribution import Attribution
 from kvmeter.exporters.prometheus import OTHER, PrometheusConfig, install_prometheus
 from kvmeter.serving.scheduler import Job, SchedulerCore
-from kvmeter.stats import (AdmissionDecision, ConfigReloaded, EngineLoad, IdempotencyAttempt, LedgerStats, ReconciliationStats,
-                           QuotaStoreState, RequestCompletion, ReservationDrift, SchedulerStats,
+from kvmeter.stats import (AdmissionDecision, ConfigReloaded, EngineLoad, IdempotencyAttempt, LedgerStats,
+                           ReconciliationStats, QuotaStoreState, RequestCompletion, ReservationDrift, SchedulerStats,
                            TenantSchedulerStats, ToolCallReported)
 from kvmeter.tokens import TokenCounts
 

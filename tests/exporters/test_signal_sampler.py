@@ -55,7 +55,7 @@ def ledger(tmp_path: Path, clock: ManualClock):
 def stored(ledger: Ledger) -> dict[tuple[str, tuple], list[tuple[float, float]]]:
     """Every row of ``signals``: (name, sorted labels) → [(ts, value), ...] in time order."""
     assert ledger.flush(30.0), "ledger did not drain"
-    result = ledger.queries._get().query("SELECT name, labels, ts, value FROM signals ORDER BY ts")
+    result = ledger.query_client().query("SELECT name, labels, ts, value FROM signals ORDER BY ts")
     out: dict[tuple[str, tuple], list[tuple[float, float]]] = {}
     for name, labels, ts, value in result.result_rows:
         ts = ts.replace(tzinfo=timezone.utc).timestamp() if isinstance(ts, datetime) else float(ts)

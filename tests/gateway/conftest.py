@@ -46,8 +46,8 @@ class Stack:
     def rows(self, sql: str, **params) -> list[dict]:
         """Run a read query on the ledger after draining the spool (FINAL = billed view)."""
         assert self.ledger.flush(30.0), "ledger did not drain"
-        result = self.ledger._query_holder.get().query(sql, parameters=params)
-        return [dict(zip(result.column_names, row)) for row in result.result_rows]
+        result = self.ledger.query_client().query(sql, parameters=params)
+        return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
     def usage(self, request_id: str) -> list[dict]:
         return self.rows("SELECT * FROM usage_events FINAL WHERE request_id = {rid:String}", rid=request_id)

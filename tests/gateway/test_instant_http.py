@@ -110,7 +110,7 @@ async def test_client_leaving_mid_body_is_a_quiet_499_and_bills_nothing(instant_
     gone = lambda: [a for a in rec.attempts if a.tenant_id == "globex" and a.status_code == 499]  # noqa: E731
     for n, path in enumerate(("/v1/chat/completions", "/v1/completions"), start=1):
         await _send_and_hang_up(instant_stack.port, path, "globex")
-        await _eventually(lambda: len(gone()) == n)
+        await _eventually(lambda n=n: len(gone()) == n)
     assert {(a.status, a.reason, a.attribution.endpoint) for a in gone()} == {
         ("error", "client_disconnected", "chat.completions"), ("error", "client_disconnected", "completions")}
     # any other route that reads a body (here the tool-call report) is as quiet

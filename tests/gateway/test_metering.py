@@ -66,7 +66,8 @@ def test_abort_bills_what_the_frontend_saw_and_misses_its_slo():
     clock.advance(0.1)
     meter.on_output(_out(7, 7, prompt=50, cached=16))
     clock.advance(0.1)
-    event, done = meter.finish("aborted", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0), finish_reason="abort")
+    event, done = meter.finish("aborted", status_code=200, policy=TierPolicy("t", ttft_slo_s=2.0),
+                               finish_reason="abort")
     assert event.tokens == TokenCounts(input_tokens=50, cached_input_tokens=16, output_tokens=7)
     assert event.token_source == "frontend" and event.outcome == "aborted"
     assert event.reserved == TokenCounts(input_tokens=50, output_tokens=500)

@@ -46,7 +46,8 @@ def _billed(stack, request_id: str, usage, records: list[EngineRequestStats] | N
     assert row["outcome"] == "ok" and row["token_source"] == "engine_hooks"
     if records is not None:
         [engine] = [r for r in records if r.request_id == request_id]
-        assert (engine.tokens.input_tokens, engine.tokens.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+        assert (engine.tokens.input_tokens, engine.tokens.output_tokens) == (
+            usage.prompt_tokens, usage.completion_tokens)
         assert engine.attribution.tenant_id == row["tenant_id"]  # stamped on the merged engine record
     return row
 

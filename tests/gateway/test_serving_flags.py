@@ -22,7 +22,8 @@ def test_the_defaults_are_auto_tool_choice_with_hermes_and_vllms_usage_and_id_he
 def test_named_flags_and_passed_through_arguments_reach_vllms_namespace(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("openai:\n  tool_call_parser: llama3_json\n  reasoning_parser: qwen3\n"
-                    "  enable_request_id_headers: false\n  vllm_args: ['--max-logprobs', '7', '--response-role', 'bot']\n")
+                    "  enable_request_id_headers: false\n"
+                    "  vllm_args: ['--max-logprobs', '7', '--response-role', 'bot']\n")
     flags = load_serve_config(path, {}, env={}).openai.flags()
     args = parse_vllm_argv(["--model", "/m", *serving_argv(flags)])
     assert (args.tool_call_parser, args.reasoning_parser, args.max_logprobs, args.response_role) == (

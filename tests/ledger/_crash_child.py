@@ -35,7 +35,7 @@ def main() -> None:
         asyncio.run(run())
     else:
         ok = ledger.flush(60)
-        client = ledger.queries._get()
+        client = ledger.query_client()
         q = lambda sql: client.query(sql).result_rows  # noqa: E731
         print(json.dumps({
             "flushed": ok,

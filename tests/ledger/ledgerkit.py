@@ -10,7 +10,6 @@ from datetime import datetime, timezone
 from typing import Any, Iterator
 
 from kvmeter.attribution import Attribution
-from kvmeter.bus import StatsBus
 from kvmeter.events import UsageEvent, event_id_for
 from kvmeter.ledger import AttemptRecord, Ledger, Period, parse_period
 from kvmeter.stats import EngineRequestStats
@@ -79,21 +78,20 @@ def engine_stats(event: UsageEvent, *, extra_output: int = 0, **overrides: Any) 
 
 def scalar(ledger: Ledger, sql: str, **params: Any) -> Any:
     """One value from the ledger's database (through its own query client)."""
-    return ledger.queries._get().query(sql, parameters=params).result_rows[0][0]
+    return ledger.query_client().query(sql, parameters=params).result_rows[0][0]
 
 
 async def fill_ledger(ledger: Ledger, n: int = 40, *, keys_per_tenant: int = 2, drift: bool = False,
                       unpriced: bool = False) -> None:
     """``n`` requests of two tenants (acme, globex) on ``keys_per_tenant`` API keys each, each
-    request with its attempt, engine record and usage event, drained. ``drift``: request 3's engine record counts one token more;
-    ``unpriced``: request 0 uses a model missing from the price list."""
-    bus = StatsBus()
-    ledger._unsubscribe = bus.subscribe(EngineRequestStats, ledger._on_engine_stats)
+    request with its attempt, engine record and usage event, drained. ``drift``: request 3's
+    engine record counts one token more; ``unpriced``: request 0 uses a model missing from the
+    price list."""
     for i in range(n):
         e = make_event(i, "acme" if i % 2 else "globex", api_key_id=f"key-{i % (2 * keys_per_tenant)}",
                        model="mystery-model" if unpriced and i == 0 else MODEL)
         await ledger.record_attempt(make_attempt(e))
-        bus.publish(engine_stats(e, extra_output=1 if drift and i == 3 else 0))
+        ledger.record_engine(engine_stats(e, extra_output=1 if drift and i == 3 else 0))
         await ledger.record(e)
     assert ledger.flush()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from ledgerkit import fill_ledger, read_api_in_thread
+from ledgerkit import fill_ledger, make_attempt, make_event, read_api_in_thread
 
 from kvmeter.cli import build_parser, main
 from kvmeter.serving.tenancy import Principal
@@ -56,10 +56,50 @@ async def test_reconcile_exit_status_follows_the_drift_threshold(open_ledger, co
     assert run.returncode == 1, run.stderr
     assert "acme" in run.stderr
     report = pl.read_csv(tmp_path / "reconcile-2026-11.csv")
-    assert dict(zip(report["tenant_id"], report["status"])) == {"acme": "drift", "globex": "ok"}
+    assert dict(zip(report["tenant_id"], report["status"], strict=True)) == {"acme": "drift", "globex": "ok"}
     run = kvmeter("billing", "reconcile", "--period", "2026-11", "--max-drift-ratio", "0.01", "--out", str(tmp_path),
                   "--formats", "csv", *_source(config))
     assert run.returncode == 0, run.stderr
+
+
+async def test_reconcile_names_each_view_outside_its_bound_and_by_how_much(open_ledger, config,
+                                                                            tmp_path: Path) -> None:
+    ledger = open_ledger()
+    await fill_ledger(ledger, drift=True)  # acme's request 3: the engine counted 1 output token more
+    lost = make_event(99, "globex")  # admitted, then neither an engine record nor a usage event
+    await ledger.record_attempt(make_attempt(lost))
+    assert ledger.flush()
+    ledger.close()
+    args = ["billing", "reconcile", "--period", "2026-11", "--out", str(tmp_path), "--formats", "csv",
+            *_source(config)]
+
+    run = kvmeter(*args, "--max-missing-finishes", "0")
+    assert run.returncode == 1, run.stderr
+    drift = [line for line in run.stderr.splitlines() if line.startswith("drift: ")]
+    seen = 20 * (25 + 10)  # acme's 20 billed requests of 25 input + 10 output tokens
+    assert drift == [
+        f"drift: acme: engine view vs ledger: 1 token unexplained of {seen:,} (ratio {1 / seen:.6g} > bound 0): "
+        "mismatched 1 request / 1 token",
+        "drift: globex: gateway view vs ledger: 1 admitted attempt with no engine record and no usage event of "
+        "21 admitted (bound 0; 89 reserved tokens)"], run.stderr  # reserved: 25 input + 64 output
+
+    # each view within its bound: exit 0, no drift line
+    run = kvmeter(*args, "--max-drift-ratio", "0.01", "--max-missing-finishes", "1")
+    assert run.returncode == 0, run.stderr
+    assert "drift: " not in run.stderr
+    # only the engine view outside its bound: only its line
+    run = kvmeter(*args, "--max-missing-finishes", "1")
+    assert run.returncode == 1, run.stderr
+    assert [line.split(": ")[1:3] for line in run.stderr.splitlines() if line.startswith("drift: ")] == [
+        ["acme", "engine view vs ledger"]]
+
+
+def test_reconcile_cannot_read_a_path_without_a_ledger(tmp_path: Path) -> None:
+    run = kvmeter("billing", "reconcile", "--period", "2026-11", "--out", str(tmp_path / "out"),
+                  "--ledger-dsn", f"chdb://{tmp_path / 'nowhere'}", "--spool-dir", str(tmp_path / "spool"))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("error: ") and "no such directory" in run.stderr and "drift" not in run.stderr
+    assert not (tmp_path / "out").exists()
 
 
 async def test_unpriced_usage_fails_the_report(open_ledger, config, tmp_path: Path) -> None:

@@ -63,7 +63,8 @@ async def test_a_free_ledger_prints_its_result_without_info_logs_unless_verbose(
     assert run.returncode == 0, run.stderr
     assert _lines(run.stderr) == ["2 tenant(s): no unexplained drift above 0"], run.stderr
     # -v (before or after the command) brings the INFO lines back; --log-level wins over the default
-    for args in (["-v", "billing", "report"], ["billing", "report", "-v"], ["--log-level", "info", "billing", "report"]):
+    for args in (["-v", "billing", "report"], ["billing", "report", "-v"],
+                 ["--log-level", "info", "billing", "report"]):
         run = kvmeter(*args, "--period", "2026-11", "--out", str(tmp_path / "b"), "--formats", "csv", *source,
                       cwd=tmp_path)
         assert run.returncode == 0, run.stderr

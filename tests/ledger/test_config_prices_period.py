@@ -153,8 +153,8 @@ def test_the_price_function_prices_each_part_at_its_own_exact_price(tmp_path: Pa
     ("version: t\ncurrency: USD\nmodels: {m: {input: -1, cached_input: 0, output: 1}}", ">= 0"),
     ("version: t\ncurrency: USD\ntiers: {x: 1.5}\nmodels: {m: {input: 1, cached_input: 0, output: 1}}", r"\[0, 1\]"),
     ("version: t\ncurrency: dollars\nmodels: {m: {input: 1, cached_input: 0, output: 1}}", "ISO 4217"),
-    ("version: t\ncurrency: USD\nrounding: {mode: ROUND_SOMETIMES}\nmodels: {m: {input: 1, cached_input: 0, output: 1}}",
-     "rounding.mode"),
+    ("version: t\ncurrency: USD\nrounding: {mode: ROUND_SOMETIMES}\n"
+     "models: {m: {input: 1, cached_input: 0, output: 1}}", "rounding.mode"),
     ("version: t\ncurrency: USD\nmodels: {m: {input: abc, cached_input: 0, output: 1}}", "decimal"),
     ("[1, 2", "YAML"),
 ])
@@ -172,7 +172,8 @@ def test_missing_price_file_is_a_price_list_error(tmp_path: Path) -> None:
 
 def test_aliases_price_the_same_model_and_duplicates_are_refused() -> None:
     base = {"version": "v", "currency": "USD"}
-    prices = parse_price_list({**base, "models": {"m": {"input": 1, "cached_input": 0, "output": 2, "aliases": ["m2"]}}})
+    prices = parse_price_list(
+        {**base, "models": {"m": {"input": 1, "cached_input": 0, "output": 2, "aliases": ["m2"]}}})
     assert prices.price_for("m2") is prices.price_for("m")
     with pytest.raises(PriceListError, match="twice"):
         parse_price_list({**base, "models": {"m": {"input": 1, "cached_input": 0, "output": 2, "aliases": ["m"]}}})

@@ -40,7 +40,7 @@ def _report(tmp_path: Path, name: str, *source: str) -> list[dict[str, Any]]:
 
 def _same(a: list[dict[str, Any]], b: list[dict[str, Any]], what: str) -> None:
     assert len(a) == len(b), what
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert list(x) == list(y) == list(INVOICE_COLUMNS), what
         for column in INVOICE_COLUMNS:
             assert x[column] == y[column], f"{what}: line {i} {column}: {x[column]!r} != {y[column]!r}"

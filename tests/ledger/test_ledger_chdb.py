@@ -52,10 +52,10 @@ async def test_same_event_in_two_batches_is_billed_once(open_ledger) -> None:
 async def test_same_batch_ingested_twice_is_stored_once(open_ledger) -> None:
     ledger = open_ledger()
     await asyncio.gather(*(ledger.record(make_event(i)) for i in range(50)))
-    stream = ledger._spool.streams[USAGE_STREAM.name]
+    stream = ledger.spool.streams[USAGE_STREAM.name]
     batch = stream.next_batch(1000)
     payload = stream.read_batch(batch)
-    client = ledger.queries._get()
+    client = ledger.query_client()
     for _ in range(2):  # a writer that lost the acknowledgement sends the same batch again
         client.raw_insert("usage_events", column_names=list(USAGE_STREAM.columns_for(USAGE_STREAM.schema)),
                           insert_block=payload,
@@ -75,13 +75,16 @@ async def test_same_event_id_from_two_tenants_is_two_records(open_ledger) -> Non
     assert rows == {"acme": 1, "globex": 1}
 
 
-async def test_a_later_attempt_replaces_the_earlier_one(open_ledger) -> None:
+async def test_a_later_successful_attempt_is_the_bill_and_the_earlier_one_is_kept_absorbed(open_ledger) -> None:
     ledger = open_ledger()
     await ledger.record(make_event(1, output_tokens=3, outcome="aborted", finish_reason="abort"))
     await ledger.record(make_event(1, request_id="acme-r1-retry", output_tokens=10, attempt=2))
     assert ledger.flush()
-    (row,) = ledger.queries.invoice_usage(PERIOD)
-    assert (row["requests"], row["output_tokens"], row["aborted_requests"]) == (1, 10, 0)
+    rows = {r["line_type"]: r for r in ledger.queries.invoice_usage(PERIOD)}
+    assert (rows["usage"]["requests"], rows["usage"]["output_tokens"], rows["usage"]["aborted_requests"]) == (1, 10, 0)
+    absorbed = rows["undelivered_absorbed"]  # the abandoned attempt's work: recorded, not billed
+    assert (absorbed["requests"], absorbed["output_tokens"], absorbed["aborted_requests"]) == (1, 3, 1)
+    assert set(rows) == {"usage", "undelivered_absorbed"}
 
 
 async def test_invalid_event_is_refused_counted_and_never_spooled(open_ledger) -> None:
@@ -129,7 +132,7 @@ async def test_engine_stats_from_the_bus_land_in_engine_requests_under_the_stamp
     bus.publish(EngineRequestStats(request_id="", finish_reason="stop", tokens=TokenCounts(1, 0, 1, 0)))
     assert ledger.flush()
     assert bus.errors_total == 0  # the invalid one is logged and dropped, never raised into the engine
-    rows = ledger.queries._get().query("SELECT request_id, tenant_id, output_tokens FROM engine_requests FINAL "
+    rows = ledger.query_client().query("SELECT request_id, tenant_id, output_tokens FROM engine_requests FINAL "
                                        "ORDER BY request_id").result_rows
     assert rows == [("acme-r1", "acme", 10), ("bench-r1", "", 2)]  # unattributed: tenant ""
 
@@ -191,7 +194,7 @@ async def test_a_record_clickhouse_refuses_is_dead_lettered_and_the_rest_drains(
     # a line that passed an older validator but that ClickHouse cannot parse (bad UUID)
     bad = json.loads(encode_usage(make_event(99)))
     bad[0] = "not-a-uuid"
-    ledger._spool.streams["usage"].submit(json.dumps(bad).encode()).wait(10)
+    ledger.spool.streams["usage"].submit(json.dumps(bad).encode()).wait(10)
     await asyncio.gather(*(ledger.record(make_event(i)) for i in range(20, 40)))
     assert ledger.flush()
     assert ledger.queries.usage_summary(PERIOD)[0]["requests"] == 40
@@ -202,10 +205,11 @@ async def test_a_record_clickhouse_refuses_is_dead_lettered_and_the_rest_drains(
 
 def test_migrations_are_versioned_and_rerunnable(open_ledger) -> None:
     ledger = open_ledger()
-    client = ledger.queries._get()
+    client = ledger.query_client()
     assert migrate(client) == []  # already current: nothing applied twice
     assert scalar(ledger, "SELECT count() FROM schema_migrations FINAL") == len(load_migrations())
-    client.command("ALTER TABLE schema_migrations UPDATE checksum = 'edited' WHERE version = 1 SETTINGS mutations_sync = 1")
+    client.command("ALTER TABLE schema_migrations UPDATE checksum = 'edited' WHERE version = 1 "
+                   "SETTINGS mutations_sync = 1")
     with pytest.raises(MigrationError, match="changed after it was applied"):
         migrate(client)
 

@@ -7,15 +7,16 @@ from datetime import datetime, timezone
 import pytest
 from ledgerkit import PERIOD, T0, engine_stats, make_attempt, make_event, scalar
 
-
-def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
-    return ledger.queries._get().query(sql).result_rows
-
 from kvmeter.bus import StatsBus
 from kvmeter.ledger import parse_period
+from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.reconcile import UNATTRIBUTED, reconcile
 from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import TokenCounts
+
+
+def scalar_rows(ledger, sql: str) -> list[tuple]:  # noqa: ANN001
+    return ledger.query_client().query(sql).result_rows
 
 
 def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrides) -> None:  # noqa: ANN001
@@ -28,7 +29,7 @@ def _engine(bus: StatsBus, event, *, output_tokens: int | None = None, **overrid
 def scenario(open_ledger):
     bus = StatsBus()
     ledger = open_ledger(bus=bus)
-    ledger.queries._get().command("SYSTEM STOP MERGES usage_events")  # keep stored duplicates countable
+    ledger.query_client().command("SYSTEM STOP MERGES usage_events")  # keep stored duplicates countable
 
     # clean: engine, gateway and ledger agree
     for i in range(5):
@@ -67,7 +68,8 @@ def scenario(open_ledger):
                                             status_code=429))
 
     # an idempotent request run twice: the server restarted between, forgot the replay, and the
-    # re-run (attempt 1 again, a new request id) replaced the first row — explained, not drift
+    # re-run (attempt 1 again, a new request id) is a row of its own beside the first (migration
+    # 0006): delivered again, billed once (superseded) — explained, not drift
     once = make_event(0, "rerun", key="idem-1", request_id="rerun-a")
     ledger.record_attempt_sync(make_attempt(once))
     _engine(bus, once)
@@ -110,8 +112,12 @@ def test_each_difference_is_classified(scenario) -> None:
 
     rerun = rows["rerun"]
     assert rerun["status"] == "ok" and rerun["unexplained_drift_tokens"] == 0, rerun
-    assert (rerun["ledger_requests"], rerun["engine_requests"], rerun["superseded_requests"]) == (1, 2, 1)
-    assert rerun["engine_unbilled_requests"] == 0 and rerun["duplicate_rows"] == 1
+    assert (rerun["ledger_requests"], rerun["engine_requests"], rerun["superseded_requests"]) == (2, 2, 0)
+    assert rerun["engine_unbilled_requests"] == 0 and rerun["duplicate_rows"] == 0
+    assert (rerun["delivered_engine_tokens"], rerun["superseded_engine_tokens"]) == (35, 35)
+    assert rerun["engine_tokens_explained_ratio"] == 1.0
+    [line] = build_invoice(scenario.queries, PERIOD, scenario.prices, "rerun").rows()  # billed once
+    assert (line["line_type"], line["requests"], line["input_tokens"] + line["output_tokens"]) == ("usage", 1, 35)
 
     ghost = rows[UNATTRIBUTED]
     assert ghost["engine_unbilled_requests"] == 1 and ghost["engine_unbilled_tokens"] == 10

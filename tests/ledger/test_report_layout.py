@@ -108,7 +108,8 @@ async def test_the_html_invoice_reads_well_in_chromium(open_ledger, config, tmp_
                     tables: [...document.querySelectorAll('table')].map(t => t.getBoundingClientRect().width),
                     page: document.documentElement.scrollWidth,
                     meta: [...document.querySelectorAll('dl.meta dt')].map(dt => {
-                        const dd = dt.nextElementSibling, a = dt.getBoundingClientRect(), b = dd.getBoundingClientRect();
+                        const dd = dt.nextElementSibling;
+                        const a = dt.getBoundingClientRect(), b = dd.getBoundingClientRect();
                         return {dy: Math.abs(a.top - b.top), gap: b.left - a.right, ddLeft: b.left}; }),
                     numbers: [...document.querySelectorAll('td.num')].map(td => getComputedStyle(td).textAlign),
                     text: document.body.innerText})""")

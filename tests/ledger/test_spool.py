@@ -36,7 +36,7 @@ def _lines(spool: Spool, name: str = "usage") -> list[bytes]:
 
 def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
     event = make_event(1, cached_input_tokens=5, workspace_id="ws9", agent_run_id="run-7")
-    row = dict(zip(USAGE_COLUMNS, json.loads(encode_usage(event))))
+    row = dict(zip(USAGE_COLUMNS, json.loads(encode_usage(event)), strict=True))
     assert len(row) == len(USAGE_STREAM.columns_for(USAGE_STREAM.schema))
     # every field of the event, its attribution and its token counts is one column (flattened once)
     nested = {"attribution": event.attribution, "tokens": event.tokens}
@@ -44,7 +44,7 @@ def test_encoded_usage_event_is_a_json_array_in_column_order() -> None:
                 if f.name not in ("attribution", "tokens", "reserved")}
     for obj in nested.values():
         expected.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
-    expected.update(reserved_input_tokens=25, reserved_output_tokens=64)
+    expected.update(reserved_input_tokens=25, reserved_output_tokens=64, attempt_id=event.attempt_id)
     assert row == expected
     assert (row["tenant_id"], row["workspace_id"], row["cached_input_tokens"]) == ("acme", "ws9", 5)
 
@@ -80,18 +80,20 @@ def test_attempt_and_engine_records_encode_and_validate() -> None:
         make_attempt(make_event(3), status="maybe")
 
 
-def test_sync_waits_for_the_group_being_written(tmp_path: Path) -> None:
+def test_sync_waits_for_the_group_being_written(tmp_path: Path, monkeypatch) -> None:
+    import os
+
     spool = _open(tmp_path)
     stream = spool.streams["usage"]
     writing, release = threading.Event(), threading.Event()
-    real_write = stream._write
+    real_fdatasync = os.fdatasync
 
-    def held_write(lines, ts):  # noqa: ANN001 — the committer has taken the group, fsync pending
+    def held_fdatasync(fd: int) -> None:  # the committer has taken and written the group, fsync pending
         writing.set()
         release.wait(30)
-        real_write(lines, ts)
+        real_fdatasync(fd)
 
-    stream._write = held_write
+    monkeypatch.setattr(os, "fdatasync", held_fdatasync)
     stream.submit(encode_usage(make_event(1)))
     assert writing.wait(30)
     seen: list[int] = []
@@ -277,8 +279,8 @@ def test_batch_views_read_back_in_any_chunk_size_and_damage_after_write_is_refus
             got += chunk
         assert bytes(got) == expected == payload.tobytes()
     # a byte flipped inside the third block after it was written: the drain refuses the batch
-    block = list(stream._index)[2]
-    seg = stream._segment_path(block.segment)
+    block = stream.blocks()[2]
+    seg = stream.segment_path(block.segment)
     data = bytearray(seg.read_bytes())
     data[block.offset + HEADER.size + 5] ^= 0x20
     seg.write_bytes(bytes(data))

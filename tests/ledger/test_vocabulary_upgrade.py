@@ -28,7 +28,7 @@ from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.agent_records import AGENT_STREAMS, TOOL_CALL_STREAM
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import connect
-from kvmeter.ledger.records import ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM
+from kvmeter.ledger.records import ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, attempt_id_for
 from kvmeter.ledger.schema import applied_versions, migrate
 from kvmeter.ledger.spool import Spool
 
@@ -85,7 +85,7 @@ def _assert_billed_as_before(ledger: Ledger) -> None:
     summary = ledger.queries.usage_summary(PERIOD, group_by=("tenant_id", "model"))
     assert [{OLD_SUMMARY_NAMES.get(k, k): v for k, v in row.items()} for row in EXPECTED["usage_summary"]] == \
         [{k: (str(v) if isinstance(v, Decimal) else v) for k, v in row.items()} for row in summary]
-    client = ledger.queries._get()
+    client = ledger.query_client()
     assert [list(r) for r in client.query(
         "SELECT request_id, tenant_id, input_tokens, output_tokens, cached_input_tokens FROM engine_requests FINAL "
         "ORDER BY request_id").result_rows] == EXPECTED["engine_requests"]
@@ -101,7 +101,7 @@ def test_a_ledger_the_previous_version_wrote_migrates_and_bills_the_same(config:
                                                                          tmp_path: Path) -> None:
     _old_ledger(config, _copy_spool(tmp_path / "old-spool"))
     ledger = open_ledger()  # opening migrates: 0004 adds the agent tables, 0005 renames the columns,
-    assert {4, 5} <= set(applied_versions(ledger.queries._get()))  # drops org_id, rebuilds the rollup
+    assert {4, 5} <= set(applied_versions(ledger.query_client()))  # drops org_id, rebuilds the rollup
     _assert_billed_as_before(ledger)
     assert ledger.refresh_rollups() >= 1  # the rebuilt rollup is recomputed from usage_events FINAL
     series = ledger.queries.usage_timeseries(PERIOD, step="day")
@@ -126,9 +126,11 @@ def test_old_blocks_map_to_todays_columns_in_one_place() -> None:
     old_usage = USAGE_STREAM.columns_for(1)
     row = [f"v-{c}" for c in old_usage]
     columns, payload = USAGE_STREAM.decode(1, msgspec.json.encode(row) + b"\n")
-    assert columns == USAGE_STREAM.columns_for(USAGE_STREAM.schema)  # renamed, org_id dropped, same order
-    assert msgspec.json.decode(payload) == [v for v in row if v != "v-org_id"]
-    assert dict(zip(columns, msgspec.json.decode(payload)))["input_tokens"] == "v-prompt_tokens"
+    # renamed, org_id dropped, same order (schema 2's columns), and the attempt's id derived (schema 3)
+    assert columns == USAGE_STREAM.columns_for(2) + ("attempt_id",)
+    assert msgspec.json.decode(payload) == [v for v in row if v != "v-org_id"] + [
+        attempt_id_for("v-tenant_id", "v-request_id")]
+    assert dict(zip(columns, msgspec.json.decode(payload), strict=True))["input_tokens"] == "v-prompt_tokens"
     # engine schema 2 only renames: the block passes through as written, under the new names
     payload = b'["r1","stop",5,6,2,0,0,0,0,0,0,0,1.7e9,"acme"]\n'
     columns, same = ENGINE_STREAM.decode(2, payload)
@@ -176,13 +178,13 @@ def test_a_ledger_at_version_4_with_agent_runs_migrates_and_old_agent_blocks_dra
         spool.close()
 
     ledger = open_ledger()
-    assert 5 in applied_versions(ledger.queries._get())
+    assert 5 in applied_versions(ledger.query_client())
     (old,) = ledger.agent_runs.runs(PERIOD, ["acme"])  # the row 0004 stored, before any recompute
     assert (old["agent_run_id"], old["input_tokens"], old["cached_input_tokens"], old["output_tokens"]) == (
         "r-old", 100, 20, 40)
     assert "org_id" not in old and not {k for k in old if "prompt" in k or "completion" in k}
     assert ledger.flush(timeout_s=60) and ledger.stats().rejected_records_total == 0
-    client = ledger.queries._get()
+    client = ledger.query_client()
     assert client.query("SELECT tenant_id, workspace_id, agent_run_id, tool FROM tool_calls FINAL").result_rows == [
         ("acme", "ws1", "r-new", "search")]
     for table in ("tool_calls", "approval_events", "agent_run_stops", "agent_runs"):

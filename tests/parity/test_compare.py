@@ -163,7 +163,8 @@ def test_merging_keeps_the_role_chunk_usage_and_done_and_joins_tool_call_argumen
     merged = merge_chunks(copy.deepcopy(events))
     assert len(merged) == 4 and merged[0] == events[0] and merged[-2:] == events[-2:]
     call = merged[1]["choices"][0]["delta"]["tool_calls"]
-    assert call == [{"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": 1}"}}]
+    assert call == [{"index": 0, "id": "t1", "type": "function",
+                     "function": {"name": "f", "arguments": "{\"city\": 1}"}}]
     assert merged[1]["choices"][0]["finish_reason"] == "tool_calls"
     assert merged[1]["usage"]["completion_tokens"] == 2
 
@@ -231,7 +232,8 @@ FEATURES = {
     "parallel_tool_calls true": (lambda c, b: b.get("parallel_tool_calls") is True, CHAT),
     "parallel_tool_calls false": (lambda c, b: b.get("parallel_tool_calls") is False, CHAT),
     "streamed tool calls": (lambda c, b: c.stream and b.get("tool_choice") in ("required",) , CHAT),
-    "tool-result turn": (lambda c, b: any(m.get("role") == "tool" and m.get("tool_call_id") for m in b.get("messages", []))
+    "tool-result turn": (lambda c, b: any(m.get("role") == "tool" and m.get("tool_call_id")
+                                          for m in b.get("messages", []))
                          and any(m.get("tool_calls") and m.get("content") is None for m in b["messages"]), CHAT),
     "json_object": (lambda c, b: (b.get("response_format") or {}).get("type") == "json_object", CHAT),
     "json_schema strict": (lambda c, b: (b.get("response_format") or {}).get("json_schema", {}).get("strict") is True,
@@ -245,8 +247,8 @@ FEATURES = {
     "prompt list": (lambda c, b: b.get("prompt") == ["Hello", "World"], COMPLETIONS),
     "token-id prompt": (lambda c, b: isinstance(b.get("prompt"), list) and all(type(x) is int for x in b["prompt"]),
                         COMPLETIONS),
-    "penalties 2.0 at temperature 0": (lambda c, b: b.get("presence_penalty") == 2.0 and b.get("frequency_penalty") == 2.0
-                                       and b.get("temperature") == 0.0, CHAT),
+    "penalties 2.0 at temperature 0": (lambda c, b: b.get("presence_penalty") == 2.0
+                                       and b.get("frequency_penalty") == 2.0 and b.get("temperature") == 0.0, CHAT),
     "top_k=1": (lambda c, b: b.get("top_k") == 1, CHAT),
     "min_p": (lambda c, b: "min_p" in b, None),
     "repetition_penalty": (lambda c, b: "repetition_penalty" in b, None),

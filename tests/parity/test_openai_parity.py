@@ -1,7 +1,8 @@
 """Issue 13 item 5: the parity table (``bench/parity``) against real servers on the real engine.
 
 One vLLM OpenAI server and one ``kvmeter serve`` (vLLM engine), started together for the module
-on the same model and engine settings (``bench/parity/servers.py``):
+on the same model and engine settings (``bench/parity/servers.py``), and ``kvmeter serve --engine
+remote`` in front of that vLLM server:
 
 * vLLM against itself, every case sent twice with no allow-list: every case must be ``same``.
   This proves the harness — that its normalisation sets aside only what legitimately differs
@@ -9,6 +10,9 @@ on the same model and engine settings (``bench/parity/servers.py``):
   difference of kvmeter's.
 * vLLM against kvmeter with the allow-list: no case may be ``different`` (kvmeter runs vLLM's
   serving layer in-process; ``bench/parity/RESULTS.md`` is the latest matrix).
+* vLLM against kvmeter ``--engine remote`` in front of it (the transparent proxy), on a subset of
+  the table (:data:`REMOTE_CASES`; the full table is ``bench/parity/RESULTS-remote.md``): no case
+  may be ``different``. ``-k remote`` starts only the vLLM server and the proxy.
 
 Run time: 6 min for the module on this machine's 2 cores with other work running (load average
 ≈ 11): the two servers load in parallel (~2–4 min), then each table takes 1.5–2.5 min.
@@ -21,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from bench.parity.allowlist import ALLOWLIST
-from bench.parity.cases import CASES, MAX_MODEL_LEN
+from bench.parity.cases import CASES, MAX_MODEL_LEN, case_named
 from bench.parity.run import render_markdown, results_json, run_table
 from bench.parity.servers import PARITY_KEY, EngineSettings, start_kvmeter, start_vllm, wait_all_ready
 
@@ -29,20 +33,48 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, model_dir):
-    """vLLM's OpenAI server and kvmeter serve, loading at the same time; both stopped (process
-    groups, EngineCore included) at the end of the module."""
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("parity")
+
+
+@pytest.fixture(scope="module")
+def settings(model_dir):
     from kvmeter.model import DEFAULT_MODEL_NAME
 
-    root = tmp_path_factory.mktemp("parity")
-    settings = EngineSettings(Path(model_dir), DEFAULT_MODEL_NAME, max_model_len=MAX_MODEL_LEN)
-    started = [start_vllm(settings, root / "vllm"), start_kvmeter(settings, root / "kvmeter")]
+    return EngineSettings(Path(model_dir), DEFAULT_MODEL_NAME, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def vllm(root, settings):
+    """vLLM's OpenAI server, started (not yet ready) for the module; its process group stopped at
+    the end."""
+    server = start_vllm(settings, root / "vllm")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(root, settings, vllm):
+    """vLLM's OpenAI server and kvmeter serve (vLLM engine), loading at the same time."""
+    kvmeter = start_kvmeter(settings, root / "kvmeter")
     try:
-        wait_all_ready(started)
-        yield {s.kind: s for s in started}
+        wait_all_ready([vllm, kvmeter])
+        yield {"vllm": vllm, "kvmeter": kvmeter}
     finally:
-        for server in started:
-            server.stop()
+        kvmeter.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(root, settings, vllm):
+    """``kvmeter serve --engine remote`` in front of the module's vLLM server (started once that
+    server answers: its engine reads the upstream's models as it starts)."""
+    vllm.wait_ready()
+    kvmeter = start_kvmeter(settings, root / "kvmeter-remote", remote_url=vllm.url)
+    try:
+        kvmeter.wait_ready()
+        yield kvmeter
+    finally:
+        kvmeter.stop()
 
 
 def _summary(outcomes) -> str:
@@ -73,3 +105,27 @@ def test_kvmeter_answers_every_case_as_vllm_does(servers, tmp_path):
             "reference": servers["vllm"].url, "target": servers["kvmeter"].url, "allowlist": True}
     (tmp_path / "RESULTS.md").write_text(render_markdown(outcomes, meta))  # for a reader of a failure
     assert results_json(outcomes, meta)["counts"]["different"] == 0, _summary(outcomes)
+
+
+#: The remote proxy's cases in the test (the full table: ``bench/parity/run.py --remote``): every
+#: feature the proxy must leave as vLLM answers it — streams with and without usage (kvmeter adds
+#: and takes out include_usage), tools, n, logprobs, structured outputs, X-Request-Id, prompt lists,
+#: and bad inputs kvmeter refuses itself (vLLM's models) or the upstream refuses (passed through).
+REMOTE_CASES = ("chat_plain", "chat_stream", "chat_content_parts", "chat_tools_required", "chat_tools_stream_auto",
+                "chat_tool_result_turn", "chat_json_schema_strict", "chat_n2", "chat_n2_stream", "chat_logprobs_stream",
+                "chat_penalties", "chat_stream_include_usage", "chat_stream_continuous_usage", "chat_x_request_id",
+                "chat_x_request_id_stream", "cmpl_stream_include_usage", "cmpl_stream_n2", "cmpl_echo_logprobs",
+                "cmpl_prompt_list", "cmpl_token_ids", "bad_malformed_json", "bad_max_tokens_type", "bad_unknown_model",
+                "bad_prompt_past_window", "bad_max_tokens_past_window", "bad_n2_greedy", "bad_tool_choice_unknown")
+
+
+def test_kvmeter_remote_answers_as_the_vllm_server_behind_it(vllm, remote, tmp_path):
+    cases = [case_named(name) for name in REMOTE_CASES]
+    outcomes = run_table(cases, vllm.url, remote.url, PARITY_KEY, allowlist=ALLOWLIST, progress=None)
+    meta = {"command": "pytest tests/parity (remote)", "started_utc": "-", "run_s": 0, "table_s": 0, "startup": "-",
+            "load_before": "-", "machine": {"cores": "-", "cpu": "-", "platform": "-"}, "versions": {},
+            "reference": vllm.url, "target": remote.url, "allowlist": True}
+    (tmp_path / "RESULTS-remote.md").write_text(render_markdown(outcomes, meta))  # for a reader of a failure
+    assert results_json(outcomes, meta)["counts"]["different"] == 0, _summary(outcomes)
+    statuses = {o.case.name: o.target.status for o in outcomes}
+    assert statuses["chat_n2"] == 200 and statuses["bad_n2_greedy"] == 400 and statuses["bad_unknown_model"] == 404

@@ -58,7 +58,7 @@ class RedisServer:
                     break
             except redis.exceptions.ConnectionError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.02)
         client.close()
 

@@ -117,7 +117,7 @@ async def _run(store, ops, prefix):
             await store.settle(ITEMS, keys, (1, a, 0, 0, 0, 0, 0), (1, actual, 0, 0, 0, 0, 0), now)
             out.append(("settle", a, actual))
     final = []
-    for it, v in zip(ITEMS, await store.get_values(keys)):
+    for it, v in zip(ITEMS, await store.get_values(keys), strict=True):
         if v is not None and it.kind == RATE and float(v) <= now:
             v = None  # a full bucket: absent and TAT <= now are the same state
         final.append(None if v is None else round(float(v), 6))

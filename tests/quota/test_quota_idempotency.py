@@ -28,7 +28,8 @@ from kvmeter.stats import IdempotencyAttempt
 from quota_testlib import estimate, free_port, price, tree, used
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":100}'
-SSE = b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\ndata: {"choices":[{"delta":{"content":"lo"}}]}\n\ndata: [DONE]\n\n'
+SSE = (b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'
+       b'data: {"choices":[{"delta":{"content":"lo"}}]}\n\ndata: [DONE]\n\n')
 RESPONSE = StoredResponse(200, (("content-type", "text/event-stream"), ("x-request-id", "req-1"),
                                 ("x-ratelimit-remaining-requests", "9")), SSE, streamed=True)
 

@@ -103,7 +103,7 @@ async def test_a_reload_moves_the_spend_window_to_the_new_zone(make_gate, clock)
     with pytest.raises(QuotaRejected):                                  # UTC day 2026-06-15 is spent
         await gate.reserve(principal, estimate(principal=principal))
     gate.directory.reload(zoned("America/New_York", f"{{spend_per_day: '{ONE}'}}"))
-    await gate.reserve(principal, estimate(principal=principal))                                # local day 2026-06-14: fresh
+    await gate.reserve(principal, estimate(principal=principal))        # local day 2026-06-14: fresh
     assert await spend_keys(gate, "sd", "2026-06-14", "2026-06-15") == [ONE * 10**9] * 2
 
 

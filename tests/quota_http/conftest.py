@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
+from kvmeter.ledger.queries import BILLED_CLASSES, classified_usage_sql
 from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -81,9 +82,17 @@ class QuotaStack(Stack):
                                       json=completion(n_input, max_tokens, **extra))
 
     def billed(self, **where: str) -> list[dict]:
-        """Usage events in the ledger (billed view) matching column = value filters."""
+        """Billed usage rows in the ledger matching column = value filters: the rows of each
+        logical request that bill it (bill classes ``usage`` and ``undelivered_billed``)."""
         cond = " AND ".join(f"{k} = {{{k}:String}}" for k in where) or "1"
-        return self.rows(f"SELECT * FROM usage_events FINAL WHERE {cond} ORDER BY finish_ts", **where)
+        return self.rows(f"SELECT * FROM {classified_usage_sql(cond)} WHERE bill_class IN {BILLED_CLASSES} "
+                         "ORDER BY finish_ts", **where)
+
+    def usage_rows(self, **where: str) -> list[dict]:
+        """Every usage row (one per attempt that reached admission) matching the filters, with its
+        bill class, in finish order."""
+        cond = " AND ".join(f"{k} = {{{k}:String}}" for k in where) or "1"
+        return self.rows(f"SELECT * FROM {classified_usage_sql(cond)} ORDER BY finish_ts", **where)
 
     def attempts(self, **where: str) -> list[dict]:
         cond = " AND ".join(f"{k} = {{{k}:String}}" for k in where) or "1"

@@ -163,7 +163,7 @@ async def test_a_loop_stops_the_run_with_a_metric_and_a_ledger_record(serve, quo
 
 async def test_the_run_rollup_in_the_read_api_is_scoped_to_the_tenant(serve):
     s = await serve(CFG)
-    for i in range(2):
+    for _ in range(2):
         assert (await s.complete(AGENT, n_input=50, max_tokens=5, headers={"x-agent-run-id": "big"})).status_code == 200
     assert (await s.complete(AGENT, headers={"x-agent-run-id": "small"})).status_code == 200
     assert (await s.complete(GLOBEX, headers={"x-agent-run-id": "theirs"})).status_code == 200

@@ -25,15 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 LIMIT = 3000          # input tokens per minute, platform-wide
 PROMPT = 100          # tokens per request (exact: token-id prompts)
-CFG = tenants(f"""
+CFG = tenants("""
 acme:
   workspaces:
     ws:
       projects:
         p:
           api_keys:
-            k1: {{key: sk-test-fleet-0001}}
-            k2: {{key: sk-test-fleet-0002}}
+            k1: {key: sk-test-fleet-0001}
+            k2: {key: sk-test-fleet-0002}
 """, extra_top=f"global: {{limits: {{input_tokens_per_minute: {LIMIT}}}}}")
 KEYS = ["sk-test-fleet-0001", "sk-test-fleet-0002"]
 
@@ -43,7 +43,7 @@ def _billed_tokens(gw_root: Path) -> int:
     ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{gw_root}/chdb", spool_dir=gw_root / "spool"))
     try:
         assert ledger.flush(30.0)
-        result = ledger._query_holder.get().query("SELECT sum(input_tokens) FROM usage_events FINAL")
+        result = ledger.query_client().query("SELECT sum(input_tokens) FROM usage_events FINAL")
         return int(result.result_rows[0][0] or 0)
     finally:
         ledger.close()

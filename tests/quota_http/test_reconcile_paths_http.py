@@ -59,7 +59,7 @@ async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer)
     decisions: list[AdmissionDecision] = []
     unsubscribe = s.runtime.bus.subscribe(AdmissionDecision, decisions.append)
     try:
-        for attempt in (1, 2):  # the same key twice: the failed attempt was abandoned, not stored
+        for _attempt in (1, 2):  # the same key twice: the failed attempt was abandoned, not stored
             failed = await s.complete(ONE, headers={"idempotency-key": "boom"})
             assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_error"
         for _ in range(2):  # streaming: headers were sent, the error arrives in the stream, as
@@ -74,9 +74,11 @@ async def test_engine_failure_releases_the_hold_and_the_ticket(serve, tokenizer)
         unsubscribe()
     assert engine.requests_total == 4  # each one ran: never refused for a leaked concurrency hold
     assert [d.admitted for d in decisions] == [True] * 4  # one decision per request
-    events = s.billed(api_key_id="one")
-    assert len(events) == 3  # the two attempts of "boom" are one logical request
-    assert {(e["outcome"], e["input_tokens"], e["output_tokens"]) for e in events} == {("error", 0, 0)}
+    rows = s.usage_rows(api_key_id="one")  # every attempt is recorded, each its own row ...
+    assert len(rows) == 4 and len({r["event_id"] for r in rows}) == 3  # "boom"'s two are one logical request
+    assert {(r["outcome"], r["input_tokens"], r["output_tokens"], r["undelivered_cause"], r["bill_class"])
+            for r in rows} == {("error", 0, 0, "server_failure", "undelivered_absorbed")}
+    assert s.billed(api_key_id="one") == []  # ... and a server failure is the platform's (the default)
     assert [a["attempt"] for a in s.attempts(idempotency_key="boom")] == [1, 2]
 
 

@@ -1,5 +1,5 @@
 """The gateway in front of a remote OpenAI-compatible upstream (``--engine remote``): usage comes
-from the upstream's final usage chunk, the upstream connection is kept alive across requests
+from the upstream's usage block, the upstream connection is kept alive across requests
 (a stream closed before ``[DONE]`` was read used to cost a new TCP connection per request), and
 the upstream's KV load, scraped from its vLLM ``/metrics``, gates dispatch as the in-process
 engine's does (``--engine remote`` used to run with no KV gating)."""
@@ -34,8 +34,9 @@ acme:
 
 
 def upstream_app(client_ports: set[int], metrics: dict[str, str] | None = None) -> Starlette:
-    """A real OpenAI-compatible upstream that answers at once and records its clients' ports;
-    with ``metrics``, it serves ``metrics["page"]`` at ``/metrics``."""
+    """A real OpenAI-compatible upstream that answers at once (a JSON answer, or a stream when the
+    body asks for one) and records its clients' ports; with ``metrics``, it serves
+    ``metrics["page"]`` at ``/metrics``."""
 
     async def models(request: Request) -> Response:
         return Response(orjson.dumps({"data": [{"id": MODEL, "max_model_len": 4096}]}),
@@ -45,10 +46,15 @@ def upstream_app(client_ports: set[int], metrics: dict[str, str] | None = None) 
         client_ports.add(request.client.port)
         body = orjson.loads(await request.body())
         n_in, n_out = len(body["prompt"]), body["max_tokens"]
+        usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                 "prompt_tokens_details": {"cached_tokens": 2}}
+        if not body.get("stream"):
+            return Response(orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                                          "choices": [{"index": 0, "text": "ok " * n_out, "finish_reason": "length"}],
+                                          "usage": usage}), media_type="application/json")
         chunks = [{"choices": [{"index": 0, "text": "ok " * n_out, "token_ids": [7] * n_out,
                                 "finish_reason": "length"}]},
-                  {"choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                            "prompt_tokens_details": {"cached_tokens": 2}}}]
+                  {"choices": [], "usage": usage}]
 
         async def stream():
             for c in chunks:

@@ -88,7 +88,7 @@ def test_limit_converges_where_the_itl_meets_the_tightest_protected_target():
     assert 12 <= lim <= 22                      # AIMD sawtooth below ITL*: (0.12 − 0.02)/0.005 = 20
     late = eng.itls[len(eng.itls) // 2:]
     assert sum(late) / len(late) <= 0.12 * 1.1  # the mean ITL holds the target once converged
-    assert core._engines[0].adaptive.decreases >= 1 and core._engines[0].adaptive.increases >= 3
+    assert core.engine_gates[0].adaptive.decreases >= 1 and core.engine_gates[0].adaptive.increases >= 3
 
 
 def test_without_the_adaptive_limit_the_same_load_fills_the_static_cap_and_misses_the_target():
@@ -146,7 +146,7 @@ def test_slow_start_doubles_then_a_congested_interval_cuts_and_holds_until_the_b
         clock.advance(1.0)
         core.observe_engine_latency(0, itl_sum_s=0.11 * 6, itl_count=6)
         core.tick()
-    gate = core._engines[0].adaptive
+    gate = core.engine_gates[0].adaptive
     assert core.engine_limits() == [6] and gate.undone == 0 and gate.decreases == 1
     assert core.dispatch() == []
     clock.advance(1.0)
@@ -171,7 +171,7 @@ def test_a_cut_that_does_not_lower_the_latency_is_undone_and_the_next_cut_waits_
         clock.advance(1.0)
         core.observe_engine_latency(0, itl_sum_s=0.3 * 17, itl_count=17)   # just as slow
         core.tick()
-    gate = core._engines[0].adaptive
+    gate = core.engine_gates[0].adaptive
     assert core.engine_limits() == [20] and gate.undone == 1    # undone
     for _ in range(19):                                         # no cut for 4 windows (20 s)
         clock.advance(1.0)
@@ -194,7 +194,7 @@ def test_a_cut_the_batch_cannot_drain_to_in_time_is_undone():
     for _ in range(4):                                          # nothing finishes for 4 intervals
         clock.advance(1.0)
         core.tick()
-    assert core.engine_limits() == [20] and core._engines[0].adaptive.undone == 1
+    assert core.engine_limits() == [20] and core.engine_gates[0].adaptive.undone == 1
 
 
 def test_a_limit_that_does_not_bind_does_not_grow():
@@ -324,7 +324,7 @@ def test_a_high_first_token_estimate_expires_once_the_engine_is_idle():
     for _ in range(8):
         clock.advance(1.0)
         core.tick()
-    core.check_admission(job("next", "a", arrival=clock.monotonic()))               # admitted: an idle engine starts it at once
+    core.check_admission(job("next", "a", arrival=clock.monotonic()))  # admitted: an idle engine starts it at once
     core.submit(job("next", "a", arrival=clock.monotonic()))
     assert [x.job.request_id for x in core.dispatch()] == ["next"]
 

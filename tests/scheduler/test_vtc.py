@@ -124,7 +124,7 @@ def test_service_difference_of_two_backlogged_tenants_stays_within_the_vtc_bound
     cfg = core.config
     bound = 2 * max(cfg.input_weight * max(prompts_f + prompts_g), cfg.output_weight * capacity)
     n = 0
-    for step in range(300):
+    for _ in range(300):
         for t, prompts, out in (("f", prompts_f, out_f), ("g", prompts_g, out_g)):
             while core.tenant_queue_depth(t) < 12:  # deeper than the slots: always backlogged
                 core.submit(job(f"{t}{n}", t, prompt=prompts[n % len(prompts)], max_tokens=out))

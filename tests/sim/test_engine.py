@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -68,7 +69,7 @@ async def test_concurrent_streams_share_steps_continuous_batching():
     await eng.start()
 
     async def run(i: int) -> float:
-        async for o in eng.generate(EngineRequest(f"r{i}", [1] * 100, max_tokens=20)):
+        async for _ in eng.generate(EngineRequest(f"r{i}", [1] * 100, max_tokens=20)):
             pass
         return clock.monotonic()
 
@@ -106,5 +107,5 @@ async def test_step_stats_count_scheduled_prompt_and_generated_tokens_like_vllm(
     # one ITL per token after a request's first, each the length of the step that produced it
     # (the engine is never idle here, so a step lasts from the previous step's stats to its own)
     assert [len(s.itls_s) for s in steps] == [0] + [2] * 4 + [1] * 4
-    for prev, s in zip(steps, steps[1:]):
+    for prev, s in itertools.pairwise(steps):
         assert s.itls_s == pytest.approx([s.wall_ts - prev.wall_ts] * len(s.itls_s), abs=1e-6)  # epoch floats

@@ -77,7 +77,7 @@ def _measured_step_ops(measured: pl.DataFrame, gpu: str, model: str, tp: int, to
     """(Σ of one layer's measured operators, the measured embedding) in seconds."""
     rows = measured.filter((pl.col("gpu") == gpu) & (pl.col("model") == model) & (pl.col("tp") == tp)
                            & (pl.col("tokens") == tokens))
-    by_op = dict(zip(rows["op"].to_list(), rows["measured_s"].to_list()))
+    by_op = dict(zip(rows["op"].to_list(), rows["measured_s"].to_list(), strict=True))
     return sum(by_op[op] for op in (*GEMM_OPS, *LAYER_STREAM_OPS)), by_op["emb"]
 
 

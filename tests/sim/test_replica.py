@@ -23,13 +23,13 @@ def _tiny(kv_blocks: int, **kw) -> SimReplica:
 
 
 def _check(rep: SimReplica) -> None:
-    p = rep._p_now()
+    p = rep.private_tokens()
     assert (p >= 0).all(), "private KV tokens went negative"
     cache = rep.cache
     assert cache.used_shared_blocks >= 0 and cache.evictable_blocks >= 0
     assert rep.private_blocks() + cache.used_shared_blocks + cache.evictable_blocks <= cache.total_blocks
     assert 0.0 <= rep.load().kv_watermark_ratio <= 1.0
-    assert rep.n_running == sum(r is not None for r in rep._slot_req) <= rep.max_seqs
+    assert rep.n_running == len(rep.running_requests()) <= rep.max_seqs
 
 
 def _drain(rep: SimReplica, horizon_step: bool = False, check: bool = True) -> float:
@@ -95,7 +95,7 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_within_the_token_budge
     chunk_sizes = []
     while rep.has_work():
         now = rep.plan(now)
-        chunk_sizes.append(sum(c for _, c, _ in rep._pending[0]))
+        chunk_sizes.append(sum(c for _, c in rep.planned_chunks()))
         rep.complete()
     assert max(chunk_sizes) <= 1024
 
@@ -106,7 +106,7 @@ def test_long_prefill_threshold_caps_a_request_per_step():
     rep.add(a, 0.0)
     rep.add(b, 0.0)
     rep.plan(0.0)
-    assert sorted(c for _, c, _ in rep._pending[0]) == [200, 256]
+    assert sorted(c for _, c in rep.planned_chunks()) == [200, 256]
     rep.complete()
 
 

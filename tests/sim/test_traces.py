@@ -62,6 +62,15 @@ def test_data_dir_env_override_and_kvmeter_csv_format(tmp_path, monkeypatch):
         load_trace(bad)
 
 
+@pytest.mark.parametrize("rows", ["1.0,10,3\n,20,4\n", ",10,3\n,20,4\n"], ids=["one-empty", "all-empty"])
+def test_an_empty_arrival_time_in_a_kvmeter_csv_is_a_trace_error(tmp_path, rows):
+    # (with every arrival_s empty the first-arrival reference was None: a TypeError, not a TraceError)
+    p = tmp_path / "gaps.csv"
+    p.write_text("arrival_s,input_tokens,output_tokens\n" + rows)
+    with pytest.raises(TraceError, match="empty arrival_s"):
+        load_trace(p)
+
+
 def test_the_simulator_replays_a_kvmeter_csv_with_its_tenants_tiers_and_deadlines(tmp_path):
     p = tmp_path / "w.csv"
     p.write_text("arrival_s,input_tokens,output_tokens,tenant_id,tier,deadline_s\n"

@@ -15,9 +15,9 @@ from kvmeter.serving.tenancy.tiers import (PRESSURE_ELEVATED, PRESSURE_OVERLOAD,
                                            tier_field_problem)
 
 
-def test_tier_fields_are_every_policy_field_but_name_limits_run_budget_and_loop_stops():
+def test_tier_fields_are_every_policy_field_but_name_limits_run_budget_loop_stops_and_billing():
     names = {f.name for f in dataclasses.fields(TierPolicy)}
-    assert set(TIER_FIELDS) == names - {"name", "limits", "run_budget", "loop_stops"}
+    assert set(TIER_FIELDS) == names - {"name", "limits", "run_budget", "loop_stops", "undelivered_billing"}
 
 
 def test_the_deadline_rule_is_max_queue_wait_else_factor_times_ttft_else_none():

@@ -116,7 +116,7 @@ def _expected(spool_copy: Path, work: Path) -> dict:
         assert ledger.flush(60), "the old ledger did not drain the spool"
         period = parse_period(PERIOD)
         invoice = build_invoice(ledger.queries, period, ledger.prices)
-        client = ledger.queries._get()
+        client = ledger.queries._get()  # the old kvmeter this runs on has no Ledger.query_client()
         engine = client.query("SELECT request_id, tenant_id, prompt_tokens, generation_tokens, "
                               "cached_prompt_tokens FROM engine_requests FINAL ORDER BY request_id").result_rows
         attempts = client.query("SELECT request_id, tenant_id, status, level, dimension, reserved_prompt_tokens, "
