@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from kvmeter.serving.agents import AgentRuns, EmittedDecision
 from kvmeter.serving.tenancy import Principal
@@ -105,7 +105,7 @@ class EmittedToolCalls:
         return body
 
     # -- a stream ---------------------------------------------------------------------------------
-    async def stream(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator[str]) -> AsyncGenerator[str, None]:
         """Rewrite vLLM's SSE strings (``data: {...}\\n\\n``) of a streamed chat completion."""
         held: dict[int, dict[int, _HeldCall]] = {}  # choice index → tool-call index → call
         texted: set[int] = set()  # choices that sent content (a withheld call's note goes on a new line)

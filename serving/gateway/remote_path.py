@@ -365,7 +365,7 @@ class RemoteEndpoint(CompletionEndpoint):
         return response
 
     async def _relay(self, adm: Admitted, resp: httpx.Response, reader: AnswerReader, view: ClientView,
-                     headers: dict[str, str]) -> AsyncIterator[bytes]:
+                     headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
         """The upstream's events to the client (through ``view``, and the emitted-tool-call gate
         when there is one), metered as they pass; the usage event is made durable before the
         client gets ``[DONE]`` or the final usage chunk."""
@@ -399,7 +399,7 @@ class RemoteEndpoint(CompletionEndpoint):
             async for data in events:
                 yield data.decode("utf-8")
 
-        async with aclosing(cast(AsyncGenerator[str, None], gate.stream(texts()))) as gated:  # an async generator
+        async with aclosing(gate.stream(texts())) as gated:
             async for text in gated:
                 yield text.encode("utf-8")
 
