@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.kvmeter-installed
 
-.PHONY: install demo test test-fast clean bench
+.PHONY: install demo test test-fast lint clean bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff over the whole tree at pyproject.toml's settings (E, F, W, B at 120 columns)
+lint: install
+	$(VENV)/bin/ruff check .
 
 test-fast: install
 	$(PY) -m pytest -q -m "not engine and not slow"

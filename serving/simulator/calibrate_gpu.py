@@ -35,7 +35,7 @@ What each profile uses (the ``basis`` strings in the JSON say the same):
 
 The error report (:func:`operator_errors`, :func:`all_reduce_errors`) recomputes every prediction
 through :class:`~.operators.OperatorModel` — the object the cost model uses — so a change to the
-formulas or the stored numbers shows up in it (and in ``tests/sim/test_gpu_calibration.py``).
+formulas or the stored numbers shows up in it (and in ``tests/serving/simulator/test_gpu_calibration.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Phases (one session):
 
 1. :func:`replay` — the real stack (``ServeRuntime`` + the session's vLLM CPU engine + uvicorn on
-   loopback, as tests/gateway/conftest.py) serves a short workload from four demo tenants into a
+   loopback, as tests/serving/gateway/conftest.py) serves a short workload from four demo tenants into a
    fresh chDB ledger; the serve process's own signal recorder samples engine, scheduler, request
    and GPU signals (GPU readings from the real H200 capture through the capture-backed NVML)
    every second. Then the stack stops (the ledger closes).

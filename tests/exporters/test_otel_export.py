@@ -324,7 +324,7 @@ async def traced_gateway(model_dir, otlp_receiver, free_port, monkeypatch):
     from kvmeter.serving.gateway.app import create_app
     from kvmeter.serving.runtime import ServeRuntime
     from tests.conftest import start_uvicorn
-    from tests.gateway.conftest import MemoryRecorder
+    from tests.serving.gateway.conftest import MemoryRecorder
 
     endpoint, receiver = otlp_receiver
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
@@ -354,7 +354,7 @@ def _spans(receiver) -> list:
 async def test_the_openai_sdk_traceparent_joins_the_callers_trace(traced_gateway):
     import openai
 
-    from tests.gateway.conftest import KEYS
+    from tests.serving.gateway.conftest import KEYS
 
     base_url, otel, receiver = traced_gateway
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=KEYS["acme"])

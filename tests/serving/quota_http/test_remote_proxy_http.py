@@ -1,0 +1,346 @@
+"""``--engine remote`` as a transparent, metering proxy (issue 13 item 2, issue 15 item 4), against a
+real upstream on loopback that sends exactly the chunk shapes each test needs (``scripted_upstream``:
+it stands for a vLLM server whose behaviour the test must control), through a real ``kvmeter
+serve`` stack (uvicorn, the fair scheduler, the quota, a chDB ledger).
+
+What the client sends reaches the upstream as sent (kvmeter adds only
+``stream_options.include_usage`` to a stream without it, and takes out of the stream what that
+added); what the upstream answers reaches the client unchanged; the ledger bills the upstream's
+usage — the last running block, a block on a text chunk, a block before the last text chunk — or,
+without any, kvmeter's count of the prompt and of the streamed text (``token_source=estimate``).
+``finish_reason: length`` is a normal end. Upstream 4xx pass through; 5xx and an unreachable
+upstream are 502 / 503; nothing reaches the upstream before kvmeter's own checks pass."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import orjson
+import pytest
+
+from kvmeter.serving.engines.remote import RemoteEngine
+from tests.serving.quota_http.conftest import MODEL, bearer, tenants, until
+from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Stream, Whole, sse
+
+KEY = "sk-test-proxy-001"
+CFG = tenants(f"""
+acme:
+  workspaces:
+    ws:
+      projects:
+        p:
+          api_keys:
+            k1: {{key: {KEY}}}
+""")
+#: one key whose input-token budget holds one 15-token prompt at a time, not two
+TIGHT = tenants(f"""
+acme:
+  workspaces:
+    ws:
+      projects:
+        p:
+          api_keys:
+            k1: {{key: {KEY}, limits: {{input_tokens_per_minute: 20}}}}
+""")
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat_chunk(content: str | None = None, *, finish: str | None = None, usage: dict | None = None,
+               role: bool = False, index: int = 0, fingerprint: str | None = None) -> dict:
+    """A chat.completion.chunk as vLLM's server writes one."""
+    delta: dict = {"role": "assistant", "content": ""} if role else {}
+    if content is not None:
+        delta["content"] = content
+    chunk: dict = {"id": "chatcmpl-up-1", "object": "chat.completion.chunk", "created": 1796147740, "model": MODEL,
+                   "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if usage is not None:
+        chunk["usage"] = usage
+    if fingerprint is not None:
+        chunk["system_fingerprint"] = fingerprint
+    return chunk
+
+
+def text_chunk(text: str, *, finish: str | None = None) -> dict:
+    return {"id": "cmpl-up-1", "object": "text_completion", "created": 1796147740, "model": MODEL,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    block: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        block["prompt_tokens_details"] = {"cached_tokens": cached}
+    return block
+
+
+def events(raw: bytes) -> list:
+    """The SSE ``data`` payloads of a response body, parsed (``"[DONE]"`` stays a string)."""
+    out = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            data = block[6:]
+            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out
+
+
+def content(chunks: list) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if isinstance(c, dict) and c.get("choices"))
+
+
+async def stack(serve, model_dir, up: ScriptedUpstream, cfg: str = CFG):
+    await up.start()
+    engine = RemoteEngine(up.url, model_dir=model_dir, model_name=MODEL, metrics_url=None, api_key="sk-upstream")
+    return await serve(cfg, engine=engine)
+
+
+async def post_stream(s, path: str, body: dict, **headers: str) -> tuple[httpx.Response, bytes]:
+    async with s.client.stream("POST", path, json=body, headers=bearer(KEY, **headers)) as resp:
+        return resp, await resp.aread()
+
+
+def row(s) -> dict:
+    rows = s.billed(api_key_id="k1")
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+async def test_running_usage_bills_the_last_block_and_every_chunk_reaches_the_client(serve, model_dir):
+    # vLLM's continuous_usage_stats: 40 prompt tokens, running completion 0, 1, ..., 7
+    script = sse(chat_chunk(role=True, usage=usage(40, 0)),
+                 *(chat_chunk(f" w{i}", usage=usage(40, i), finish="stop" if i == 7 else None) for i in range(1, 8)),
+                 "[DONE]")
+    up = ScriptedUpstream(MODEL, answer=Stream(script))
+    s = await stack(serve, model_dir, up)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        resp, raw = await post_stream(s, CHAT, body)
+        assert resp.status_code == 200
+        assert raw == b"".join(script)  # the client asked for usage: its stream is the upstream's, byte for byte
+        assert up.bodies == [body]
+        r = row(s)
+        assert (r["input_tokens"], r["output_tokens"], r["outcome"], r["finish_reason"], r["token_source"]) == \
+            (40, 7, "ok", "stop", "frontend")
+    finally:
+        await up.stop()
+
+
+async def test_usage_on_a_chunk_with_text_is_read_and_the_text_forwarded(serve, model_dir):
+    script = sse(chat_chunk(role=True), chat_chunk("Hello"),
+                 chat_chunk(" world", finish="stop", usage=usage(12, 3)), "[DONE]")
+    up = ScriptedUpstream(MODEL, answer=Stream(script))
+    s = await stack(serve, model_dir, up)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True}
+        resp, raw = await post_stream(s, CHAT, body)
+        assert resp.status_code == 200
+        got = events(raw)
+        assert content(got) == "Hello world" and got[-1] == "[DONE]"
+        # kvmeter asked for the usage, not the client: no usage in what the client sees
+        assert not any("usage" in c for c in got if isinstance(c, dict))
+        assert up.bodies == [{**body, "stream_options": {"include_usage": True}}]  # the one change
+        r = row(s)
+        assert (r["input_tokens"], r["output_tokens"], r["outcome"], r["token_source"]) == (12, 3, "ok", "frontend")
+    finally:
+        await up.stop()
+
+
+async def test_usage_before_the_last_text_chunk_is_billed_and_the_rest_forwarded(serve, model_dir):
+    script = sse(chat_chunk(role=True), chat_chunk("Hel"), {**chat_chunk(), "choices": [], "usage": usage(10, 3, 4)},
+                 chat_chunk("lo", finish="stop"), "[DONE]")
+    up = ScriptedUpstream(MODEL, answer=Stream(script))
+    s = await stack(serve, model_dir, up)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True,
+                "stream_options": {"include_usage": True}}
+        resp, raw = await post_stream(s, CHAT, body)
+        assert resp.status_code == 200 and raw == b"".join(script)
+        assert content(events(raw)) == "Hello"
+        r = row(s)
+        assert (r["input_tokens"], r["output_tokens"], r["cached_input_tokens"], r["outcome"]) == (10, 3, 4, "ok")
+    finally:
+        await up.stop()
+
+
+async def test_a_stream_without_usage_ending_at_length_is_no_error_and_bills_an_estimate(serve, model_dir, tokenizer):
+    pieces = [" Paris", ",", " the", " city"]
+    script = sse(*(text_chunk(p, finish="length" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)),
+                 "[DONE]")  # an upstream that ignores include_usage
+    up = ScriptedUpstream(MODEL, answer=Stream(script))
+    s = await stack(serve, model_dir, up)
+    try:
+        prompt = [504, 2365, 6354, 16438, 27003, 690, 260]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True}
+        resp, raw = await post_stream(s, COMPLETIONS, body)
+        assert resp.status_code == 200
+        got = events(raw)
+        assert got[-1] == "[DONE]" and not any("error" in c for c in got if isinstance(c, dict))
+        assert got[-2]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in got[:-1]) == "".join(pieces)
+        r = row(s)
+        counted = sum(len(tokenizer.encode(p)) for p in pieces)
+        assert (r["input_tokens"], r["output_tokens"], r["outcome"], r["finish_reason"], r["token_source"],
+                r["status_code"]) == (len(prompt), counted, "ok", "length", "estimate", 200)
+    finally:
+        await up.stop()
+
+
+async def test_a_json_answer_without_usage_at_length_is_a_200_billed_an_estimate(serve, model_dir, tokenizer):
+    answer = {"id": "chatcmpl-up-2", "object": "chat.completion", "created": 1796147740, "model": MODEL,
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "The capital of France is"},
+                           "logprobs": None, "finish_reason": "length"}]}
+    up = ScriptedUpstream(MODEL, answer=Whole(answer))
+    s = await stack(serve, model_dir, up)
+    try:
+        resp = await s.client.post(CHAT, json={"model": MODEL, "messages": QUESTION, "max_tokens": 6},
+                                   headers=bearer(KEY))
+        assert resp.status_code == 200 and resp.content == orjson.dumps(answer)  # the upstream's bytes
+        r = row(s)
+        rendered = tokenizer.hf.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(rendered)
+        assert (r["input_tokens"], r["output_tokens"], r["outcome"], r["finish_reason"], r["token_source"]) == \
+            (len(prompt), len(tokenizer.encode("The capital of France is")), "ok", "length", "estimate")
+    finally:
+        await up.stop()
+
+
+async def test_the_body_reaches_the_upstream_as_sent_and_its_answer_the_client(serve, model_dir):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    args = "{\"city\": \"Paris\"}"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    body = {"model": MODEL, "messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+            "tools": tools, "tool_choice": "auto", "n": 2, "temperature": 1.0, "top_k": 1, "seed": 42,
+            "logprobs": True, "top_logprobs": 2, "max_tokens": 24, "logit_bias": {"7042": -100},
+            "repetition_penalty": 1.2, "response_format": {"type": "json_object"}, "metadata": {"session": "x"}}
+    call = {**call, "id": "chatcmpl-tool-1"}
+    answer = {"id": "chatcmpl-parity-7", "object": "chat.completion", "created": 1796147740, "model": MODEL,
+              "choices": [{"index": i, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                           "logprobs": None, "finish_reason": "tool_calls"} for i in range(2)],
+              "usage": usage(130, 38, 16), "system_fingerprint": "vllm-0.32.0-x"}
+    up = ScriptedUpstream(MODEL, answer=Whole(answer))
+    s = await stack(serve, model_dir, up)
+    try:
+        resp = await s.client.post(CHAT, json=body, headers=bearer(KEY, **{"X-Request-Id": "parity-7"}))
+        assert resp.status_code == 200, resp.text
+        assert resp.content == orjson.dumps(answer)
+        assert up.bodies == [body] and up.paths == [CHAT]
+        sent = up.headers[0]
+        assert sent["x-request-id"] == "parity-7"
+        assert sent["authorization"] == "Bearer sk-upstream"  # the engine's key, never the client's
+        assert resp.headers["x-request-id"] == "parity-7" and resp.headers["x-kvmeter-request-id"].startswith("kvm-")
+        r = row(s)
+        assert (r["input_tokens"], r["cached_input_tokens"], r["output_tokens"], r["finish_reason"]) == \
+            (130, 16, 38, "tool_calls")
+        assert r["reserved_output_tokens"] == 2 * 24  # n × max_tokens
+    finally:
+        await up.stop()
+
+
+async def test_an_upstream_4xx_reaches_the_client_as_it_is_and_releases_the_reservation(serve, model_dir):
+    error = {"error": {"message": "n must be 1 when using greedy sampling, got 2.", "type": "BadRequestError",
+                       "param": "n", "code": 400}}
+    up = ScriptedUpstream(MODEL, answer=Whole(error, status=400))
+    s = await stack(serve, model_dir, up, TIGHT)
+    try:
+        body = {"model": MODEL, "prompt": list(range(100, 115)), "max_tokens": 4, "n": 2, "temperature": 0}
+        for _ in range(3):  # 3 × 15 reserved input tokens > the 20 a minute: only released ones fit
+            resp = await s.client.post(COMPLETIONS, json=body, headers=bearer(KEY))
+            assert resp.status_code == 400 and resp.json() == error
+        assert len(up.bodies) == 3
+        # every attempt has its usage row; none bills anything (0 tokens, and an error is absorbed)
+        rows = s.usage_rows(api_key_id="k1")
+        assert [(r["outcome"], r["status_code"], r["input_tokens"], r["output_tokens"]) for r in rows] == \
+            [("error", 400, 0, 0)] * 3
+    finally:
+        await up.stop()
+
+
+async def test_an_upstream_5xx_is_a_502_and_an_unreachable_upstream_a_503(serve, model_dir):
+    up = ScriptedUpstream(MODEL, answer=Whole({"error": {"message": "EngineCore died", "type": "InternalServerError",
+                                                        "param": None, "code": 500}}, status=500))
+    s = await stack(serve, model_dir, up)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4}
+    try:
+        resp = await s.client.post(CHAT, json=body, headers=bearer(KEY))
+        assert resp.status_code == 502
+        err = resp.json()["error"]
+        assert err["code"] == "upstream_error"
+        assert "answered 500" in err["message"] and "EngineCore died" in err["message"]
+    finally:
+        await up.stop()
+    resp = await s.client.post(CHAT, json={**body, "stream": True}, headers=bearer(KEY))
+    assert resp.status_code == 503 and "unreachable" in resp.json()["error"]["message"]
+    rows = s.usage_rows(api_key_id="k1")
+    assert sorted((r["outcome"], r["status_code"], r["input_tokens"], r["output_tokens"]) for r in rows) == \
+        [("error", 502, 0, 0), ("error", 503, 0, 0)]  # (one manual-clock instant: order by status)
+
+
+async def test_kvmeters_own_usage_chunk_is_taken_out_and_the_fingerprint_put_back(serve, model_dir):
+    # vLLM with include_usage moves system_fingerprint from each choice's last chunk to the usage chunk
+    script = sse(chat_chunk(role=True), chat_chunk("Paris"), chat_chunk(".", finish="stop"),
+                 {**chat_chunk(), "choices": [], "usage": usage(14, 2), "system_fingerprint": "vllm-0.32.0-fp"},
+                 "[DONE]")
+    up = ScriptedUpstream(MODEL, answer=Stream(script))
+    s = await stack(serve, model_dir, up)
+    try:
+        for _ in range(2):  # learnt from the first stream, stamped at once on the second
+            resp, raw = await post_stream(s, CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 4,
+                                                    "stream": True})
+            got = events(raw)
+            want = [*events(b"".join(script[:2])), {**chat_chunk(".", finish="stop"),
+                                                    "system_fingerprint": "vllm-0.32.0-fp"}, "[DONE]"]
+            assert got == want  # what vLLM sends a client that did not ask for usage
+        assert [(r["input_tokens"], r["output_tokens"]) for r in s.billed(api_key_id="k1")] == [(14, 2)] * 2
+    finally:
+        await up.stop()
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(serve, model_dir, tokenizer):
+    script = sse(chat_chunk(role=True), chat_chunk("Once"), chat_chunk(" upon"))
+    up = ScriptedUpstream(MODEL, answer=Stream(script, hang=True))
+    s = await stack(serve, model_dir, up)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 50, "stream": True}
+        async with s.client.stream("POST", CHAT, json=body, headers=bearer(KEY)) as resp:
+            seen = b""
+            async for part in resp.aiter_bytes():
+                seen += part
+                if b" upon" in seen:
+                    break  # the client leaves
+        await until(lambda: up.abandoned == 1, "the upstream's stream to be closed")
+        await until(lambda: len(s.billed(api_key_id="k1")) == 1, "the aborted request's usage event")
+        r = row(s)
+        counted = len(tokenizer.encode("Once")) + len(tokenizer.encode(" upon"))
+        assert (r["outcome"], r["token_source"], r["output_tokens"]) == ("aborted", "estimate", counted)
+    finally:
+        await up.stop()
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    (CHAT, b'{"model": "x", "messages": [', 400, None),
+    (CHAT, {"model": "no-such-model", "messages": QUESTION}, 404, "model"),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": "x"}, 400, "body.max_tokens"),  # vLLM's param
+    (CHAT, {"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_completion_tokens": 5}, 400, "max_completion_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    (CHAT, b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+])
+async def test_bad_input_is_refused_before_the_upstream(serve, model_dir, path, body, status, param):
+    up = ScriptedUpstream(MODEL, answer=Whole({}))
+    s = await stack(serve, model_dir, up)
+    try:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        resp = await s.client.post(path, content=content, headers=bearer(KEY, **{"content-type": "application/json"}))
+        assert resp.status_code == status, resp.text
+        if param is not None:
+            assert resp.json()["error"]["param"] == param
+        assert up.bodies == []  # never reached the upstream
+        assert s.billed(api_key_id="k1") == []
+    finally:
+        await up.stop()
