@@ -29,9 +29,10 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# ruff over the whole tree at pyproject.toml's settings (E, F, W, B at 120 columns)
+# ruff over the whole tree and mypy over the kvmeter package, at pyproject.toml's settings
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-fast: install
 	$(PY) -m pytest -q -m "not engine and not slow"

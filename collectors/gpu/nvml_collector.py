@@ -389,8 +389,12 @@ class NvmlCollector:
                         processes.append(p)
                         known.add(p.pid)
             if self._gpm_supported.get(index) and m.gpu_instance_id is not None:
-                gi = m.gpu_instance_id
-                gpm = self._gpm((index, gi), lambda smp, gi=gi: call("nvmlGpmMigSampleGet", h, gi, smp))
+                gi: int = m.gpu_instance_id
+
+                def take_mig_sample(smp: Any, gi: int = gi) -> Any:  # binds this GI, not the loop's last
+                    return call("nvmlGpmMigSampleGet", h, gi, smp)
+
+                gpm = self._gpm((index, gi), take_mig_sample)
                 for field_name, value in gpm.items():
                     setattr(m, field_name, value)
             out.append(m)
