@@ -117,11 +117,7 @@ class GatewaySettings:
         engine_account_wait_s: how long finalizing a request that ended early after reaching the
             engine (client gone, error) waits for the engine's own account of the work it did
             (:meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`;
-            seconds, ≥ 0; vLLM gives it with its next step). Default 10 s: the engine core takes an
-            abort at its next step boundary, and one prefill step of a long prompt on a loaded CPU
-            took more than 2 s on a Zen 1 build VM (the former default), so the bill fell back to
-            what reached the client (0 input tokens). The wait ends as soon as the account comes;
-            the client is already gone.
+            seconds, ≥ 0; vLLM gives it with its next step).
     Raises:
         ValueError: for ``max_body_bytes`` < 1, ``body_read_timeout_s`` ≤ 0 or
             ``engine_account_wait_s`` < 0.
@@ -130,7 +126,7 @@ class GatewaySettings:
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
-    engine_account_wait_s: float = 10.0
+    engine_account_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
