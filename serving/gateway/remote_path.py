@@ -336,11 +336,7 @@ class RemoteEndpoint(CompletionEndpoint):
         try:
             raw = await self._until_disconnect(request, resp.aread(), adm)
         except ClientGone:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
-            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
-            await self._settle_idempotency(adm, None)
-            return Response(status_code=499)
+            return await self._client_left_before_the_answer(adm, resp)
         except httpx.HTTPError as exc:
             await resp.aclose()
             broke = EngineError(f"the upstream's answer broke off ({type(exc).__name__}: {exc})")
@@ -447,17 +443,22 @@ class RemoteEndpoint(CompletionEndpoint):
         await self._finalize(adm, "ok", status_code=200)
 
     # -- failures ------------------------------------------------------------------------------------
+    async def _client_left_before_the_answer(self, adm: Admitted, resp: httpx.Response) -> Response:
+        """The client went away while the upstream's whole answer was being read: close the upstream
+        response, record the attempt as aborted (499) and settle its idempotency key as unanswered."""
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()
+        await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
+        await self._settle_idempotency(adm, None)
+        return Response(status_code=499)
+
     async def _upstream_refused(self, request: Request, adm: Admitted, resp: httpx.Response,
                                 headers: dict[str, str]) -> Response:
         """A non-200 answer: a 4xx goes to the client as it is; a 5xx is a 502."""
         try:
             raw = await self._until_disconnect(request, resp.aread(), adm)
         except ClientGone:
-            with anyio.CancelScope(shield=True):
-                await resp.aclose()
-            await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
-            await self._settle_idempotency(adm, None)
-            return Response(status_code=499)
+            return await self._client_left_before_the_answer(adm, resp)
         except httpx.HTTPError:
             raw = b""
         finally:
