@@ -43,6 +43,30 @@ def ledger_held_by_another_process(chdb_path: Path, spool_dir: Path) -> Iterator
         holder.wait(60)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_chdb_left_open(tmp_path_factory) -> Iterator[None]:
+    """After each test module, the pytest process must be able to open a chDB ledger at a new path.
+
+    chDB holds one data path per process: a module that leaves an in-process client open makes
+    every later module's ledger fail with LedgerLocked (the 2 Dec CI run: one unclosed client in
+    tests/e2e failed 210 tests downstream). This names the module that leaked instead. It only
+    probes where chDB has been imported in this process."""
+    yield
+    if "chdb" not in sys.modules:
+        return
+    from kvmeter.ledger.config import LedgerConfig
+    from kvmeter.ledger.connection import connect
+    from kvmeter.ledger.errors import LedgerLocked
+
+    probe = tmp_path_factory.mktemp("chdb-probe")
+    try:
+        connect(LedgerConfig(dsn=f"chdb://{probe}/chdb")).close()
+    except LedgerLocked:
+        pytest.fail("this test module left an in-process chDB client open (close every client and "
+                    "Ledger it opens); later modules' ledgers would all fail with LedgerLocked",
+                    pytrace=False)
+
+
 async def start_uvicorn(server) -> asyncio.Task:
     """Run ``server`` (a ``uvicorn.Server``) in a task on this loop and wait until it listens
     (up to 30 s; waiting for a server to come up, not timing logic). Stop it with

@@ -108,11 +108,16 @@ def test_kill_dash_nine_then_restart_bills_each_logical_request_once(tmp_path: P
 
     usage = {**completed, **retried}
     assert all(usage[i] is not None for i in ids), "every retry should complete"
+    # chDB holds one data path per process: a client left open here makes every later in-process
+    # ledger at another path fail with LedgerLocked, so it is closed before the assertions
     client = connect(LedgerConfig(dsn=f"chdb://{tmp_path}/chdb"))
-    rows = client.query(
-        "SELECT idempotency_key, count() AS n, any(input_tokens) AS p, any(output_tokens) AS c, "
-        "any(outcome) AS o FROM usage_events FINAL WHERE tenant_id = 'globex' GROUP BY idempotency_key"
-    ).result_rows
+    try:
+        rows = client.query(
+            "SELECT idempotency_key, count() AS n, any(input_tokens) AS p, any(output_tokens) AS c, "
+            "any(outcome) AS o FROM usage_events FINAL WHERE tenant_id = 'globex' GROUP BY idempotency_key"
+        ).result_rows
+    finally:
+        client.close()
     billed = {key: (n, p, c, o) for key, n, p, c, o in rows}
     for i in ids:
         n, p, c, o = billed[f"kill9-{i}"]
