@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -43,28 +44,30 @@ def ledger_held_by_another_process(chdb_path: Path, spool_dir: Path) -> Iterator
         holder.wait(60)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_chdb_left_open(tmp_path_factory) -> Iterator[None]:
-    """After each test module, the pytest process must be able to open a chDB ledger at a new path.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Where the next test is in another folder (package), the pytest process must be able to open
+    a chDB ledger at a new path once this folder's fixtures are torn down.
 
-    chDB holds one data path per process: a module that leaves an in-process client open makes
-    every later module's ledger fail with LedgerLocked (the 2 Dec CI run: one unclosed client in
-    tests/e2e failed 210 tests downstream). This names the module that leaked instead. It only
-    probes where chDB has been imported in this process."""
-    yield
-    if "chdb" not in sys.modules:
-        return
-    from kvmeter.ledger.config import LedgerConfig
-    from kvmeter.ledger.connection import connect
-    from kvmeter.ledger.errors import LedgerLocked
+    chDB holds one data path per process: a test that leaves an in-process client open makes every
+    later folder's ledger fail with LedgerLocked (the 2 Dec CI run: one unclosed client in
+    tests/e2e failed 210 tests downstream). This names the folder that leaked instead, as a
+    teardown error of its last test. Package-scoped stacks legitimately hold a path for their
+    folder, so the probe runs at folder boundaries only, and only where chDB has been imported."""
+    result = yield  # this test's teardown, and the folder's fixtures' when the next test leaves it
+    if "chdb" in sys.modules and (nextitem is None or nextitem.path.parent != item.path.parent):
+        from kvmeter.ledger.config import LedgerConfig
+        from kvmeter.ledger.connection import connect
+        from kvmeter.ledger.errors import LedgerLocked
 
-    probe = tmp_path_factory.mktemp("chdb-probe")
-    try:
-        connect(LedgerConfig(dsn=f"chdb://{probe}/chdb")).close()
-    except LedgerLocked:
-        pytest.fail("this test module left an in-process chDB client open (close every client and "
-                    "Ledger it opens); later modules' ledgers would all fail with LedgerLocked",
-                    pytrace=False)
+        try:
+            with tempfile.TemporaryDirectory(prefix="chdb-probe-") as probe:
+                connect(LedgerConfig(dsn=f"chdb://{probe}/chdb")).close()
+        except LedgerLocked:
+            raise AssertionError(
+                f"a test in {item.path.parent} left an in-process chDB client open (close every client "
+                "and Ledger a test opens); every later folder's ledger would fail with LedgerLocked") from None
+    return result
 
 
 async def start_uvicorn(server) -> asyncio.Task:
