@@ -1,15 +1,25 @@
 """Agent runs as first-class data: the per-run rollup in ClickHouse and the reads over it.
 
 **The rollup** (``agent_runs``, migration 0004; tokens named input/output since 0005) holds one
-row per (tenant, run id): model calls (billed usage events carrying the run id, and the run's
-refused attempts), tokens per model, tool calls (permits) by tool and by risk class, refused and
-replayed tool calls, approvals by event, the loop stop. Like ``usage_hourly`` it is derived data,
-recomputed — never incremented — from the deduplicated tables (``FINAL``) for every run with rows
-ingested since the last computation (minus :data:`~kvmeter.ledger.rollups.ROLLUP_MARGIN_S`); the
-ledger's writer refreshes it with the hourly rollups. Money is not stored: a run's ``cost`` is
-priced when it is read, with the reader's price list, by the one price function
-(:meth:`~kvmeter.ledger.prices.PriceList.cost`, per model): ``subtotal`` exact, ``cost`` rounded
-once per run.
+row per (tenant, run id): model calls, tokens per model, tool calls (permits) by tool and by risk
+class, refused and replayed tool calls, approvals by event, the loop stop. Like ``usage_hourly``
+it is derived data, recomputed — never incremented — from the deduplicated tables (``FINAL``) for
+every run with rows ingested since the last computation (minus
+:data:`~kvmeter.ledger.rollups.ROLLUP_MARGIN_S`); the ledger's writer refreshes it with the hourly
+rollups. Money is not stored: a run's ``cost`` is priced when it is read, with the reader's price
+list, by the one price function (:meth:`~kvmeter.ledger.prices.PriceList.cost`, per model):
+``subtotal`` exact, ``cost`` rounded once per run.
+
+**Attempts and the bill.** A usage row is one attempt's engine work (migration 0006), so a model
+call retried after an aborted attempt, or run twice after a restart (``superseded``), has several
+rows. The model-call counts count attempts — the run's load; the quota's run budget counts model
+calls per attempt too: ``model_calls`` every attempt of the run that reached the engine (its usage
+rows, billed or not), ``ok_model_calls`` those that finished ``ok`` (a superseded second success
+included), ``refused_model_calls`` its refused HTTP attempts (``rejected`` or ``invalid`` attempt
+records). Its tokens per model, and so its cost, are billed tokens only: the rows of classes
+:data:`~kvmeter.ledger.queries.BILLED_CLASSES`, read through the one classification
+(:func:`~kvmeter.ledger.queries.classified_usage_sql`), so a retried call is paid for once, as on
+the invoice.
 
 **The reads** (:class:`AgentRunQueries`), each over a time range (``start``, ``end``: a
 :class:`~kvmeter.ledger.period.Period` or a dashboard window) and a tenant filter (``None`` = all;
@@ -34,6 +44,7 @@ from kvmeter.tokens import TOKEN_FIELDS, TokenCounts
 
 from .connection import ClientHolder, QueryRunner
 from .prices import PriceList
+from .queries import BILLED_SQL, classified_usage_sql
 
 __all__ = ["refresh_run_rollups", "AgentRunQueries", "RUN_ORDERS", "MAX_RUNS"]
 
@@ -52,6 +63,11 @@ SELECT tenant_id, agent_run_id FROM (
     UNION ALL SELECT tenant_id, agent_run_id FROM approval_events WHERE ingested_at >= {since}
     UNION ALL SELECT tenant_id, agent_run_id FROM agent_run_stops WHERE ingested_at >= {since}
 ) GROUP BY tenant_id, agent_run_id"""
+
+#: The usage rows of the dirty runs (every attempt; their classes decided over all rows of each
+#: logical request, :func:`~kvmeter.ledger.queries.classified_usage_sql`).
+_RUN_USAGE = classified_usage_sql(
+    "agent_run_id != '' AND (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)")
 
 _RECOMPUTE = """
 INSERT INTO agent_runs
@@ -80,12 +96,11 @@ LEFT JOIN (
     SELECT tenant_id, agent_run_id, any(workspace_id) AS u_ws, any(project_id) AS u_proj,
            any(api_key_id) AS u_key, argMax(tier, finish_ts) AS u_tier, min(arrival_ts) AS u_first,
            max(finish_ts) AS u_last, count() AS model_calls, countIf(outcome = 'ok') AS ok_model_calls,
-           sumMap(map(model, toUInt64(input_tokens))) AS input_m,
-           sumMap(map(model, toUInt64(cached_input_tokens))) AS cached_m,
-           sumMap(map(model, toUInt64(output_tokens))) AS output_m,
-           sumMap(map(model, toUInt64(reasoning_tokens))) AS reasoning_m
-    FROM usage_events FINAL
-    WHERE agent_run_id != '' AND (tenant_id, agent_run_id) IN (SELECT tenant_id, agent_run_id FROM dirty)
+           sumMapIf(map(model, toUInt64(input_tokens)), billed) AS input_m,
+           sumMapIf(map(model, toUInt64(cached_input_tokens)), billed) AS cached_m,
+           sumMapIf(map(model, toUInt64(output_tokens)), billed) AS output_m,
+           sumMapIf(map(model, toUInt64(reasoning_tokens)), billed) AS reasoning_m
+    FROM (SELECT *, """ + BILLED_SQL + """ AS billed FROM """ + _RUN_USAGE + """)
     GROUP BY tenant_id, agent_run_id) AS u ON u.tenant_id = d.tenant_id AND u.agent_run_id = d.agent_run_id
 LEFT JOIN (
     SELECT tenant_id, agent_run_id, min(ts) AS a_first, max(ts) AS a_last,
@@ -255,11 +270,13 @@ class AgentRunQueries:
         Returns:
             One dict per run: the rollup's columns (``tenant_id``, ``agent_run_id``, attribution,
             ``first_ts``, ``last_ts``, ``duration_s``, ``model_calls``, ``ok_model_calls``,
-            ``refused_model_calls``, ``input_tokens``, ``cached_input_tokens``,
-            ``output_tokens``, ``reasoning_tokens``, ``models``, ``tool_calls``,
-            ``tool_calls_by_tool``, ``tool_calls_by_risk_class``, ``refused_tool_calls``,
-            ``replayed_tool_calls``, ``refusals``, ``approvals_requested`` / ``_approved`` /
-            ``_rejected`` / ``_consumed``, ``loop_stops``, ``stop_reason``, ``stop_detail``) plus
+            ``refused_model_calls`` (attempts, billed or not: module docstring), ``input_tokens``,
+            ``cached_input_tokens``, ``output_tokens``, ``reasoning_tokens`` (billed tokens:
+            :data:`~kvmeter.ledger.queries.BILLED_CLASSES`), ``models`` (those of its billed
+            rows), ``tool_calls``, ``tool_calls_by_tool``, ``tool_calls_by_risk_class``,
+            ``refused_tool_calls``, ``replayed_tool_calls``, ``refusals``, ``approvals_requested``
+            / ``_approved`` / ``_rejected`` / ``_consumed``, ``loop_stops``, ``stop_reason``,
+            ``stop_detail``) plus
             ``cost`` (exact decimal string, or None when unpriced), ``priced`` and ``currency``.
         """
         if order not in RUN_ORDERS:

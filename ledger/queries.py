@@ -48,7 +48,7 @@ ATTEMPT_TOTALS_SQL = """count() AS attempts,
     countIf(status IN ('invalid', 'error')) AS invalid_attempts"""
 
 __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "RECONCILE_SLACK_S", "BILL_CLASSES",
-           "BILLED_CLASSES", "classified_usage_sql"]
+           "BILLED_CLASSES", "BILLED_SQL", "classified_usage_sql"]
 
 #: The bill class of a usage row (one row per attempt, migration 0006), decided per logical
 #: request (``tenant_id``, ``event_id``) over all its rows (docs/ARCHITECTURE.md, "Metering rules"):
@@ -65,6 +65,9 @@ __all__ = ["UsageReader", "LedgerQueries", "GROUP_BY_FIELDS", "INVOICE_KEYS", "R
 BILL_CLASSES = ("usage", "undelivered_billed", "undelivered_absorbed", "superseded")
 #: The classes that are billed to the tenant.
 BILLED_CLASSES = ("usage", "undelivered_billed")
+#: The SQL condition, over a row of :func:`classified_usage_sql`, that it is billed (its class is
+#: one of :data:`BILLED_CLASSES`): what every read of money or billed tokens filters on.
+BILLED_SQL = "bill_class IN (" + ", ".join(f"'{c}'" for c in BILLED_CLASSES) + ")"
 
 #: The columns of a classified usage row (:func:`classified_usage_sql`), besides ``bill_class``:
 #: every column a usage row is written with.
@@ -98,8 +101,6 @@ def classified_usage_sql(where: str) -> str:
         ) AS b ON u.tenant_id = b.tenant_id AND u.event_id = b.event_id
     )"""
 
-
-_BILLED = "bill_class IN ('usage', 'undelivered_billed')"
 
 #: Allowed ``group_by`` names → SQL expression over usage_events.
 GROUP_BY_FIELDS: dict[str, str] = {
@@ -206,7 +207,7 @@ class LedgerQueries:
         group_sql = ", ".join(group)
         params = _params(period, tenant_id)
         usage = classified_usage_sql(f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}")
-        where = _BILLED
+        where = BILLED_SQL
         metrics = self._query(f"""
             SELECT {select_keys},
                 {BILLABLE_TOTALS_SQL},
@@ -324,36 +325,45 @@ class LedgerQueries:
 
     def usage_timeseries(self, period: Period, tenant_id: str | None = None,
                          step: str = "hour") -> list[dict[str, Any]]:
-        """Per-tenant usage per local hour or day of the period's zone (``Period.timezone``).
+        """Per-tenant billed usage per local hour or day of the period's zone (``Period.timezone``):
+        the rows of classes :data:`BILLED_CLASSES`, as :meth:`usage_summary` counts them, so a
+        logical request retried after an aborted attempt, or run twice (superseded), counts once.
 
-        Read from the hourly rollups (FINAL) when the zone's offsets in the period are whole
-        hours (a local hour or day is then a union of UTC hours); otherwise (``Asia/Kathmandu``,
-        +05:45) straight from ``usage_events`` FINAL. Buckets are ClickHouse's
-        ``toStartOfHour/Day(ts, zone)``; a local day is 23, 24 or 25 hours long.
+        Read from the hourly rollups (FINAL; billed rows only, :mod:`kvmeter.ledger.rollups`) when
+        the zone's offsets in the period are whole hours (a local hour or day is then a union of
+        UTC hours); otherwise (``Asia/Kathmandu``, +05:45) from ``usage_events`` FINAL through
+        :func:`classified_usage_sql`. Buckets are ClickHouse's ``toStartOfHour/Day(ts, zone)``; a
+        local day is 23, 24 or 25 hours long.
 
         Returns:
-            Dicts with ``ts`` (bucket start, aware UTC datetime), ``tenant_id``, ``requests``,
-            ``aborted_requests``, ``input_tokens``, ``cached_input_tokens``,
-            ``output_tokens``, ``kv_token_seconds``.
+            Dicts with ``ts`` (bucket start, aware UTC datetime), ``tenant_id``, ``requests``
+            (billed rows: logical requests, plus attempts billed as undelivered work),
+            ``aborted_requests``, ``input_tokens``, ``cached_input_tokens``, ``output_tokens``
+            (ints), ``kv_token_seconds`` (float).
         """
         if step not in ("hour", "day"):
             raise ValueError(f"step must be 'hour' or 'day', got {step!r}")
         fn = "toStartOfHour" if step == "hour" else "toStartOfDay"
         if whole_hour_offsets(period.start, period.end, period.timezone):
-            source, column = "usage_hourly", "hour"
+            column = "hour"
+            source = "usage_hourly FINAL"
+            where = f"hour >= {_PERIOD} AND hour < {_PERIOD_END}{_tenant_clause(tenant_id)}"
             totals = """sum(requests) AS requests, sum(aborted_requests) AS aborted_requests,
                 sum(input_tokens) AS input_tokens, sum(cached_input_tokens) AS cached_input_tokens,
                 sum(output_tokens) AS output_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
         else:
-            source, column = "usage_events", "finish_ts"
+            column = "finish_ts"
+            source = classified_usage_sql(f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}"
+                                          f"{_tenant_clause(tenant_id)}")
+            where = BILLED_SQL
             totals = """count() AS requests, countIf(outcome = 'aborted') AS aborted_requests,
                 sum(input_tokens) AS input_tokens, sum(cached_input_tokens) AS cached_input_tokens,
                 sum(output_tokens) AS output_tokens, sum(kv_token_seconds) AS kv_token_seconds"""
         rows = self._query(f"""
             SELECT toTimeZone({fn}({column}, {{tz:String}}), 'UTC') AS ts, tenant_id,
                 {totals}
-            FROM {source} FINAL
-            WHERE {column} >= {_PERIOD} AND {column} < {_PERIOD_END}{_tenant_clause(tenant_id)}
+            FROM {source}
+            WHERE {where}
             GROUP BY ts, tenant_id
             ORDER BY ts, tenant_id""", _params(period, tenant_id))
         for row in rows:

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta, timezone
 from clickhouse_connect.driver.client import Client
 
 from .agent_runs import refresh_run_rollups
-from .queries import BILLABLE_TOTALS_SQL, classified_usage_sql
+from .queries import BILLABLE_TOTALS_SQL, BILLED_SQL, classified_usage_sql
 
 __all__ = ["refresh_rollups", "ROLLUP_MARGIN_S"]
 
@@ -50,7 +50,7 @@ SELECT
     if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
     now64(3) AS computed_at
 FROM """ + classified_usage_sql("toStartOfHour(finish_ts) IN {hours:Array(DateTime('UTC'))}") + """
-WHERE bill_class IN ('usage', 'undelivered_billed')
+WHERE """ + BILLED_SQL + """
 GROUP BY hour, tenant_id, workspace_id, project_id, api_key_id, model, tier
 """
 

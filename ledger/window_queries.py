@@ -11,6 +11,16 @@ is a bound parameter (``{name:Type}``), label keys included; identifiers come on
 text. Tenant filtering is a parameter here; *who may ask for which tenant* is decided by the
 caller (:class:`~kvmeter.dashboards.source.ScopedSource`).
 
+**Attempts, not the bill.** A usage row is one attempt's engine work (migration 0006): a request
+aborted and retried has a row per attempt, one run again after a restart forgot its key two ``ok``
+rows. These reads are engine load — work done, attempts nobody was billed for included — so they
+count every attempt: their ``requests`` are attempts that reached the engine, their tokens the
+engine's tokens of those attempts. None of them is money or billed usage; those read only the
+billed rows (:data:`~kvmeter.ledger.queries.BILLED_CLASSES`, through
+:func:`~kvmeter.ledger.queries.classified_usage_sql`): the invoice, ``usage_summary`` and
+``usage_timeseries`` of :class:`~kvmeter.ledger.queries.LedgerQueries`, and an agent run's tokens
+and cost (:mod:`kvmeter.ledger.agent_runs`).
+
 Every method returns ``list[dict]`` with JSON-friendly values (ints, floats, strings, UTC-aware
 datetimes; ``None`` for missing — never NaN), so the rows travel over HTTP unchanged.
 Time buckets are ``toStartOfInterval(ts, step)``: aligned to multiples of the step since the epoch.
@@ -146,11 +156,12 @@ class WindowQueries:
     # ------------------------------------------------------------------ traffic (usage events)
 
     def traffic(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Whole-platform (or the tenants') traffic per bucket.
+        """Whole-platform (or the tenants') traffic per bucket: engine load, every attempt
+        (module docstring).
 
         Returns:
             Per bucket ``ts`` (UTC start): ``requests``, ``ok_requests``, ``aborted_requests``,
-            ``error_requests`` (requests that *finished* in the bucket); ``input_tokens``,
+            ``error_requests`` (attempts that *finished* in the bucket); ``input_tokens``,
             ``cached_input_tokens`` (⊆ input), ``output_tokens``; ``kv_token_seconds``
             (∫ KV tokens held dt of those requests — ÷ step = mean active KV tokens, exact when
             requests are shorter than a bucket); ``queue_seconds`` (Σ queue wait — ÷ step =
@@ -172,10 +183,11 @@ class WindowQueries:
             GROUP BY bucket ORDER BY bucket""", self._params(window, tenants))
 
     def traffic_by_tenant(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per bucket and tenant: ``ts``, ``tenant_id``, ``tier``, ``requests``,
-        ``input_tokens``, ``output_tokens``, ``kv_token_seconds``, ``queue_seconds`` (as in
-        :meth:`traffic`), and ``backlogged`` (1 if a request of the tenant waited ≥
-        :data:`BACKLOG_QUEUE_S` in the queue in that bucket, else 0)."""
+        """Per bucket and tenant (engine load, every attempt: module docstring): ``ts``,
+        ``tenant_id``, ``tier``, ``requests`` (attempts), ``input_tokens``, ``output_tokens``,
+        ``kv_token_seconds``, ``queue_seconds`` (as in :meth:`traffic`), and ``backlogged`` (1 if
+        an attempt of the tenant waited ≥ :data:`BACKLOG_QUEUE_S` in the queue in that bucket,
+        else 0)."""
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket, tenant_id, any(tier) AS tier,
                 count() AS requests,
@@ -190,7 +202,8 @@ class WindowQueries:
             self._params(window, tenants, backlog=BACKLOG_QUEUE_S))
 
     def tenant_totals(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per tenant over the window: ``tenant_id``, ``tier``, ``requests``, ``aborted_requests``,
+        """Per tenant over the window (engine load, every attempt: module docstring):
+        ``tenant_id``, ``tier``, ``requests`` (attempts), ``aborted_requests``,
         ``error_requests``, ``input_tokens``, ``cached_input_tokens``, ``output_tokens``,
         ``kv_token_seconds``, ``preemptions``, ``queue_seconds``, ``queued_requests`` (waited ≥
         :data:`BACKLOG_QUEUE_S` in the queue), ``queue_p95_s``, ``ttft_p95_s``,
@@ -214,8 +227,8 @@ class WindowQueries:
     # ------------------------------------------------------------------ latency
 
     def latency_by_tier(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per tier over the window (exact percentiles over requests that have the value; ITL is
-        each request's mean ITL; ``None`` when none has it).
+        """Per tier over the window (exact percentiles over attempts that have the value — every
+        attempt, module docstring; ITL is each attempt's mean ITL; ``None`` when none has it).
 
         Returns:
             ``tier``, ``requests``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p95_s``,
@@ -244,8 +257,9 @@ class WindowQueries:
             GROUP BY tier ORDER BY tier""", self._params(window, tenants))
 
     def latency_timeseries(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per bucket and tier: ``ts``, ``tier``, ``requests``, ``ttft_p50_s``, ``ttft_p95_s``,
-        ``itl_p50_s``, ``itl_p95_s``, ``queue_p95_s`` (exact, ``None`` when absent)."""
+        """Per bucket and tier, over every attempt (module docstring): ``ts``, ``tier``,
+        ``requests`` (attempts), ``ttft_p50_s``, ``ttft_p95_s``, ``itl_p50_s``, ``itl_p95_s``,
+        ``queue_p95_s`` (exact, ``None`` when absent)."""
         return self._query(f"""
             SELECT bucket, tier, requests, ttft[1] AS ttft_p50_s, ttft[2] AS ttft_p95_s, itl[1] AS itl_p50_s,
                 itl[2] AS itl_p95_s, queue_p95_s
@@ -263,7 +277,8 @@ class WindowQueries:
 
     def goodput(self, window: Buckets, tenants: Sequence[str] | None = None,
                 slos: Sequence[TierSlo] = ()) -> list[dict[str, Any]]:
-        """Throughput vs goodput per bucket and tier.
+        """Throughput vs goodput per bucket and tier, per attempt (engine work, module docstring:
+        an aborted attempt's tokens are throughput, not goodput, even when its retry was billed).
 
         A request is *good* under the gateway's rule (:mod:`kvmeter.serving.gateway.metering`):
         it finished ``ok`` and, when its tier has an SLO, it has a TTFT, the TTFT is within the
@@ -355,7 +370,8 @@ class WindowQueries:
     # ------------------------------------------------------------------ reservation drift
 
     def reservation_by_tenant(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Reservation vs actual per tenant: ``tenant_id``, ``tier``, ``requests``,
+        """Reservation vs actual per tenant, per attempt (each attempt reserved at its own
+        admission; module docstring): ``tenant_id``, ``tier``, ``requests`` (attempts),
         ``reserved_input_tokens``, ``reserved_output_tokens``, ``input_tokens``,
         ``output_tokens``, ``over_reserved_requests`` (reserved > used),
         ``under_reserved_requests`` (used > reserved)."""
@@ -374,8 +390,8 @@ class WindowQueries:
             GROUP BY tenant_id ORDER BY tenant_id""", self._params(window, tenants))
 
     def reservation_timeseries(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Per bucket: ``ts``, ``reserved_tokens`` (input + output reserved at admission),
-        ``actual_tokens`` (engine-true input + output)."""
+        """Per bucket, over every attempt (module docstring): ``ts``, ``reserved_tokens`` (input
+        + output reserved at admission), ``actual_tokens`` (engine-true input + output)."""
         return self._query(f"""
             SELECT {_bucket('finish_ts')} AS bucket,
                 sum(toUInt64(reserved_input_tokens) + reserved_output_tokens) AS reserved_tokens,
@@ -386,8 +402,8 @@ class WindowQueries:
 
     def output_budget_use(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """How much of the reserved output (``max_tokens``) requests used: ``bin`` (0 … 10, the
-        tenth of ``output / reserved output``; 10 = all of it or more), ``requests``.
-        Requests that reserved no output are left out."""
+        tenth of ``output / reserved output``; 10 = all of it or more), ``requests`` (attempts,
+        every one: module docstring). Attempts that reserved no output are left out."""
         return self._query(f"""
             SELECT least(toUInt32(floor({OUTPUT_USE_BINS} * output_tokens / reserved_output_tokens)),
                          {OUTPUT_USE_BINS}) AS bin,

@@ -80,12 +80,14 @@ def render(ctx: PageContext) -> None:
             "tools", "refusals", "approvals_requested", "stop_reason", "duration_s", "subtotal")
         st.dataframe(table.with_columns(pl.col("subtotal").map_elements(money, return_dtype=pl.String)),
                      hide_index=True, width="stretch",
-                     column_config={"tenant_id": "tenant", "agent_run_id": "run", "model_calls": "model calls",
-                                    "input_tokens": "input tokens", "output_tokens": "output tokens",
+                     column_config={"tenant_id": "tenant", "agent_run_id": "run",
+                                    "model_calls": "model calls (attempts)",
+                                    "input_tokens": "billed input tokens", "output_tokens": "billed output tokens",
                                     "tool_calls": "tool calls", "approvals_requested": "approvals",
                                     "stop_reason": "stopped", "subtotal": "cost",
                                     "duration_s": st.column_config.NumberColumn("duration (s)", format="%.1f")})
-        st.caption(f"{si(int(runs.get_column('model_calls').sum() or 0))} model calls and "
+        st.caption(f"{si(int(runs.get_column('model_calls').sum() or 0))} model calls (attempts: a retried call "
+                   "counts each; its tokens and cost are billed once) and "
                    f"{si(int(runs.get_column('tool_calls').sum() or 0))} permitted tool calls in these runs.")
 
     st.subheader("Loops stopped")

@@ -10,9 +10,14 @@ import streamlit as st
 if TYPE_CHECKING:
     from altair.typing import ChartType  # (altair ≥ 5.4; a type only)
 
-__all__ = ["si", "pct", "secs", "chart", "note_fallback", "empty"]
+__all__ = ["si", "pct", "secs", "chart", "note_fallback", "empty", "PER_ATTEMPT"]
 
 _PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+#: The caption of a page drawn from the ledger's window reads, which count every attempt
+#: (:mod:`kvmeter.ledger.window_queries`, "Attempts, not the bill").
+PER_ATTEMPT = ("Requests and tokens on this page are counted per attempt — the engine's work: a retried request "
+               "once per attempt, attempts nobody was billed for included. What is billed is on the Billing page.")
 
 
 def si(value: Any, unit: str = "", digits: int = 3) -> str:

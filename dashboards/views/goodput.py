@@ -9,11 +9,11 @@ import streamlit as st
 from .. import charts, schemas
 from ..frames import fill_buckets, goodput_by_tier, long, per_bucket_rate
 from ..ui import PageContext
-from .common import chart, pct, si
+from .common import PER_ATTEMPT, chart, pct, si
 
 TITLE = "Goodput"
 CAPTION = ("Throughput counts every token, including answers that missed their deadline and that nobody "
-           "used. Goodput counts only requests that finished inside their tier's TTFT and ITL SLOs.")
+           "used. Goodput counts only requests that finished inside their tier's TTFT and ITL SLOs. " + PER_ATTEMPT)
 
 
 def render(ctx: PageContext) -> None:

@@ -10,11 +10,11 @@ from .. import charts, schemas
 from ..frames import fill_buckets, per_bucket_rate, tenant_ranking, top_n
 from ..signals import ENGINE, TENANT
 from ..ui import PageContext
-from .common import chart, empty, note_fallback, pct, si
+from .common import PER_ATTEMPT, chart, empty, note_fallback, pct, si
 
 TITLE = "KV cache"
 CAPTION = ("Every running request holds its prompt and output in KV memory. A tenant under every "
-           "request limit can still fill the cache with long sessions — and shrink everyone's batch.")
+           "request limit can still fill the cache with long sessions — and shrink everyone's batch. " + PER_ATTEMPT)
 
 #: Tenants drawn individually in the per-tenant charts (the rest are folded into "(other)").
 TOP_TENANTS = 10

@@ -9,11 +9,11 @@ import streamlit as st
 from .. import charts, schemas
 from ..frames import long, slo_table
 from ..ui import PageContext
-from .common import chart, empty, secs
+from .common import PER_ATTEMPT, chart, empty, secs
 
 TITLE = "Latency vs SLO"
 CAPTION = ("Prefill decides time to first token (TTFT); decode decides inter-token latency (ITL). A long "
-           "prompt hurts the first, a long output the second — each tier is held to its own promise.")
+           "prompt hurts the first, a long output the second — each tier is held to its own promise. " + PER_ATTEMPT)
 
 
 def _slos(tiers, attr: str) -> pl.DataFrame:

@@ -12,11 +12,11 @@ from .. import charts, schemas
 from ..frames import long, traffic_rates
 from ..signals import ENGINE, SCHEDULER
 from ..ui import PageContext
-from .common import chart, note_fallback, secs, si
+from .common import PER_ATTEMPT, chart, note_fallback, secs, si
 
 TITLE = "Overview"
 CAPTION = ("Requests per second is what a normal API dashboard watches. The GPUs feel tokens, KV "
-           "memory and queueing — drawn here on the same time axis.")
+           "memory and queueing — drawn here on the same time axis. " + PER_ATTEMPT)
 
 
 def hidden_load(rates: pl.DataFrame) -> pl.DataFrame:
@@ -50,11 +50,14 @@ def render(ctx: PageContext) -> None:
 
     c = st.columns(5)
     c[0].metric("Requests / s (mean)", si(total["requests"] / elapsed),
-                help="Requests that finished in the window ÷ its elapsed seconds.")
+                help="Attempts that finished in the window ÷ its elapsed seconds (a retried request counts "
+                     "once per attempt).")
     c[1].metric("Input tokens / s", si(total["input_tokens"] / elapsed),
-                help="Engine-true input tokens (cached included) ÷ elapsed seconds — prefill work.")
+                help="Engine-true input tokens (cached included) of every attempt, billed or not, ÷ elapsed "
+                     "seconds — prefill work.")
     c[2].metric("Output tokens / s", si(total["output_tokens"] / elapsed),
-                help="Engine-true generated tokens ÷ elapsed seconds — decode work.")
+                help="Engine-true generated tokens of every attempt, billed or not, ÷ elapsed seconds — decode "
+                     "work.")
     c[3].metric("Mean active KV (tokens)", si(total["kv_token_seconds"] / elapsed),
                 help="∫ KV tokens held dt ÷ elapsed seconds, from the ledger's per-request KV token-seconds.")
     worst = rates.get_column("queue_p95_s").drop_nulls()

@@ -11,12 +11,12 @@ from kvmeter.ledger.window_queries import OUTPUT_USE_BINS
 from .. import charts, schemas
 from ..frames import fill_buckets, long, reservation_drift
 from ..ui import PageContext
-from .common import chart, pct, si
+from .common import PER_ATTEMPT, chart, pct, si
 
 TITLE = "Quota"
 CAPTION = ("Admission estimates a request's cost before knowing its output (max_tokens is a ceiling), "
            "reserves it, and reconciles to engine-true tokens at the end. Refusals should be early, cheap "
-           "and explained.")
+           "and explained. " + PER_ATTEMPT)
 
 
 #: Tenants drawn in the refusal heatmap (the table below holds all of them).

@@ -14,11 +14,11 @@ from .. import charts, schemas
 from ..frames import fill_buckets, jain_by_bucket, per_bucket_rate, tenant_ranking, top_n
 from ..signals import SCHEDULER, TENANT
 from ..ui import PageContext
-from .common import chart, empty, note_fallback, pct, si
+from .common import PER_ATTEMPT, chart, empty, note_fallback, pct, si
 
 TITLE = "Tenants & fairness"
 CAPTION = ("Fairness is measured in consumed work — service = 1 × input + 2 × output tokens (VTC, "
-           "Sheng et al., OSDI 2024) ÷ the tier's weight — not in requests.")
+           "Sheng et al., OSDI 2024) ÷ the tier's weight — not in requests. " + PER_ATTEMPT)
 
 TOP_TENANTS = 10
 

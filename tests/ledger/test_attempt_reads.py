@@ -1,0 +1,82 @@
+"""The reads beyond the invoice count a logical request's bill once (issue 15, follow-up).
+
+A usage row is one attempt (migration 0006): a call aborted and retried has two rows, a call run
+again after a restart forgot its key two ``ok`` rows (the second ``superseded``). Every read of
+money or of billed tokens reads only the billed rows, through ``classified_usage_sql``; the
+dashboards' window reads are engine load and count every attempt, as they say.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from ledgerkit import MODEL, PERIOD, make_event
+
+from kvmeter.dashboards.window import Window
+from kvmeter.ledger import Ledger, parse_period
+from kvmeter.ledger.window_queries import WindowQueries
+from kvmeter.tokens import TokenCounts
+
+TIER = "paid_interactive"
+#: What the two logical requests below are billed: call-1's successful retry and call-2's first success.
+BILLED = (300 + 100, 40 + 10)
+
+
+async def record_retried_calls(ledger: Ledger, **attribution: str) -> None:
+    """Two logical requests of acme, four attempts, drained:
+
+    * ``call-1``: attempt 1 aborted by the client (undelivered, billed by the tier's default: but
+      absorbed, since the retry succeeded), attempt 2 ``ok`` — the bill;
+    * ``call-2``: ``ok`` — the bill — then the same key and body run again after a restart:
+      ``ok`` again, superseded.
+    """
+    events = [
+        make_event(1, key="call-1", outcome="aborted", finish_reason="abort", input_tokens=300, output_tokens=5,
+                   undelivered_cause="client_abandoned", undelivered_billing="billed", **attribution),
+        make_event(2, key="call-1", request_id="acme-r2", attempt=2, input_tokens=300, output_tokens=40,
+                   **attribution),
+        make_event(3, key="call-2", input_tokens=100, output_tokens=10, **attribution),
+        make_event(4, key="call-2", request_id="acme-r4-again", input_tokens=100, output_tokens=12, **attribution),
+    ]
+    for e in events:
+        await ledger.record(e)
+    assert ledger.flush()
+
+
+async def test_an_agent_runs_tokens_and_cost_count_a_retried_call_once(open_ledger) -> None:
+    ledger = open_ledger()
+    await record_retried_calls(ledger, agent_run_id="run-1")
+    ledger.refresh_rollups()
+    [run] = ledger.agent_runs.runs(PERIOD, ["acme"])
+    assert (run["input_tokens"], run["output_tokens"]) == BILLED  # was (800, 67): every attempt
+    exact = ledger.prices.cost(MODEL, TIER, TokenCounts(input_tokens=BILLED[0], output_tokens=BILLED[1]))
+    assert run["subtotal"] == str(exact) and run["cost"] == str(ledger.prices.round(exact))
+    # the run's bill is the usage summary's for the run
+    [summary] = ledger.queries.usage_summary(PERIOD, "acme", group_by=("agent_run_id",))
+    assert (summary["input_tokens"], summary["output_tokens"], summary["cost"]) == (*BILLED, exact)
+    # model calls count attempts (the run's load, as its model_calls budget counts it)
+    assert (run["model_calls"], run["ok_model_calls"]) == (4, 3)
+
+
+async def test_usage_timeseries_bills_a_retried_request_once_in_every_zone(open_ledger) -> None:
+    ledger = open_ledger()
+    await record_retried_calls(ledger)
+    ledger.refresh_rollups()
+    for zone in ("Asia/Kathmandu", "UTC"):  # +05:45 reads usage_events, a whole-hour zone the rollup
+        period = parse_period("2026-11", zone)
+        for step in ("hour", "day"):
+            rows = ledger.queries.usage_timeseries(period, "acme", step=step)
+            totals = (sum(r["requests"] for r in rows), sum(r["input_tokens"] for r in rows),
+                      sum(r["output_tokens"] for r in rows))
+            assert totals == (2, *BILLED), (zone, step)  # Kathmandu was (4, 800, 67)
+        [summary] = ledger.queries.usage_summary(period, "acme")
+        assert (summary["requests"], summary["input_tokens"], summary["output_tokens"]) == (2, *BILLED)
+
+
+async def test_the_window_reads_count_every_attempt_as_engine_work(open_ledger) -> None:
+    ledger = open_ledger()
+    await record_retried_calls(ledger)
+    start = PERIOD.start + timedelta(days=14)  # the events finish at T0 + i + 0.5 s, T0 = 15 Nov 00:00 UTC
+    window = WindowQueries(ledger.query_client)
+    [traffic] = window.traffic(Window(start, start + timedelta(minutes=1), 60))
+    assert (traffic["requests"], traffic["input_tokens"], traffic["output_tokens"]) == (4, 800, 67)
