@@ -24,7 +24,10 @@ recorded but never alerted on, it is many tenants):
 Prometheus evaluates both over :attr:`NoisyThresholds.window` and fires after
 :attr:`NoisyThresholds.for_`; the dashboards' "Noisy neighbours" page applies the same predicates
 (:meth:`NoisyThresholds.cache_hit_low`, :meth:`NoisyThresholds.retrying`) to the ledger's totals
-over the page's window (:class:`~kvmeter.ledger.noisy_queries.NoisyQueries`).
+over the page's window (:class:`~kvmeter.ledger.noisy_queries.NoisyQueries`). The two counts of
+retries differ on purpose: the gateway's counter counts every retry it saw (replays, joins and
+refused conflicts included), the ledger only the retries that did engine work (a usage row each),
+so the page's number can be lower than the alert's.
 """
 
 from __future__ import annotations
