@@ -1,7 +1,7 @@
 """The Streamlit entry point of ``kvmeter dashboard`` (``streamlit run`` this file).
 
 Settings come from the environment (see :mod:`kvmeter.dashboards.config`; the CLI sets it).
-Nine pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
+Ten pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
 auto-refresh) is drawn here before the chosen page runs.
 """
 
@@ -21,6 +21,7 @@ PAGES = (
     ("tenants.py", "Tenants & fairness", ":material/balance:"),
     ("goodput.py", "Goodput", ":material/verified:"),
     ("quota.py", "Quota", ":material/block:"),
+    ("noisy.py", "Noisy neighbours", ":material/campaign:"),
     ("agent_runs.py", "Agent runs", ":material/smart_toy:"),
     ("billing.py", "Billing & reconciliation", ":material/receipt_long:"),
     ("gpu.py", "GPU", ":material/developer_board:"),

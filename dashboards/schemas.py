@@ -39,6 +39,10 @@ RESERVATION_BY_TENANT = {"tenant_id": S, "tier": S, "requests": I, "reserved_inp
                          "over_reserved_requests": I, "under_reserved_requests": I}
 RESERVATION_TIMESERIES = {"ts": TS, "reserved_tokens": I, "actual_tokens": I}
 OUTPUT_BUDGET_USE = {"bin": I, "requests": I}
+#: :meth:`kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours`
+NOISY_NEIGHBOURS = {"tenant_id": S, "tier": S, "input_tokens": I, "cached_input_tokens": I,
+                    "prompt_cache_hit_ratio": F, "logical_requests": I, "keyed_logical_requests": I, "attempts": I,
+                    "retries": I, "retries_per_logical_request": F}
 AGENT_RUNS = {"tenant_id": S, "agent_run_id": S, "api_key_id": S, "tier": S, "first_ts": TS, "last_ts": TS,
               "duration_s": F, "model_calls": I, "refused_model_calls": I, "input_tokens": I, "output_tokens": I,
               "tool_calls": I, "read_only_calls": I, "side_effect_calls": I, "high_risk_calls": I, "tools": S,

@@ -4,7 +4,8 @@ No SQL lives here: every read is the ledger's own query layer —
 :class:`~kvmeter.ledger.window_queries.WindowQueries` for the bucketed reads (traffic, latency,
 goodput, gateway decisions, reservations, signals), :func:`~kvmeter.ledger.billing.build_invoice`
 for the invoice, :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
-reconciliation and :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs. The same
+reconciliation, :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs and
+:class:`~kvmeter.ledger.noisy_queries.NoisyQueries` for the noisy-neighbour shapes. The same
 class serves the serve process's dashboard routes (:mod:`kvmeter.dashboards.routes`), so mode *a*
 (through the read API) returns exactly these rows, and the billing page shows the invoice
 ``kvmeter billing report`` writes.
@@ -22,6 +23,7 @@ from clickhouse_connect.driver.client import Client
 from kvmeter.ledger.agent_runs import AgentRunQueries
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import ClientHolder
+from kvmeter.ledger.noisy_queries import NoisyQueries
 from kvmeter.ledger.period import Period
 from kvmeter.ledger.prices import PriceList
 from kvmeter.ledger.queries import LedgerQueries
@@ -65,6 +67,7 @@ class SqlSource:
         self._ledger = LedgerQueries(client, prices)
         self._window = WindowQueries(client)
         self._runs = AgentRunQueries(client, prices)
+        self._noisy = NoisyQueries(client)
 
     def close(self) -> None:
         """Close the connection if this source holds a :class:`ClientHolder` (idempotent)."""
@@ -120,6 +123,10 @@ class SqlSource:
         """Approvals pending as of the window's end
         (:meth:`AgentRunQueries.pending_approvals <kvmeter.ledger.agent_runs.AgentRunQueries.pending_approvals>`)."""
         return self._runs.pending_approvals(window.end, tenants, limit=1000)
+
+    def noisy_neighbours(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`NoisyQueries.noisy_neighbours <kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours>`."""
+        return self._noisy.noisy_neighbours(window, tenants)
 
     def __getattr__(self, name: str) -> Any:
         if name in WINDOW_READS:  # the ledger's window read of that name (goodput is above)

@@ -219,6 +219,10 @@ METRICS: tuple[Metric, ...] = (
     # ---- gateway retries, quota, tenancy (quota and tenancy stats, AdmissionDecision): quota.py
     Metric("kvmeter_gateway_retries_total", "counter", ("tier", "tenant"),
            "client retries of an already-seen logical request (same idempotency key)", "gateway"),
+    # the denominator of retries per logical request (rules/noisy.yml): a request without an
+    # Idempotency-Key is a new logical request every time and can never be seen as a retry
+    Metric("kvmeter_gateway_idempotent_requests_total", "counter", ("tier", "tenant"),
+           "logical requests sent with an Idempotency-Key (their first attempt)", "gateway"),
     Metric("kvmeter_gateway_idempotent_replays_total", "counter", ("tier",),
            "retries answered from the idempotency cache without engine work", "gateway"),
     Metric("kvmeter_quota_reserved_tokens_total", "counter", ("tier", "type"),

@@ -16,6 +16,9 @@ Definitions:
   with ``direction="under"`` when positive (the request used more than was reserved) and
   ``"over"`` when negative. A reservation released unused (``outcome="released"``) is all "over".
   ``cost`` drifts (money, Decimal) are not exported: money lives in the ledger.
+* **keyed logical request** — the first attempt (``first``, ``attempt`` 1) of a request with an
+  ``Idempotency-Key``: the denominator of a tenant's retries per logical request (a request
+  without a key is a new logical request every time, never a retry).
 * **retry** — an attempt of a logical request already seen under the same idempotency key: any
   outcome but ``first``, or ``first`` with ``attempt > 1`` (the retry after an abandoned attempt,
   which runs again). **Idempotent replay** — a retry answered from the stored result (``joined``
@@ -52,6 +55,7 @@ class QuotaMetrics(MetricSource):
         self.reserved = m("kvmeter_quota_reserved_tokens_total")
         self.drift = m("kvmeter_quota_reservation_drift_tokens_total")
         self.retries = m("kvmeter_gateway_retries_total")
+        self.keyed = m("kvmeter_gateway_idempotent_requests_total")
         self.replays = m("kvmeter_gateway_idempotent_replays_total")
         self.degraded = m("kvmeter_quota_store_degraded")
         self.pending = m("kvmeter_quota_store_pending_settles_requests")
@@ -92,9 +96,10 @@ class QuotaMetrics(MetricSource):
             self._tier_of[tenant] = tier
 
     def on_attempt(self, a: IdempotencyAttempt) -> None:
-        if a.outcome == "first" and a.attempt <= 1:
-            return
         tier = self._tier_of.get(a.tenant_id, "unknown")
+        if a.outcome == "first" and a.attempt <= 1:
+            self.tenant_child(self.keyed, 1, (tier, a.tenant_id)).inc()
+            return
         self.tenant_child(self.retries, 1, (tier, a.tenant_id)).inc()
         if a.replayed:
             self.replays.labels(tier).inc()

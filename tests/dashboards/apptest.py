@@ -10,7 +10,7 @@ import pyarrow as pa
 from streamlit.testing.v1 import AppTest
 
 APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
-PAGES = ("overview", "kv", "latency", "tenants", "goodput", "quota", "agent_runs", "billing", "gpu")
+PAGES = ("overview", "kv", "latency", "tenants", "goodput", "quota", "noisy", "agent_runs", "billing", "gpu")
 
 
 def run_page(page: str, timeout: float = 180) -> AppTest:

@@ -29,7 +29,7 @@ CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 #: page file → URL path (st.navigation derives it from the file name; the default page is "/")
 URLS = {"overview": "", "kv": "kv", "latency": "latency", "tenants": "tenants", "goodput": "goodput",
-        "quota": "quota", "agent_runs": "agent_runs", "billing": "billing", "gpu": "gpu"}
+        "quota": "quota", "noisy": "noisy", "agent_runs": "agent_runs", "billing": "billing", "gpu": "gpu"}
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 

@@ -135,3 +135,33 @@ def test_downloads_round_trip_exact_decimals():
     assert b"0.000356400000000000" in to_csv_bytes(df)
     back = pl.read_parquet(to_parquet_bytes(df))
     assert back.schema["cost"] == pl.Decimal(38, 18) and back.item(0, "cost") == Decimal("0.0003564")
+
+
+def test_noisy_neighbour_detectors_fire_on_the_rules_thresholds():
+    from kvmeter.dashboards.schemas import NOISY_NEIGHBOURS
+    from kvmeter.dashboards.views.noisy import CACHE, RETRIES, detector_states
+
+    # over 900 s (thresholds: hit ratio < 0.25 at >= 500 input tokens/s; > 0.5 retries per keyed
+    # logical request at >= 0.1 retries/s)
+    noisy = frame([
+        # thrash: 900,000 input tokens (1,000/s), 45,000 cached (0.05): fires
+        {"tenant_id": "thrash", "tier": "free", "input_tokens": 900_000, "cached_input_tokens": 45_000,
+         "prompt_cache_hit_ratio": 0.05, "logical_requests": 300, "keyed_logical_requests": 0, "attempts": 300,
+         "retries": 0, "retries_per_logical_request": None},
+        # quiet: the same ratio at 100 input tokens/s; 180 retries of 100 keyed requests (1.8, 0.2/s): fires
+        {"tenant_id": "loop", "tier": "enterprise", "input_tokens": 90_000, "cached_input_tokens": 4_500,
+         "prompt_cache_hit_ratio": 0.05, "logical_requests": 100, "keyed_logical_requests": 100, "attempts": 280,
+         "retries": 180, "retries_per_logical_request": 1.8},
+        # warm and rarely retrying: quiet on both
+        {"tenant_id": "warm", "tier": "enterprise", "input_tokens": 900_000, "cached_input_tokens": 600_000,
+         "prompt_cache_hit_ratio": 2 / 3, "logical_requests": 400, "keyed_logical_requests": 400, "attempts": 440,
+         "retries": 40, "retries_per_logical_request": 0.1},
+    ], NOISY_NEIGHBOURS)
+    states = detector_states(noisy, 900.0)
+    got = {(r["tenant_id"], r["detector"]): r["state"] for r in states.iter_rows(named=True)}
+    assert got == {("thrash", CACHE): "firing", ("thrash", RETRIES): "quiet",
+                   ("loop", CACHE): "quiet", ("loop", RETRIES): "firing",
+                   ("warm", CACHE): "quiet", ("warm", RETRIES): "quiet"}
+    assert states.get_column("state").to_list()[:2] == ["firing", "firing"]  # firing rows first
+    loop = states.filter((pl.col("tenant_id") == "loop") & (pl.col("detector") == RETRIES)).row(0, named=True)
+    assert loop["value"] == 1.8 and loop["rate_per_s"] == pytest.approx(0.2)

@@ -36,6 +36,9 @@ EXPECTED: dict[str, tuple[list[str], list[str]]] = {
     "quota": (["Rejected attempts", "Rejection rate", "Reserved vs used", "Tokens reserved"],
               ["Refusals by tenant and reason", "Tokens reserved at admission", "Reservation drift per tenant",
                "Share of max_tokens"]),
+    "noisy": (["Prompt-cache hit ratio", "Retries per logical request", "Tenants thrashing the cache",
+               "Tenants retrying"],
+              ["Prompt-cache hit ratio per tenant"]),
     "agent_runs": (["Agent runs", "Loops stopped", "Approvals pending", "Most expensive run", "Tool calls refused"],
                    ["Most expensive runs", "Tool calls permitted by risk class", "Runs stopped by reason"]),
     "billing": (["Invoice total", "Invoice lines", "Tenants reconciled", "Tenants with drift"],
@@ -121,6 +124,29 @@ def test_rejections_and_aborts_are_shown(reader, dashboard_env, replay):
         assert by_tenant.loc[tenant, "matched_requests"] == replay.billed_requests(tenant)
         assert by_tenant.loc[tenant, "aborted_requests"] == 0
     assert len(billing.get("download_button")) == 4  # invoice and reconciliation, CSV and Parquet
+
+
+def test_noisy_neighbours_counts_every_attempt_and_states_each_detector(reader, dashboard_env, replay):
+    """The noisy-neighbour table holds, per tenant, the engine-true input tokens the clients were
+    told about (tenants without dropped streams) and one usage row per attempt; the replay sends no
+    Idempotency-Key, so no retry can be seen; at its rates (a few requests a second over 15
+    minutes) no detector fires."""
+    dashboard_env(server=reader.url, key=KEYS["admin"])
+    at = run_page("noisy")
+    assert_clean(at)
+    table = next(df.value for df in at.dataframe if "prompt_cache_hit_ratio" in df.value.columns)
+    rows = table.set_index("tenant_id")
+    assert set(rows.index) == {t for t in TENANTS if replay.billed_requests(t)}
+    for tenant in rows.index:
+        assert rows.loc[tenant, "attempts"] == replay.billed_requests(tenant)
+        assert rows.loc[tenant, "prompt_cache_hit_ratio"] == (
+            rows.loc[tenant, "cached_input_tokens"] / rows.loc[tenant, "input_tokens"])
+    for tenant in ("acme", "umbrella", "hobbyist"):
+        assert rows.loc[tenant, "input_tokens"] == replay.ok[tenant]["input_tokens"]
+    assert (table["retries"] == 0).all() and (table["keyed_logical_requests"] == 0).all()
+    states = next(df.value for df in at.dataframe if "state" in df.value.columns)
+    assert len(states) == 2 * len(table) and set(states["state"]) == {"quiet"}
+    assert any("No tenant sent a request with an Idempotency-Key" in c.value for c in at.caption)
 
 
 def test_admin_tenant_filter_narrows_every_read(reader, dashboard_env):

@@ -185,3 +185,18 @@ def test_scoped_source_enforces_the_tenant(source):
     assert {r["tenant_id"] for r in admin.read("tenant_totals", WINDOW, ["hobby"])} == {"hobby"}
     with pytest.raises(ValueError):
         admin.read("drop_table", WINDOW)
+
+
+def test_noisy_neighbours_through_the_sql_source_and_its_scope(source):
+    # events 1, 2, 4 of acme in the window (6 is outside): 600 input tokens, none cached, no key
+    admin = ScopedSource(source, Viewer("platform", "enterprise", "platform-admin", admin=True))
+    rows = {r["tenant_id"]: r for r in admin.read("noisy_neighbours", WINDOW)}
+    assert set(rows) == {"acme", "hobby"}
+    acme = rows["acme"]
+    assert (acme["input_tokens"], acme["cached_input_tokens"], acme["prompt_cache_hit_ratio"]) == (600, 0, 0.0)
+    assert (acme["attempts"], acme["logical_requests"], acme["retries"]) == (3, 3, 0)
+    assert acme["retries_per_logical_request"] is None
+    tenant = ScopedSource(source, Viewer("acme", "enterprise", "acme-key"))
+    assert [r["tenant_id"] for r in tenant.read("noisy_neighbours", WINDOW)] == ["acme"]
+    with pytest.raises(ScopeError):
+        tenant.read("noisy_neighbours", WINDOW, ["hobby"])

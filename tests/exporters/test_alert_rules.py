@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeter.clock import ManualClock
 from kvmeter.exporters.prometheus import METRICS, rule_files
-from kvmeter.exporters.prometheus.rules import generate_slo
+from kvmeter.exporters.prometheus.rules import generate_slo, noisy
 from kvmeter.stats import ReconciliationStats
 from kvmeter.stats import EngineRequestStats
 from kvmeter.tokens import TokenCounts
@@ -42,7 +42,7 @@ FIRED_BY_REAL_RUN = {"KvmeterReconciliationDrift", "KvmeterReconciliationStale",
 def test_every_rule_file_is_shipped_and_tested():
     names = {p.name for p in RULE_FILES}
     assert names == {"engine.yml", "requests.yml", "tenants.yml", "gpu.yml", "ledger.yml", "slo.yml", "agents.yml",
-                     "selfcheck.yml"}
+                     "selfcheck.yml", "noisy.yml"}
     tested = {Path(f).name for t in TESTS for f in yaml.safe_load(t.read_text())["rule_files"]}
     assert tested == names
 
@@ -120,6 +120,41 @@ def test_rules_read_only_declared_metrics():
 def test_generated_slo_rules_are_up_to_date():
     path = Path(generate_slo.__file__).with_name("slo.yml")
     assert path.read_text() == generate_slo.render(), "run python -m kvmeter.exporters.prometheus.rules.generate_slo"
+
+
+def test_generated_noisy_neighbour_rules_are_up_to_date():
+    path = Path(noisy.__file__).with_name("noisy.yml")
+    assert path.read_text() == noisy.render(), "run python -m kvmeter.exporters.prometheus.rules.noisy"
+    assert noisy.main(["--check", "--out", str(path)]) == 0
+
+
+def test_noisy_neighbour_thresholds_are_stated_in_the_rules_and_configurable(tmp_path):
+    text = noisy.render()
+    t = noisy.THRESHOLDS
+    assert f"< {t.cache_hit_ratio_below:g}" in text and f">= {t.cache_min_input_tokens_per_s:g}" in text
+    assert f"> {t.retries_per_request_above:g}" in text and f">= {t.retries_min_per_s:g}" in text
+    out = tmp_path / "noisy.yml"
+    assert noisy.main(["--cache-hit-ratio-below", "0.1", "--window", "30m", "--for", "5m", "--out", str(out)]) == 0
+    custom = yaml.safe_load(out.read_text())["groups"][0]["rules"]
+    alert = next(r for r in custom if r.get("alert") == "KvmeterTenantPromptCacheHitLow")
+    assert alert["for"] == "5m" and "ratio_rate30m{tenant!=\"other\"} < 0.1" in alert["expr"]
+    assert noisy.main(["--check", "--out", str(out)]) == 1  # not the defaults any more
+    with pytest.raises(ValueError, match="cache_hit_ratio_below"):
+        noisy.NoisyThresholds(cache_hit_ratio_below=1.5)
+    with pytest.raises(ValueError, match="window"):
+        noisy.NoisyThresholds(window="15 minutes")
+
+
+def test_the_dashboards_predicates_are_the_rules_conditions():
+    t = noisy.THRESHOLDS  # < 0.25 hit ratio while >= 500 input tokens/s; > 0.5 retries while >= 0.1/s
+    assert t.cache_hit_low(input_tokens=600_000, cached_input_tokens=30_000, seconds=900)    # 0.05, 667/s
+    assert not t.cache_hit_low(input_tokens=600_000, cached_input_tokens=150_000, seconds=900)  # 0.25: not below
+    assert not t.cache_hit_low(input_tokens=400_000, cached_input_tokens=0, seconds=900)     # 444/s: quiet
+    assert not t.cache_hit_low(input_tokens=0, cached_input_tokens=0, seconds=900)
+    assert t.retrying(retries=180, keyed_requests=100, seconds=900)                          # 1.8, 0.2/s
+    assert not t.retrying(retries=50, keyed_requests=100, seconds=900)                       # 0.5: not above
+    assert not t.retrying(retries=80, keyed_requests=10, seconds=900)                        # 0.089/s: sparse
+    assert not t.retrying(retries=5, keyed_requests=0, seconds=900)
 
 
 def test_burn_rates_follow_the_sre_workbook():

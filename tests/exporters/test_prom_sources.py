@@ -184,6 +184,9 @@ def test_retries_and_idempotent_replays(bus, registry, clock):
         bus.publish(IdempotencyAttempt(tenant_id="acme", outcome=outcome, attempt=attempt, replayed=replayed))
     bus.publish(IdempotencyAttempt(tenant_id="stranger", outcome="replayed", attempt=1, replayed=True))
     assert registry.get_sample_value("kvmeter_gateway_retries_total", {"tier": "enterprise", "tenant": "acme"}) == 5
+    # one logical request with a key: the denominator of retries per logical request (rules/noisy.yml)
+    assert registry.get_sample_value("kvmeter_gateway_idempotent_requests_total",
+                                     {"tier": "enterprise", "tenant": "acme"}) == 1
     assert registry.get_sample_value("kvmeter_gateway_idempotent_replays_total", {"tier": "enterprise"}) == 2
     # a tenant with no admission decision in this process: tier unknown, never dropped
     assert registry.get_sample_value("kvmeter_gateway_idempotent_replays_total", {"tier": "unknown"}) == 1

@@ -1,0 +1,91 @@
+"""The ledger's noisy-neighbour reads: per tenant over a window, the shapes of issue 14 that the
+usage rows can show — prompt-cache hit ratio and retries per logical request.
+
+Beside :class:`~kvmeter.ledger.window_queries.WindowQueries` (same runner, same rules: usage read
+deduplicated with ``FINAL``, every value a bound parameter, rows JSON-friendly with ``None`` for
+missing, never NaN; usage belongs to the window containing its ``finish_ts``).
+
+This is **engine work, not billing**: every usage row counts — one row per attempt that reached the
+engine (migration 0006: the attempts of one logical request share ``(tenant_id, event_id)``),
+superseded and undelivered attempts included — never the billed view
+(:func:`~kvmeter.ledger.queries.classified_usage_sql`), which keeps one bill per logical request.
+
+Definitions (the Prometheus rules use the same ratios: ``rules/noisy.py``):
+
+* prompt-cache hit ratio = Σ cached input tokens ÷ Σ input tokens (cached input is a part of the
+  input: ``kvmeter.tokens.TokenCounts``);
+* logical requests = distinct event ids; keyed logical requests = those sent with an
+  ``Idempotency-Key`` (only these can be retried: without a key every request is a new logical
+  request, ``kvmeter.events.event_id_for``);
+* retries = attempts − logical requests (each attempt after a logical request's first that did
+  engine work; a replay from the idempotency store did none and has no usage row); retries per
+  logical request = retries ÷ keyed logical requests.
+
+A logical request whose attempts straddle the window's start or end counts there with the attempts
+that finished inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from clickhouse_connect.driver.client import Client
+
+from .connection import ClientHolder, QueryRunner
+from .window_queries import _END, _SETTINGS, _START, Buckets, _check_tenants, _clean, _tenant_filter
+
+__all__ = ["NoisyQueries"]
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+class NoisyQueries:
+    """Per-tenant noisy-neighbour reads on the ledger's ClickHouse database.
+
+    Args:
+        client: a :class:`~kvmeter.ledger.connection.ClientHolder` or a zero-argument function
+            returning a connected clickhouse-connect client whose database is the ledger's.
+    Raises (every read):
+        LedgerUnavailable: ClickHouse cannot be reached.
+        LedgerError: ClickHouse refused the query.
+        ValueError: an empty tenant id.
+    """
+
+    def __init__(self, client: ClientHolder | Callable[[], Client]) -> None:
+        self._runner = QueryRunner(client)
+
+    def noisy_neighbours(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Per tenant with usage in ``[window.start, window.end)`` (``window.step_s`` unused), sorted
+        by tenant.
+
+        Returns:
+            ``tenant_id``, ``tier`` (any one of the tenant's rows), ``input_tokens``,
+            ``cached_input_tokens`` (⊆ input), ``prompt_cache_hit_ratio`` (0–1, ``None`` without
+            input), ``logical_requests``, ``keyed_logical_requests``, ``attempts`` (usage rows),
+            ``retries`` (attempts − logical requests), ``retries_per_logical_request`` (retries ÷
+            keyed logical requests, ``None`` without one).
+        """
+        params: dict[str, Any] = {"start": window.start, "end": window.end}
+        checked = _check_tenants(tenants)
+        if checked is not None:
+            params["tenants"] = checked
+        rows = self._runner.rows(f"""
+            SELECT tenant_id, any(tier) AS tier,
+                sum(input_tokens) AS input_tokens,
+                sum(cached_input_tokens) AS cached_input_tokens,
+                uniqExact(event_id) AS logical_requests,
+                uniqExactIf(event_id, idempotency_key != '') AS keyed_logical_requests,
+                count() AS attempts
+            FROM usage_events FINAL
+            WHERE finish_ts >= {_START} AND finish_ts < {_END}{_tenant_filter(tenants)}
+            GROUP BY tenant_id ORDER BY tenant_id""", params, settings=_SETTINGS)
+        out = []
+        for row in rows:
+            r = {k: _clean(v) for k, v in row.items()}
+            r["prompt_cache_hit_ratio"] = _ratio(r["cached_input_tokens"], r["input_tokens"])
+            r["retries"] = r["attempts"] - r["logical_requests"]
+            r["retries_per_logical_request"] = _ratio(r["retries"], r["keyed_logical_requests"])
+            out.append(r)
+        return out
