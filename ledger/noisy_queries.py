@@ -27,12 +27,9 @@ that finished inside it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-from clickhouse_connect.driver.client import Client
-
-from .connection import ClientHolder, QueryRunner
-from .window_queries import _END, _SETTINGS, _START, Buckets, _check_tenants, _clean, _tenant_filter
+from .window_queries import _END, _START, Buckets, WindowQueries, _tenant_filter
 
 __all__ = ["NoisyQueries"]
 
@@ -41,20 +38,9 @@ def _ratio(part: int, whole: int) -> float | None:
     return part / whole if whole > 0 else None
 
 
-class NoisyQueries:
-    """Per-tenant noisy-neighbour reads on the ledger's ClickHouse database.
-
-    Args:
-        client: a :class:`~kvmeter.ledger.connection.ClientHolder` or a zero-argument function
-            returning a connected clickhouse-connect client whose database is the ledger's.
-    Raises (every read):
-        LedgerUnavailable: ClickHouse cannot be reached.
-        LedgerError: ClickHouse refused the query.
-        ValueError: an empty tenant id.
-    """
-
-    def __init__(self, client: ClientHolder | Callable[[], Client]) -> None:
-        self._runner = QueryRunner(client)
+class NoisyQueries(WindowQueries):
+    """Per-tenant noisy-neighbour reads: :class:`~kvmeter.ledger.window_queries.WindowQueries`'
+    client, parameters, row cleaning and errors, plus :meth:`noisy_neighbours`."""
 
     def noisy_neighbours(self, window: Buckets, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Per tenant with usage in ``[window.start, window.end)`` (``window.step_s`` unused), sorted
@@ -67,11 +53,7 @@ class NoisyQueries:
             ``retries`` (attempts − logical requests), ``retries_per_logical_request`` (retries ÷
             keyed logical requests, ``None`` without one).
         """
-        params: dict[str, Any] = {"start": window.start, "end": window.end}
-        checked = _check_tenants(tenants)
-        if checked is not None:
-            params["tenants"] = checked
-        rows = self._runner.rows(f"""
+        rows = self._query(f"""
             SELECT tenant_id, any(tier) AS tier,
                 sum(input_tokens) AS input_tokens,
                 sum(cached_input_tokens) AS cached_input_tokens,
@@ -80,12 +62,9 @@ class NoisyQueries:
                 count() AS attempts
             FROM usage_events FINAL
             WHERE finish_ts >= {_START} AND finish_ts < {_END}{_tenant_filter(tenants)}
-            GROUP BY tenant_id ORDER BY tenant_id""", params, settings=_SETTINGS)
-        out = []
-        for row in rows:
-            r = {k: _clean(v) for k, v in row.items()}
+            GROUP BY tenant_id ORDER BY tenant_id""", self._params(window, tenants))
+        for r in rows:
             r["prompt_cache_hit_ratio"] = _ratio(r["cached_input_tokens"], r["input_tokens"])
             r["retries"] = r["attempts"] - r["logical_requests"]
             r["retries_per_logical_request"] = _ratio(r["retries"], r["keyed_logical_requests"])
-            out.append(r)
-        return out
+        return rows
