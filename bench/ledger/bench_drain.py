@@ -59,9 +59,13 @@ def main() -> None:
 
         drain_rates: list[float] = []
         arrow_rates: dict[str, list[float]] = {}
-        engines = {"MergeTree ORDER BY tuple()": "MergeTree ORDER BY tuple()",
+        # Since migration 0006 usage_events has primary key (tenant_id, event_id) and sorting key
+        # (tenant_id, event_id, attempt_id); `CREATE TABLE ... AS usage_events` copies the primary
+        # key, so each ceiling table states its own.
+        engines = {"MergeTree ORDER BY tuple()": "MergeTree PRIMARY KEY tuple() ORDER BY tuple()",
                    "ReplacingMergeTree, the ledger's sort key":
-                       "ReplacingMergeTree(attempt) ORDER BY (tenant_id, event_id)"}
+                       "ReplacingMergeTree(attempt) PRIMARY KEY (tenant_id, event_id) "
+                       "ORDER BY (tenant_id, event_id, attempt_id)"}
         for r in range(args.repeat):
             shutil.copytree(base / "spool", base / f"spool-{r}")
             cfg = LedgerConfig(dsn=f"chdb://{base / f'chdb-{r}'}", spool_dir=base / f"spool-{r}",
