@@ -70,7 +70,9 @@ _OUTCOMES = ("ok", "aborted", "error")
 #: the ledger and the invoice use it): the client left (``client_abandoned``: disconnected or gave
 #: up, before or after its first token), the server failed it (``server_failure``: an engine or
 #: upstream error, an internal error), the server stopped under it (``shutdown``), or it was
-#: dropped at its deadline after it had been dispatched (``deadline``).
+#: dropped at its deadline after it had been dispatched (``deadline``: reserved, no attempt carries
+#: it yet — the scheduler drops only requests still queued, which did no engine work and get no
+#: usage row; their attempt record is ``rejected`` with reason ``deadline``).
 UNDELIVERED_CAUSES = ("client_abandoned", "server_failure", "shutdown", "deadline")
 UndeliveredCause = Literal["client_abandoned", "server_failure", "shutdown", "deadline"]
 #: What becomes of undelivered work: ``billed`` to the tenant, or ``absorbed`` by the platform.

@@ -229,8 +229,10 @@ def _undelivered_cause(adm: Admitted, outcome: str) -> str:
     response saw it), ``shutdown`` when the task finishing it is being cancelled and the client did
     not leave (uvicorn cancels the requests still running at the end of its graceful shutdown; a
     stream cut that way used to be recorded as the client's abort), else ``client_abandoned`` for
-    ``aborted`` and ``server_failure`` for ``error``. ``deadline`` is given by the caller that
-    drops a dispatched request at its deadline.
+    ``aborted`` and ``server_failure`` for ``error``. ``deadline`` (a dispatched request dropped
+    at its deadline) is never decided here, and no caller gives it today: the scheduler drops only
+    queued requests, before the engine sees them (their attempt is ``rejected``, reason
+    ``deadline``; no usage row).
 
     Call it outside a shielded cancel scope (it reads :meth:`asyncio.Task.cancelling`).
     """

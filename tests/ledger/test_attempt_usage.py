@@ -8,6 +8,7 @@ request, so a failed retry erased the bill (both ended at 0/0 on the previous ve
 
 from __future__ import annotations
 
+import dataclasses
 from decimal import Decimal
 
 import msgspec
@@ -120,6 +121,50 @@ async def test_undelivered_work_is_billed_or_absorbed_on_lines_of_its_own(open_l
     assert row["explained_engine_tokens"] == row["engine_tokens"]
     assert row["engine_tokens_explained_ratio"] == 1.0
     assert row["status"] == "ok"
+
+
+async def test_a_retry_storms_abandoned_attempts_are_one_billed_line_priced_exactly(open_ledger) -> None:
+    """The rows the real-engine retry storm writes (tests/serving/engines/test_retry_storm.py): 8
+    logical requests of 3 attempts each, every one left before its first token after the engine
+    had taken in two 256-token chunks (512 input tokens, 0 output, the engine's own account).
+    On 3 Dec that test saw this line's ``cost`` 0 and took it for a billing bug: it is the
+    line's rounding. 12,288 input tokens at 0.30 USD per million are 0.0036864 USD exactly (the
+    line's ``subtotal``), which the packaged list's rule (ROUND_HALF_EVEN to 0.01 per invoice
+    line, the one rounding point) makes 0.00; a list with a finer quantum bills it to the cent
+    fraction."""
+    ledger = open_ledger()
+    prices = ledger.prices
+    i = 0
+    for client in range(8):
+        for attempt in (1, 2, 3):
+            i += 1
+            e = make_event(i, key=f"storm-{client}", request_id=f"acme-storm-{client}-{attempt}", attempt=attempt,
+                           outcome="aborted", finish_reason="abort", stream=True, input_tokens=512,
+                           output_tokens=0, token_source="engine_hooks", ttft_s=None, itl_mean_s=None,
+                           undelivered_cause="client_abandoned", undelivered_billing="billed")
+            await ledger.record_attempt(make_attempt(e))
+            ledger.record_engine(engine_stats(e))
+            await ledger.record(e)
+    assert ledger.flush()
+    lines = _lines(ledger)
+    assert set(lines) == {("usage", ""), ("undelivered_billed", "client_abandoned")}
+    usage = lines[("usage", "")]  # nothing was delivered: the usage line carries the key's 24 attempts
+    assert (usage["requests"], usage["attempts"], usage["input_tokens"], usage["cost"]) == (0, 24, 0, 0)
+    line = lines[("undelivered_billed", "client_abandoned")]
+    assert (line["requests"], line["aborted_requests"], line["input_tokens"], line["output_tokens"]) == \
+        (24, 24, 12_288, 0)
+    work = TokenCounts(input_tokens=12_288)
+    assert line["subtotal"] == prices.cost(MODEL, "paid_interactive", work) == Decimal("0.0036864")
+    assert line["cost"] == prices.round(line["subtotal"]) == Decimal("0.00")  # < half a cent: rounds to 0
+    assert (prices.quantum, prices.rounding) == (Decimal("0.01"), "ROUND_HALF_EVEN")
+    fine = dataclasses.replace(prices, quantum=Decimal("0.000001"))
+    [fine_line] = [r for r in build_invoice(ledger.queries, PERIOD, fine, "acme").rows()
+                   if r["line_type"] == "undelivered_billed"]
+    assert fine_line["subtotal"] == line["subtotal"] and fine_line["cost"] == Decimal("0.003686")
+    # every engine token is explained, as undelivered work billed
+    [row] = reconcile(ledger.queries.reconcile_views(PERIOD, "acme")).frame.to_dicts()
+    assert row["engine_tokens"] == row["undelivered_billed_engine_tokens"] == 12_288
+    assert row["engine_tokens_explained_ratio"] == 1.0
 
 
 async def test_a_key_reused_with_another_body_is_another_logical_request(open_ledger) -> None:

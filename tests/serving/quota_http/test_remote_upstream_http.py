@@ -18,9 +18,10 @@ from starlette.routing import Route
 
 from kvmeter.bus import StatsBus
 from kvmeter.serving.engines.remote import RemoteEngine
+from kvmeter.serving.tenancy import DEFAULT_TIERS
 from kvmeter.traces import data_dir
 from tests.conftest import free_port, start_uvicorn
-from tests.serving.quota_http.conftest import MODEL, tenants
+from tests.serving.quota_http.conftest import MODEL, tenants, until
 
 CFG = tenants("""
 acme:
@@ -138,6 +139,41 @@ async def test_the_upstreams_kv_load_holds_dispatch_back_until_it_has_room(serve
             "kvmeter_engine_kv_watermark_ratio", {"engine": f"{url}/metrics#0", "model": MODEL}) == 0.30
         assert s.runtime.registry.get_sample_value(
             "kvmeter_engine_kv_capacity_blocks", {"engine": f"{url}/metrics#0", "model": MODEL}) == 81_767
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_a_request_still_queued_at_its_deadline_is_dropped_having_done_no_engine_work(serve, model_dir, clock):
+    """The scheduler's deadline drop (issue 15 item 1's "deadline drop"): the only one kvmeter
+    makes is of a request still queued — a dispatched request is never dropped at its deadline —
+    so the engine never saw it and there is no engine work to record: the client gets 429
+    ``deadline``, the attempt record says ``rejected`` for ``deadline``, no usage row is written."""
+    ports: set[int] = set()
+    metrics = {"page": vllm_metrics(0.95)}  # near full: the request waits in the scheduler's queue
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(upstream_app(ports, metrics), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    task = await start_uvicorn(server)
+    try:
+        bus = StatsBus()
+        engine = RemoteEngine(f"http://127.0.0.1:{port}", model_dir=model_dir, model_name=MODEL, bus=bus,
+                              clock=clock, scrape_interval_s=3600.0)
+        s = await serve(CFG, engine=engine, bus=bus)
+        scheduler = s.runtime.scheduler
+        request = asyncio.create_task(s.complete("sk-test-remote-001", n_input=30, max_tokens=4))
+        await until(lambda: scheduler.snapshot().queued_total == 1, "the request queued")
+        wait = DEFAULT_TIERS["paid_interactive"].deadline_s(0.0)  # the tier's rule: 3 x its 2 s TTFT SLO
+        assert wait == 6.0
+        clock.advance(wait)
+        scheduler.tick()  # the periodic tick, now (on the injected clock)
+        resp = await request
+        assert resp.status_code == 429, resp.text
+        assert resp.json()["error"]["code"] == "deadline"
+        assert ports == set() and scheduler.snapshot().queued_total == 0  # the upstream never saw it
+        assert s.usage_rows(api_key_id="k1") == []  # no engine work: nothing to record or bill
+        [attempt] = s.attempts(api_key_id="k1")
+        assert (attempt["status"], attempt["reason"], attempt["status_code"]) == ("rejected", "deadline", 429)
     finally:
         server.should_exit = True
         await task
