@@ -11,6 +11,7 @@ KVMETER_MODEL           smollm2, a model dir, or a .gguf path        smollm2 (bu
 KVMETER_ENGINE          vllm, remote, instant                        vllm
 KVMETER_TENANTS         principals/quota YAML                        the packaged demo tenants
 KVMETER_QUOTA_STORE     memory://, redis://host:port/db, rediss://   memory://
+KVMETER_QUOTA_LEASE_S   seconds a killed gateway's Redis holds last  30
 KVMETER_LEDGER_DSN      chdb:///path or http(s)://user:pw@host/db    chdb://./var/ledger/chdb
 KVMETER_SPOOL_DIR       the ledger's durable spool                   ./var/ledger/spool
 KVMETER_SCHEDULER       vtc or fcfs                                  vtc
@@ -37,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmeter.serving.engines.vllm_args import ServingFlags
+from kvmeter.serving.quota.leases import DEFAULT_LEASE_S
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
 __all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "SelfCheckSettings",
@@ -220,6 +222,9 @@ class ServeConfig(_Section):
     tenants: str | None = None
     quota_store: str = "memory://"
     quota_replicas: int = Field(default=1, ge=1)
+    #: seconds a Redis quota store's concurrency / KV holds outlive this process's last lease
+    #: renewal (renewed every third of it): a killed gateway's holds are free again within it
+    quota_lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     ledger_dsn: str | None = None
     spool_dir: str | None = None
     prices: str | None = None
@@ -237,6 +242,7 @@ _ENV = {
     ("engine", "kind"): "KVMETER_ENGINE",
     ("tenants",): "KVMETER_TENANTS",
     ("quota_store",): "KVMETER_QUOTA_STORE",
+    ("quota_lease_s",): "KVMETER_QUOTA_LEASE_S",
     ("ledger_dsn",): "KVMETER_LEDGER_DSN",
     ("spool_dir",): "KVMETER_SPOOL_DIR",
     ("scheduler", "policy"): "KVMETER_SCHEDULER",

@@ -173,7 +173,7 @@ class ServeRuntime:
         # the quota store and the idempotency manager, chosen by the URL's scheme (an unknown one
         # is refused here, before the engine is built)
         self.quota_backend = open_quota_backend(config.quota_store, replicas=config.quota_replicas,
-                                                clock=clock, bus=self.bus)
+                                                clock=clock, bus=self.bus, lease_s=config.quota_lease_s)
         self.quota = HierarchicalQuota(self.directory, self.quota_backend.store,
                                        price=self.prices.cost, clock=clock, bus=self.bus,
                                        publish_decisions=False)
@@ -265,6 +265,7 @@ class ServeRuntime:
                 ledger.close()
                 raise
         await self.scheduler.start()
+        self.quota_backend.start()  # lease renewal of the shared quota store's holds
         load = self.engine.load()
         if load.kv_capacity_tokens > 0 or not load.per_step:
             # Only an engine that measures its KV cache keeps reporting its load: vLLM after every

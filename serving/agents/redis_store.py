@@ -16,7 +16,7 @@ no run id can collide with another run's keys)::
     {prefix}ap:{approval id}                  the approval (a hash)
     {prefix}pend:t:{tenant} / {prefix}pend:all  pending approvals by expiry (sorted sets)
 
-The run's tool-call counter is the quota's own key (``kvq:r:{tenant}/{run}:tc``, passed in), so the
+The run's tool-call counter is the quota's own key (``kvq:r:{org}/RUN-ID:tc``, passed in), so the
 quota store and this store must be the same Redis (``kvmeter serve`` opens both from one URL).
 Deployment as for the quota: a single Redis (or a primary with replicas), not a Redis Cluster.
 

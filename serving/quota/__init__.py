@@ -10,7 +10,10 @@ Public surface (the modules are internals):
   rejection, status code and ``Retry-After`` rule, including 402 vs 429 for spend).
 * Stores: :class:`MemoryQuotaStore` (default), :class:`RedisQuotaStore` (shared, one Lua script
   per reserve and per reconcile), :class:`FailoverQuotaStore` (Redis with the documented outage
-  policy) (:mod:`.store`, :mod:`.memory`, :mod:`.redis_store`, :mod:`.failover`).
+  policy) (:mod:`.store`, :mod:`.memory`, :mod:`.redis_store` with its Lua in
+  :mod:`.redis_scripts`, :mod:`.failover`). On Redis, concurrency and KV holds carry per-process
+  leases (:mod:`.leases`, ``quota_lease_s``); one org's keys share a hash tag, so the Redis store
+  also runs on a Redis Cluster; :mod:`.key_migration` moves keys of the older, untagged layout.
 * Backends by URL scheme: :func:`open_quota_backend` turns ``memory://`` / ``redis://`` /
   ``rediss://`` into the store and the idempotency manager, the one place that choice is made
   (:class:`QuotaBackend`, :func:`register_scheme`, :class:`QuotaStoreURLError`; :mod:`.backends`).

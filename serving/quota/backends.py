@@ -13,7 +13,9 @@ URL                          backend
 ``redis://host:port/db``     :class:`~.failover.FailoverQuotaStore` over
 ``rediss://...`` (TLS)       :class:`~.redis_store.RedisQuotaStore` (the outage policy of the
                              quota package) and :class:`~.idempotency.RedisIdempotencyManager`:
-                             shared by every gateway replica, kept across restarts
+                             shared by every gateway replica, kept across restarts; a
+                             process's concurrency / KV holds expire ``lease_s`` (serve config
+                             ``quota_lease_s``, default 30 s) after its last lease renewal
 ===========================  ==================================================================
 
 A scheme maps to one factory (:func:`register_scheme` adds one, e.g. ``redis+cluster`` later); an
@@ -29,6 +31,7 @@ from typing import Callable
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.quota.failover import FailoverQuotaStore
+from kvmeter.serving.quota.leases import DEFAULT_LEASE_S
 from kvmeter.serving.quota.idempotency import (IdempotencyManager, MemoryIdempotencyManager,
                                                RedisIdempotencyManager)
 from kvmeter.serving.quota.memory import MemoryQuotaStore
@@ -52,11 +55,14 @@ class BackendOptions:
         replicas: gateway replicas sharing a shared store (≥ 1; the local fallback's share).
         clock: injected clock.
         bus: where the stores' and managers' signals go (None: nowhere).
+        lease_s: seconds a shared store's concurrency / KV holds outlive their process's last
+            lease renewal (> 0; :mod:`.leases`); the in-memory store has no leases.
     """
 
     replicas: int = 1
     clock: Clock = SYSTEM_CLOCK
     bus: StatsBus | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +74,20 @@ class QuotaBackend:
         scheme: the URL's scheme (``memory``, ``redis``, ``rediss``).
         store: the :class:`~.store.QuotaStore`.
         idempotency: the :class:`~.idempotency.IdempotencyManager`.
+        clock: the clock lease renewals read (:meth:`start`).
     """
 
     scheme: str
     store: QuotaStore
     idempotency: IdempotencyManager
+    clock: Clock = SYSTEM_CLOCK
+
+    def start(self) -> None:
+        """Start the store's lease renewal on the running loop (nothing for the in-memory store)."""
+        self.store.start_renewing(self.clock)
 
     async def aclose(self) -> None:
-        """Release both parts' connections."""
+        """Stop the lease renewal and release both parts' connections."""
         await self.store.aclose()
         await self.idempotency.aclose()
 
@@ -121,27 +133,31 @@ def scheme_of(url: str) -> str:
 
 
 def open_quota_backend(url: str, *, replicas: int = 1, clock: Clock = SYSTEM_CLOCK,
-                       bus: StatsBus | None = None) -> QuotaBackend:
-    """The backend of ``url`` (see the module docstring for the schemes).
+                       bus: StatsBus | None = None, lease_s: float = DEFAULT_LEASE_S) -> QuotaBackend:
+    """The backend of ``url`` (see the module docstring for the schemes). Call
+    :meth:`QuotaBackend.start` on the running loop to start its lease renewal.
 
     Raises:
         QuotaStoreURLError: no scheme or an unknown one.
-        ValueError: a setting the chosen backend refuses (``replicas`` < 1, a malformed Redis URL).
+        ValueError: a setting the chosen backend refuses (``replicas`` < 1, ``lease_s`` <= 0, a
+            malformed Redis URL).
     """
     scheme = scheme_of(url)
-    return _SCHEMES[scheme](url, BackendOptions(replicas=replicas, clock=clock, bus=bus))
+    if not lease_s > 0:
+        raise ValueError(f"quota lease_s must be > 0, got {lease_s}")
+    return _SCHEMES[scheme](url, BackendOptions(replicas=replicas, clock=clock, bus=bus, lease_s=lease_s))
 
 
 def _memory(url: str, options: BackendOptions) -> QuotaBackend:
     return QuotaBackend("memory", MemoryQuotaStore(),
-                        MemoryIdempotencyManager(clock=options.clock, bus=options.bus))
+                        MemoryIdempotencyManager(clock=options.clock, bus=options.bus), options.clock)
 
 
 def _redis(url: str, options: BackendOptions) -> QuotaBackend:
-    store = FailoverQuotaStore(RedisQuotaStore(redis_client(url)), replicas=options.replicas,
-                               clock=options.clock, bus=options.bus)
+    store = FailoverQuotaStore(RedisQuotaStore(redis_client(url), lease_s=options.lease_s),
+                               replicas=options.replicas, clock=options.clock, bus=options.bus)
     idempotency = RedisIdempotencyManager(redis_client(url), clock=options.clock, bus=options.bus)
-    return QuotaBackend(scheme_of(url), store, idempotency)
+    return QuotaBackend(scheme_of(url), store, idempotency, options.clock)
 
 
 register_scheme("memory", _memory)

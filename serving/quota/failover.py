@@ -102,6 +102,7 @@ class FailoverQuotaStore(QuotaStore):
         self.primary = primary
         self.local = local if local is not None else MemoryQuotaStore(primary.key_prefix)
         self.key_prefix = primary.key_prefix
+        self.lease_s = primary.lease_s
         self.name = f"{primary.name}+local"
         self.replicas = replicas
         self.policy: Mapping[str, str] = merged
@@ -161,7 +162,12 @@ class FailoverQuotaStore(QuotaStore):
         async with self._flush_lock:  # one flusher at a time: each queued entry is applied once
             while self._pending:
                 items, keys, reserved, actual, now = self._pending[0]
-                await self.primary.settle(items, keys, reserved, actual, now)
+                try:
+                    await self.primary.settle(items, keys, reserved, actual, now)
+                except StoreUnavailable as e:
+                    if e.unsettled is not None:  # part of it landed: keep only the rest queued
+                        self._pending[0] = (tuple(e.unsettled[0]), tuple(e.unsettled[1]), reserved, actual, now)
+                    raise
                 self._pending.popleft()
 
     def _recovered(self) -> None:
@@ -244,8 +250,9 @@ class FailoverQuotaStore(QuotaStore):
             else:
                 await self.primary.settle(items, keys, reserved, actual, now)
         except StoreUnavailable as e:
-            if not queued:
-                self._queue(items, keys, reserved, actual, now)
+            if not queued:  # what a multi-slot settle did not apply, or all of it
+                left_items, left_keys = e.unsettled if e.unsettled is not None else (items, keys)
+                self._queue(left_items, left_keys, reserved, actual, now)
             self._mark_degraded(e)
         else:
             self._recovered()
@@ -281,6 +288,19 @@ class FailoverQuotaStore(QuotaStore):
                 return values
         return await self.local.get_values(keys)
 
+    async def renew_leases(self, now: float) -> int:
+        """The primary's lease renewal; while degraded (and the primary still down) nothing is
+        renewed and 0 returned: the primary's holds then expire after its lease, the local ones
+        live with this process."""
+        if not self._should_try_primary():
+            return 0
+        try:
+            return await self.primary.renew_leases(now)
+        except StoreUnavailable as e:
+            self._mark_degraded(e)
+            return 0
+
     async def aclose(self) -> None:
+        await self.stop_renewing()
         await self.primary.aclose()
         await self.local.aclose()

@@ -8,13 +8,24 @@ zone — its org's ``billing_timezone``, UTC for the ``global`` level; run keys 
 the amounts. A spend day is the zone's local day (:mod:`kvmeter.billing_calendar`): 23 or 25 hours
 on a DST change.
 
-Store key layout (``prefix`` is the store's namespace, ``kvq:`` by default)::
+Store key layout (``prefix`` is the store's namespace, ``kvq:`` by default; ``{org}`` is the
+org id in braces, a Redis Cluster hash tag)::
 
-    {prefix}{level code}:{node id}:{dimension code}[:{period}]
-    kvq:o:acme:rpm   kvq:k:acme/research/chatbot/key-1:otpm   kvq:o:acme:sd:2024-05-17
-    kvq:r:acme/{run id}:mc                                     (agent run of org acme)
+    {prefix}{level code}:{{org}}[/{rest of the node path}]:{dimension code}[:{period}]
+    kvq:o:{acme}:rpm   kvq:k:{acme}/research/chatbot/key-1:otpm   kvq:o:{acme}:sd:2024-05-17
+    kvq:r:{acme}/RUN-ID:mc                                       (agent run RUN-ID of org acme)
+    kvq:g:{_global}:rpm                                          (the global level)
 
-Ids cannot contain ``:`` (config validation), and a run id comes last, so keys never collide.
+Redis Cluster hashes only the part between the first ``{`` and the next ``}``, so every key of one
+org (its workspaces, projects, keys and agent runs) lands in one slot and the org's part of a
+reservation is one Lua script on one node. The global level has its own tag, ``_global`` (no org
+id can start with ``_``), so a config with global limits touches two slots (see
+:mod:`.redis_store`). Ids cannot contain ``:``, ``{`` or ``}`` (config validation), the prefix
+may not contain braces (:func:`build_plan` refuses one), and a run id comes last, so keys never
+collide and the first brace pair is always the org's.
+
+Before this layout (kvmeter ≤ 3 Dec 2026) keys had no braces (``kvq:o:acme:rpm``); see
+:mod:`.key_migration` for moving existing keys.
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ __all__ = [
     "SETTLE_KEEP",
     "LEVEL_CODES",
     "RUN_TTL_S",
+    "GLOBAL_TAG",
+    "tagged_node_id",
 ]
 
 #: Item kinds: GCRA rate, bounded counter (gauge or period budget), first-seen deadline.
@@ -239,6 +252,17 @@ class QuotaPlan:
         return (self._run_prefix + run_id + ":tc").encode("utf-8", "surrogatepass")
 
 
+#: Hash tag of the global level's keys (an org id cannot start with ``_``).
+GLOBAL_TAG = "_global"
+
+
+def tagged_node_id(node_id: str) -> str:
+    """A node path with its org in braces, the org's Redis hash tag: ``acme/ws`` → ``{acme}/ws``;
+    the global node (``""``) → ``{_global}``."""
+    org, sep, rest = node_id.partition("/")
+    return "{" + (org or GLOBAL_TAG) + "}" + sep + rest
+
+
 def period_end_s(wall_s: float, period: str, timezone: str = UTC) -> float:
     """Seconds from ``wall_s`` to the end of its local ``day`` or ``month`` in ``timezone`` (> 0)."""
     d: date = local_date(wall_s, timezone)
@@ -262,8 +286,10 @@ def build_plan(entry: KeyEntry, prefix: str) -> QuotaPlan:
     key_parts: list[tuple[str, str, str]] = []
     ctx: int | None = None
     ctx_level = ""
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(f"a quota key prefix cannot contain braces (Redis hash tags), got {prefix!r}")
     for node in entry.chain:
-        base = f"{prefix}{LEVEL_CODES[node.level]}:{node.node_id}:"
+        base = f"{prefix}{LEVEL_CODES[node.level]}:{tagged_node_id(node.node_id)}:"
         tz = UTC if node.level == "global" else entry.billing_timezone
         for code, item in _items_for(node.level, node.limits, timezone=tz):
             items.append(item)
@@ -311,5 +337,5 @@ def build_plan(entry: KeyEntry, prefix: str) -> QuotaPlan:
         max_context_level=ctx_level, run_max_context_tokens=run_ctx,
         min_limit=_min_limits(items_t), run_min_limit=_min_limits(run_t),
         _key_parts=tuple(key_parts), _run_codes=tuple(c.encode() for c in run_codes),
-        _run_prefix=f"{prefix}r:{entry.principal.tenant_id}/",
+        _run_prefix=f"{prefix}r:{tagged_node_id(entry.principal.tenant_id)}/",
     )

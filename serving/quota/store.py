@@ -17,9 +17,12 @@ Implementations: :class:`~kvmeter.serving.quota.memory.MemoryQuotaStore` (defaul
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
+from kvmeter.clock import SYSTEM_CLOCK, Clock
+from kvmeter.serving.quota.leases import LeaseRenewer, renew_interval_s
 from kvmeter.serving.quota.plan import PlanItem
 
 __all__ = ["QuotaStore", "ReserveResult", "StoreUnavailable"]
@@ -27,7 +30,15 @@ __all__ = ["QuotaStore", "ReserveResult", "StoreUnavailable"]
 
 class StoreUnavailable(ConnectionError):
     """The store cannot be reached (Redis down, timeout). Translated from the client's errors at
-    the store boundary; the failover store and the gate decide what it means for admission."""
+    the store boundary; the failover store and the gate decide what it means for admission.
+
+    Attributes:
+        unsettled: from :meth:`QuotaStore.settle` over several hash slots that failed part way,
+            the ``(items, keys)`` not yet settled (the rest was applied: replay only these);
+            None when nothing was applied.
+    """
+
+    unsettled: "tuple[Sequence[PlanItem], Sequence[bytes]] | None" = None
 
 
 @dataclass(slots=True)
@@ -70,6 +81,10 @@ class QuotaStore(abc.ABC):
     name: str = "store"
     #: Prefix of every key this store is used with (plans are compiled with it).
     key_prefix: str = "kvq:"
+    #: Seconds a holder's concurrency / KV holds outlive its last lease renewal, or None: the
+    #: store keeps no leases (its holds live as long as its process; see :mod:`.leases`).
+    lease_s: float | None = None
+    _renewer: LeaseRenewer | None = None
 
     @abc.abstractmethod
     async def reserve(self, items: Sequence[PlanItem], keys: Sequence[bytes], src: Sequence[int],
@@ -119,6 +134,33 @@ class QuotaStore(abc.ABC):
             StoreUnavailable: the store cannot be reached.
         """
 
+    async def renew_leases(self, now: float) -> int:
+        """Renew this process's leases on every hold it has now, to ``now + lease_s`` (``now``:
+        seconds on the store's clock). Returns the number of leases renewed (0 by default: no
+        leases).
+
+        Raises:
+            StoreUnavailable: the store cannot be reached.
+        """
+        return 0
+
+    def start_renewing(self, clock: Clock = SYSTEM_CLOCK, *,
+                       sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """Start the periodic lease renewal (every ``lease_s / 3`` of ``sleep``; see
+        :class:`~.leases.LeaseRenewer`) on the running loop. Idempotent; nothing for a store
+        without leases."""
+        if self.lease_s is None:
+            return
+        if self._renewer is None:
+            self._renewer = LeaseRenewer(self, clock, renew_interval_s(self.lease_s), sleep)
+        self._renewer.start()
+
+    async def stop_renewing(self) -> None:
+        """Stop the renewal task (what a dead process amounts to: its holds expire ``lease_s``
+        after its last renewal)."""
+        if self._renewer is not None:
+            await self._renewer.stop()
+
     async def aclose(self) -> None:
-        """Release connections (no-op by default)."""
-        return None
+        """Stop renewing and release connections."""
+        await self.stop_renewing()

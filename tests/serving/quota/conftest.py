@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from kvmeter.clock import ManualClock
 from kvmeter.serving.quota import HierarchicalQuota, MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from kvmeter.serving.tenancy import TenantDirectory
-from quota_testlib import NO_REDIS, REDIS_BIN, RedisServer, price
+from quota_testlib import NO_REDIS, REDIS_BIN, REDIS_CLI, RedisClusterServers, RedisServer, price
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +30,21 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> RedisClusterServers:
+    """A real 3-master Redis Cluster on loopback for the session (skipped without redis-server)."""
+    if REDIS_BIN is None or REDIS_CLI is None:
+        pytest.skip(NO_REDIS)
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture
@@ -43,19 +58,20 @@ def own_redis_server(tmp_path: Path) -> RedisServer:
     server.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
 @pytest_asyncio.fixture
 async def store(store_kind: str, request: pytest.FixtureRequest) -> AsyncIterator[QuotaStore]:
-    """The same test body on the in-memory store and on a real Redis (unique key prefix)."""
+    """The same test body on the in-memory store, on a real Redis and on a real 3-master Redis
+    Cluster (unique key prefix)."""
     prefix = f"t{uuid.uuid4().hex[:10]}:"
     if store_kind == "memory":
         yield MemoryQuotaStore(prefix)
         return
-    server: RedisServer = request.getfixturevalue("redis_server")
+    server = request.getfixturevalue("redis_server" if store_kind == "redis" else "redis_cluster")
     s = RedisQuotaStore.from_url(server.url, key_prefix=prefix, timeout_s=2.0)
     yield s
     await s.aclose()
@@ -98,10 +114,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _uses_redis(item: pytest.Item) -> bool:
     names = set(getattr(item, "fixturenames", ()))
-    if names & {"redis_server", "own_redis_server", "redis_client"}:
+    if names & {"redis_server", "own_redis_server", "redis_client", "redis_cluster"}:
         return True
     params = getattr(getattr(item, "callspec", None), "params", {})
-    return "redis" in (params.get("store_kind"), params.get("idem_kind"))
+    return bool({"redis", "cluster"} & {params.get("store_kind"), params.get("idem_kind"), params.get("backend_url")})
 
 
 @pytest.hookimpl(trylast=True)

@@ -83,7 +83,7 @@ async def test_outage_policy_degraded_signal_and_recovery(own_redis_server, cloc
         assert [(s.degraded, s.reason) for s in states][-1] == (False, "recovered")
         # the pre-outage hold was released on Redis by the replayed reconciliation
         # (the fresh redis-server lost its data with the restart, so the counter is simply absent)
-        (conc,) = await redis_store.get_values(["kvq:o:acme:conc"])
+        (conc,) = await redis_store.get_values(["kvq:o:{acme}:conc"])
         assert conc is None
         r = await gate.reserve(acme, estimate("m", 10, 10, principal=acme))
         # counted on Redis again: the org's full 40/min (a local count would show this replica's 10)
@@ -103,7 +103,7 @@ async def test_replayed_reconciliation_releases_holds_that_survived_the_outage(o
                              price=price, clock=clock)
     pr = gate.directory.authenticate(ACME)
     direct = RedisQuotaStore.from_url(own_redis_server.url)
-    key = "kvq:k:acme/ws/proj/k1:conc"
+    key = "kvq:k:{acme}/ws/proj/k1:conc"
     try:
         held = await gate.reserve(pr, estimate("m", 10, 10, principal=pr))
         assert await direct.get_values([key]) == [1]

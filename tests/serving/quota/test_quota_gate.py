@@ -1,4 +1,5 @@
-"""Admission on every dimension and level; every body runs on the memory store and on real Redis."""
+"""Admission on every dimension and level; every body runs on the memory store, on real Redis and on a
+real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.ledger.prices import parse_price_list
 from kvmeter.serving.quota import HierarchicalQuota, QuotaRejected, UsageEstimate
 from kvmeter.serving.quota.money import to_units
+from kvmeter.serving.quota.plan import tagged_node_id
 from kvmeter.serving.tenancy import TenantDirectory
 from kvmeter.stats import AdmissionDecision, ReservationDrift
 from kvmeter.tokens import TokenCounts
@@ -24,7 +26,7 @@ def est(p: int = 100, m: int = 100, **kw) -> UsageEstimate:
 
 
 def key_of(gate: HierarchicalQuota, level: str, node: str, code: str) -> str:
-    return f"{gate.store.key_prefix}{level}:{node}:{code}"
+    return f"{gate.store.key_prefix}{level}:{tagged_node_id(node)}:{code}"
 
 
 async def rejected(gate: HierarchicalQuota, secret: str, e: UsageEstimate) -> QuotaRejected:
@@ -302,7 +304,7 @@ async def test_redis_server_time_mode_uses_redis_clock(redis_server, clock):
         await store.client.flushdb()
         before = time.time()
         r = await gate.reserve(pr, est(principal=pr))
-        (tat,) = await store.get_values(["srvtime:k:acme/ws/proj/k1:rpm"])
+        (tat,) = await store.get_values(["srvtime:k:{acme}/ws/proj/k1:rpm"])
         assert before - 1 < tat - 30 < time.time() + 1  # one request = 30 s after Redis's now
         await gate.reserve(pr, est(principal=pr))
         e = await rejected(gate, K1, est())

@@ -87,7 +87,7 @@ class MiniGateway:
 
 
 async def billed(gate: HierarchicalQuota) -> int:
-    (units,) = await gate.store.get_values([f"{gate.store.key_prefix}o:acme:sd:2024-05-17"])
+    (units,) = await gate.store.get_values([f"{gate.store.key_prefix}o:{{acme}}:sd:2024-05-17"])
     return units or 0
 
 

@@ -42,7 +42,7 @@ async def test_1000_concurrent_first_requests_admit_exactly_one(make_gate, dimen
     assert len(admitted) == 1 and len(rejected) == 999
     assert {(e.level, e.dimension) for e in rejected} == {("org", dimension)}
     if code is not None:  # the counter holds exactly one request's reservation: no overshoot at all
-        (held,) = await gate.store.get_values([f"{gate.store.key_prefix}o:acme:{code}"])
+        (held,) = await gate.store.get_values([f"{gate.store.key_prefix}o:{{acme}}:{code}"])
         assert held == one
 
 
@@ -74,7 +74,7 @@ def test_1000_requests_from_8_os_threads_on_the_memory_store(clock):
     for t in threads:
         t.join()
     assert len(admitted) == 1
-    assert asyncio.run(store.get_values(["kvq:o:acme:sd:2024-05-17"])) == [to_units(ONE_COST)]
+    assert asyncio.run(store.get_values(["kvq:o:{acme}:sd:2024-05-17"])) == [to_units(ONE_COST)]
 
 
 def test_four_processes_sharing_redis_enforce_one_global_tokens_per_minute_limit(redis_server, tmp_path, clock):

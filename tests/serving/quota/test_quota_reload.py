@@ -50,7 +50,7 @@ async def test_reload_swaps_limits_and_keys_while_reservations_stay_valid(tmp_pa
     # the reservation taken under version 1 reconciles against the same counters
     await gate.reconcile(held, used(10, 0, 5))
     await gate.reconcile(second, used(10, 0, 5))
-    (conc,) = await store.get_values([f"{store.key_prefix}k:acme/ws/proj/k1:conc"])
+    (conc,) = await store.get_values([f"{store.key_prefix}k:{{acme}}/ws/proj/k1:conc"])
     assert conc is None
 
 

@@ -35,7 +35,7 @@ def gate_at(make_gate, clock: ManualClock, when: str, config: str) -> Hierarchic
 
 
 async def spend_keys(gate: HierarchicalQuota, code: str, *periods: str) -> list[int]:
-    return await gate.store.get_values([f"{gate.store.key_prefix}o:acme:{code}:{p}" for p in periods])
+    return await gate.store.get_values([f"{gate.store.key_prefix}o:{{acme}}:{code}:{p}" for p in periods])
 
 
 async def test_new_york_spend_day_starts_at_local_midnight_and_is_23_hours_on_spring_forward(make_gate, clock):
@@ -91,7 +91,8 @@ async def test_global_spend_stays_utc_and_other_tenants_keep_utc(make_gate, cloc
     o1 = gate.directory.authenticate(O1)
     await gate.reserve(o1, estimate(principal=o1))
     prefix = gate.store.key_prefix
-    assert await gate.store.get_values([f"{prefix}g::sd:2026-03-08", f"{prefix}o:acme:sd:2026-03-08"]) == \
+    day = "sd:2026-03-08"
+    assert await gate.store.get_values([f"{prefix}g:{{_global}}:{day}", f"{prefix}o:{{acme}}:{day}"]) == \
         [2 * ONE * 10**9, ONE * 10**9]                                  # 05:59 in Berlin is 2026-03-08 too
 
 
