@@ -293,6 +293,7 @@ class SchedulerCore:
             self._backlogged_tier_weight += tier.weight
         tier.backlogged.add(t)
         tier.backlogged_weight += t.weight
+        tier.backlogged_wc += t.weight * t.counter
         self._n_backlogged += 1
         if not t.kv_blocked:
             self._make_eligible(t)
@@ -306,6 +307,9 @@ class SchedulerCore:
             self._make_ineligible(t)
         tier.backlogged.discard(t)
         tier.backlogged_weight = max(0.0, tier.backlogged_weight - t.weight)
+        tier.backlogged_wc -= t.weight * t.counter
+        if not tier.backlogged:  # (no float residue carried into the next backlog)
+            tier.backlogged_weight = tier.backlogged_wc = tier.queued_cost = 0.0
         self._n_backlogged -= 1
         tier.vtime = max(tier.vtime, t.counter)
         tier.last_leaver = t
@@ -417,6 +421,7 @@ class SchedulerCore:
         t.n_queued += 1
         t.queued_input += job.input_tokens
         t.queued_cost += qj.cost
+        t.tier.queued_cost += qj.cost
         if not self._queued_total:
             self._rate.mark(now, True)
         self._queued_total += 1
@@ -436,6 +441,7 @@ class SchedulerCore:
         t.n_queued -= 1
         t.queued_input -= qj.job.input_tokens
         t.queued_cost -= qj.cost
+        t.tier.queued_cost -= qj.cost
         self._queued_total -= 1
         self._queued_cost_total -= qj.cost
         if not self._queued_total:
@@ -561,6 +567,8 @@ class SchedulerCore:
     def _charge(self, t: TenantState, cost: float, now: float) -> None:
         t.service += cost
         t.counter += cost / t.weight
+        if t.n_queued:  # backlogged: its weight × counter is in the tier's sum
+            t.tier.backlogged_wc += cost
         t.tier.counter += cost / t.tier.weight
         self.service_total += cost
         self._rate.add(now, cost)
