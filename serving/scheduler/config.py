@@ -83,10 +83,15 @@ class SchedulerConfig:
 
     Bounded queues and overload:
         max_queued_per_tenant: most queued requests per tenant (reason ``queue_full``).
-        max_queued_total: most queued requests over all tenants (reason ``queue_full``).
+        max_queued_total: most queued requests over all tenants (reason ``queue_full``). With
+            overload control, once the queue is ``overload_queue_fill`` full a tenant with queued
+            work may hold only its weighted share of that fill (reason ``queue_full``), so the
+            last slots go to tenants under their share, not to the one that filled the queue.
         reject_on_projected_wait: refuse at admission a request whose projected wait exceeds its
             deadline (reason ``projected_wait``). A job's deadline is its own ``deadline_s``,
-            else its tier's :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`.
+            else its tier's :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`. The
+            projection follows VTC's order (:func:`~.projection.projected_wait`): a tenant below
+            its fair share waits for its own queue only, so the refusals fall on the tenant above.
         overload_control: enable pressure levels (pause/shed by tier) and deadline drops. The
             FCFS/RPM baselines run with it off to show what a plain engine queue does.
         elevated_queue_fill, overload_queue_fill: queue fill ratios (queued / max_queued_total)

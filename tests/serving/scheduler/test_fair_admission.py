@@ -92,3 +92,19 @@ def test_projection_is_unchanged_for_a_tenant_alone_and_zero_for_a_newcomer():
     assert core.projected_wait("A") == pytest.approx(200.0 * core.tenant_queue_depth("A") / rate, rel=1e-6)
     # a tenant with nothing queued is lifted to the backlog's counter and starts next
     assert core.projected_wait("C") == 0.0
+
+
+def test_a_queue_filled_by_one_tenant_refuses_that_tenant_not_the_next_one():
+    # (before: B filled all ten slots and A, with nothing queued, was refused queue_full)
+    core, _ = make_core(max_queued_total=10, overload_queue_fill=0.8)
+    core.on_engine_load(EngineLoad(0.99, 1_000_000, 10, 0))   # the engine is full: everything queues
+    for i in range(8):
+        core.submit(job(f"b{i}", "B"))
+    with pytest.raises(SchedulerRejected) as err:             # B holds 8 of the 8 its share allows
+        core.submit(job("b8", "B"))
+    assert err.value.reason == "queue_full" and "fair share" in str(err.value)
+    core.submit(job("a0", "A"))
+    core.submit(job("a1", "A"))                                # A's share is half of the 8
+    with pytest.raises(SchedulerRejected, match="limit 10"):   # the hard bound still holds
+        core.submit(job("a2", "A"))
+    assert core.tenant_queue_depth("A") == 2 and core.tenant_queue_depth("B") == 8
