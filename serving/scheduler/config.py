@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Mapping
 
 from kvmeter.serving.tenancy.tiers import (DEFAULT_TIERS, PRESSURE_ELEVATED, PRESSURE_NORMAL,
@@ -23,6 +24,7 @@ from kvmeter.serving.tenancy.tiers import (DEFAULT_TIERS, PRESSURE_ELEVATED, PRE
 
 __all__ = [
     "SchedulerConfig",
+    "PLAIN_BASELINE",
     "PRESSURE_NORMAL",
     "PRESSURE_ELEVATED",
     "PRESSURE_OVERLOAD",
@@ -212,8 +214,31 @@ class SchedulerConfig:
         """The policy of tier ``name`` (the default tier's policy when unknown)."""
         return self.tiers.get(name) or self.tiers[self.default_tier]
 
+    @classmethod
+    def plain_baseline(cls, **changes: object) -> "SchedulerConfig":
+        """The configuration of a plain deployment, what the FCFS and RPM baselines run with
+        (``kvmeter simulate --policy fcfs|rpm``, ``bench/fairness``, ``kvmeter demo --scheduler
+        fcfs``): :data:`PLAIN_BASELINE` — no overload control (no deadlines, pressure levels or
+        shedding), no adaptive engine limit, no per-tenant KV or prefill budget, queues as deep as
+        the load — then ``changes`` (``SchedulerConfig`` fields; a caller that adds a kvmeter
+        mechanism back says so in the baseline's name, e.g. ``fcfs+kv-budget``).
+
+        Raises:
+            TypeError: an unknown field; ValueError: as the constructor.
+        """
+        return cls(**{**PLAIN_BASELINE, **changes})  # type: ignore[arg-type]
+
     def with_tiers(self, **changes: TierPolicy) -> "SchedulerConfig":
         """A copy with some tier policies replaced or added (keyword = tier name)."""
         tiers = dict(self.tiers)
         tiers.update(changes)
         return replace(self, tiers=tiers)
+
+
+#: The fields :meth:`SchedulerConfig.plain_baseline` sets: kvmeter's own mechanisms off, so a
+#: baseline is the engine's queue in arrival order (FCFS) or that plus a rate limit (RPM), and the
+#: engine's static caps (``max_engine_running``, ``max_engine_waiting``, the KV watermark) decide
+#: how much it holds — as a plain vLLM deployment's ``max_num_seqs`` and KV cache do.
+PLAIN_BASELINE: Mapping[str, object] = MappingProxyType({
+    "overload_control": False, "adaptive_engine_limit": False, "tenant_kv_budget_ratio": None,
+    "tenant_prefill_budget_tokens": None, "max_queued_per_tenant": 10 ** 9, "max_queued_total": 10 ** 9})
