@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmeter.serving.engines.vllm_args import ServingFlags
 from kvmeter.serving.quota.leases import DEFAULT_LEASE_S
+from kvmeter.serving.scheduler.config import PLAIN_BASELINE
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
 __all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "SelfCheckSettings",
@@ -72,12 +73,11 @@ DEMO_ENGINE_SETTINGS = {"max_model_len": 8192, "kv_cache_space_gib": 2, "max_num
 #:   built-in tiers' 3 × SLO deadlines): half the TTFT budget spent queueing pauses batch and
 #:   refuses new free work, 80 % also drops queued free work.
 #: * ``fcfs``: a plain deployment for contrast — arrival order, no overload control, no budgets, no
-#:   adaptive limit (the engine takes whatever its own caps admit).
-DEMO_SCHEDULER_OPTIONS: dict[str, dict[str, float | bool | None]] = {
+#:   adaptive limit (the engine takes whatever its own caps admit): the scheduler's one definition
+#:   of a baseline, :data:`~kvmeter.serving.scheduler.config.PLAIN_BASELINE`.
+DEMO_SCHEDULER_OPTIONS: dict[str, dict[str, Any]] = {
     "vtc": {"tenant_prefill_budget_tokens": 4096, "elevated_wait_ratio": 0.5, "overload_wait_ratio": 0.8},
-    "fcfs": {"overload_control": False, "adaptive_engine_limit": False, "tenant_kv_budget_ratio": None,
-             "tenant_prefill_budget_tokens": None, "max_queued_per_tenant": 1_000_000,
-             "max_queued_total": 1_000_000},
+    "fcfs": dict(PLAIN_BASELINE),
 }
 
 

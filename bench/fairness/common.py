@@ -3,8 +3,8 @@ the same process, probe capacity, format side-by-side tables, save figures as JS
 
 Baselines are configured as the plain deployments they stand for:
 
-* ``fcfs`` — one shared queue in arrival order, no kvmeter limits (a vLLM engine's own queue);
-  engine scheduling ``fcfs``.
+* ``fcfs`` — one shared queue in arrival order, no kvmeter limits: no overload control, no KV or
+  prefill budget, no adaptive engine limit (a vLLM engine's own queue); engine scheduling ``fcfs``.
 * ``rpm``  — the same plus a per-tenant requests-per-minute limit at the gateway (the common
   practice the VTC paper compares against); the limit is stated per scenario.
 * ``vtc``  — kvmeter's scheduler: VTC order, KV budgets, engine gating, tier priorities in the
@@ -35,11 +35,10 @@ POLICIES = ("fcfs", "rpm", "vtc")
 
 
 def baseline_config(rpm_limit: float, **extra) -> SchedulerConfig:
-    """FCFS/RPM: no kvmeter overload control, no KV budgets, no adaptive engine limit (a plain
-    deployment dispatches whatever the engine's static caps admit), queues as deep as needed."""
-    return SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None, rpm_limit=rpm_limit,
-                           adaptive_engine_limit=False,
-                           max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9, **extra)
+    """FCFS/RPM: :meth:`SchedulerConfig.plain_baseline` — no kvmeter overload control, no KV or
+    prefill budgets, no adaptive engine limit (a plain deployment dispatches whatever the engine's
+    static caps admit), queues as deep as needed — with ``rpm_limit`` and ``extra`` fields."""
+    return SchedulerConfig.plain_baseline(rpm_limit=rpm_limit, **extra)
 
 
 def run_policies(requests: Sequence[TraceRequest], sim: SimConfig, *, rpm_limit: float,

@@ -54,10 +54,9 @@ def main() -> dict:
           f"({cap / len(tenants):.3f} req/s) — {sum(n for t, n in offered.items() if t not in heavy) / len(reqs):.0%} "
           "of requests")
     runs = run_policies(reqs, SIM, rpm_limit=rpm, vtc_config=SchedulerConfig(), label="servegen")
-    # VTC order alone (no deadlines, shedding, KV budget or adaptive engine limit), to separate
-    # ordering from overload control
-    plain = SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None, adaptive_engine_limit=False,
-                            max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
+    # VTC order alone (the plain baseline's settings: no deadlines, shedding, KV or prefill budget
+    # or adaptive engine limit), to separate ordering from overload control
+    plain = SchedulerConfig.plain_baseline()
     res = Simulation(reqs, policy="vtc", scheduler_config=plain, sim=SIM).run()
     runs["vtc, overload control off"] = (res, build_report(res, trace="servegen"))
     rows, figures = [], {}

@@ -3,9 +3,10 @@
 Must show: FCFS serves them about 1:2; VTC within 1:1.05; VTC's throughput within 2 % of FCFS.
 Setting: the VTC paper's (Sheng et al., OSDI 2024, §5.2) — Llama-2-7B on one A10-class GPU —
 simulated. Service ratio = service received while both tenants were backlogged (the paper's
-measure); throughput = tokens processed per second over the run. Policies run with overload
-control and KV budgets off so that only the dispatch order differs (a row with kvmeter's default
-KV budget is added); RPM-limit allows each tenant half the probed capacity.
+measure); throughput = tokens processed per second over the run. Every policy runs with the
+plain baseline's settings (no overload control, KV or prefill budget) so that only the dispatch
+order differs (a row with kvmeter's default KV budget is added); RPM-limit allows each tenant half
+the probed capacity.
 
 Run: .venv/bin/python bench/fairness/scenario_two_tenants.py [--seconds 1800]
 """
@@ -43,8 +44,7 @@ def main() -> dict:
     cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, tenant_id="x")] * n, SIM, n=1000)
     print(f"capacity ≈ {cap:.2f} req/s; offered 4.5 req/s ({4.5 / cap:.1f}× capacity)")
     reqs = workload(args.seconds)
-    vtc = SchedulerConfig(overload_control=False, max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9,
-                          tenant_kv_budget_ratio=None, adaptive_engine_limit=False)
+    vtc = SchedulerConfig.plain_baseline()
     runs = run_policies(reqs, SIM, rpm_limit=cap / 2 * 60, vtc_config=vtc, label="two-tenants")
     # the same with kvmeter's default per-tenant KV budget (half the KV), for transparency: the budget
     # is strict, so once only B is left (the drain) B cannot use the whole cache

@@ -41,8 +41,7 @@ def main() -> dict:
     args = ap.parse_args()
     cap = capacity_rps(lambda n: [TraceRequest(0.0, 256, 256, tenant_id="x")] * n, SIM, n=1000)
     reqs = workload(args.seconds)
-    vtc = SchedulerConfig(tenant_weights=WEIGHTS, overload_control=False, tenant_kv_budget_ratio=None,
-                          max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9, adaptive_engine_limit=False)
+    vtc = SchedulerConfig.plain_baseline(tenant_weights=WEIGHTS)
     # RPM: each tenant limited to its weighted part of the probed capacity (w/10 of it)
     limits = {t: cap * w / 10 * 60 for t, w in WEIGHTS.items()}
     runs = run_policies(reqs, SIM, rpm_limit=cap * 60, vtc_config=vtc, label="weights",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Mapping
 
 from kvmeter.serving.tenancy.tiers import (DEFAULT_TIERS, PRESSURE_ELEVATED, PRESSURE_NORMAL,
@@ -23,6 +24,7 @@ from kvmeter.serving.tenancy.tiers import (DEFAULT_TIERS, PRESSURE_ELEVATED, PRE
 
 __all__ = [
     "SchedulerConfig",
+    "PLAIN_BASELINE",
     "PRESSURE_NORMAL",
     "PRESSURE_ELEVATED",
     "PRESSURE_OVERLOAD",
@@ -83,10 +85,15 @@ class SchedulerConfig:
 
     Bounded queues and overload:
         max_queued_per_tenant: most queued requests per tenant (reason ``queue_full``).
-        max_queued_total: most queued requests over all tenants (reason ``queue_full``).
+        max_queued_total: most queued requests over all tenants (reason ``queue_full``). With
+            overload control, once the queue is ``overload_queue_fill`` full a tenant with queued
+            work may hold only its weighted share of that fill (reason ``queue_full``), so the
+            last slots go to tenants under their share, not to the one that filled the queue.
         reject_on_projected_wait: refuse at admission a request whose projected wait exceeds its
             deadline (reason ``projected_wait``). A job's deadline is its own ``deadline_s``,
-            else its tier's :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`.
+            else its tier's :meth:`~kvmeter.serving.tenancy.tiers.TierPolicy.deadline_s`. The
+            projection follows VTC's order (:func:`~.projection.projected_wait`): a tenant below
+            its fair share waits for its own queue only, so the refusals fall on the tenant above.
         overload_control: enable pressure levels (pause/shed by tier) and deadline drops. The
             FCFS/RPM baselines run with it off to show what a plain engine queue does.
         elevated_queue_fill, overload_queue_fill: queue fill ratios (queued / max_queued_total)
@@ -207,8 +214,31 @@ class SchedulerConfig:
         """The policy of tier ``name`` (the default tier's policy when unknown)."""
         return self.tiers.get(name) or self.tiers[self.default_tier]
 
+    @classmethod
+    def plain_baseline(cls, **changes: object) -> "SchedulerConfig":
+        """The configuration of a plain deployment, what the FCFS and RPM baselines run with
+        (``kvmeter simulate --policy fcfs|rpm``, ``bench/fairness``, ``kvmeter demo --scheduler
+        fcfs``): :data:`PLAIN_BASELINE` — no overload control (no deadlines, pressure levels or
+        shedding), no adaptive engine limit, no per-tenant KV or prefill budget, queues as deep as
+        the load — then ``changes`` (``SchedulerConfig`` fields; a caller that adds a kvmeter
+        mechanism back says so in the baseline's name, e.g. ``fcfs+kv-budget``).
+
+        Raises:
+            TypeError: an unknown field; ValueError: as the constructor.
+        """
+        return cls(**{**PLAIN_BASELINE, **changes})  # type: ignore[arg-type]
+
     def with_tiers(self, **changes: TierPolicy) -> "SchedulerConfig":
         """A copy with some tier policies replaced or added (keyword = tier name)."""
         tiers = dict(self.tiers)
         tiers.update(changes)
         return replace(self, tiers=tiers)
+
+
+#: The fields :meth:`SchedulerConfig.plain_baseline` sets: kvmeter's own mechanisms off, so a
+#: baseline is the engine's queue in arrival order (FCFS) or that plus a rate limit (RPM), and the
+#: engine's static caps (``max_engine_running``, ``max_engine_waiting``, the KV watermark) decide
+#: how much it holds — as a plain vLLM deployment's ``max_num_seqs`` and KV cache do.
+PLAIN_BASELINE: Mapping[str, object] = MappingProxyType({
+    "overload_control": False, "adaptive_engine_limit": False, "tenant_kv_budget_ratio": None,
+    "tenant_prefill_budget_tokens": None, "max_queued_per_tenant": 10 ** 9, "max_queued_total": 10 ** 9})

@@ -33,6 +33,15 @@ this bound (with ``M`` = the engine's KV capacity in tokens) on a :class:`~kvmet
 KV budgets and paused tiers make a tenant ineligible for a time; the bound then holds among the
 tenants that stay eligible.
 
+**Admission is fairness-aware** (issue 17): an early refusal under overload falls on the tenant
+above its fair share, not on the one below it. The projected wait that refuses a request
+(``projected_wait``) is the service VTC gives out before it — a tenant whose counter is below the
+tier's others is served alone until it catches up, one above waits while they do
+(:func:`.projection.projected_wait`); and once the global queue is ``overload_queue_fill`` full, a
+tenant holding more than its weighted share of it is refused (``queue_full``) while a tenant under
+its share still gets the free slots. Tier shedding (``shed``) stays by tier, as the tier policy
+says.
+
 Engine gating — KV watermark, the engine's waiting queue, a running cap and an adaptive limit on
 the running batch driven by the engine's step latencies (AIMD) — is :mod:`.gating`'s; the overload
 pressure level is :mod:`.pressure`'s; projected waits are :mod:`.projection`'s; Jain's index, the
@@ -293,6 +302,7 @@ class SchedulerCore:
             self._backlogged_tier_weight += tier.weight
         tier.backlogged.add(t)
         tier.backlogged_weight += t.weight
+        tier.backlogged_wc += t.weight * t.counter
         self._n_backlogged += 1
         if not t.kv_blocked:
             self._make_eligible(t)
@@ -306,6 +316,9 @@ class SchedulerCore:
             self._make_ineligible(t)
         tier.backlogged.discard(t)
         tier.backlogged_weight = max(0.0, tier.backlogged_weight - t.weight)
+        tier.backlogged_wc -= t.weight * t.counter
+        if not tier.backlogged:  # (no float residue carried into the next backlog)
+            tier.backlogged_weight = tier.backlogged_wc = tier.queued_cost = 0.0
         self._n_backlogged -= 1
         tier.vtime = max(tier.vtime, t.counter)
         tier.last_leaver = t
@@ -372,6 +385,12 @@ class SchedulerCore:
             return SchedulerRejected(
                 "queue_full", f"{self._queued_total} requests queued (limit {cfg.max_queued_total})",
                 retry_after_s=self._projected_wait(t, now) if t else None)
+        fair_slots = self._fair_queue_slots(t)
+        if fair_slots is not None and t is not None and t.n_queued + 1 > fair_slots:
+            return SchedulerRejected(
+                "queue_full", f"the queue is {self._queued_total / cfg.max_queued_total:.0%} full and tenant "
+                f"{job.tenant_id!r} holds {t.n_queued} of it, its fair share ({fair_slots:.0f})",
+                retry_after_s=self._projected_wait(t, now))
         deadline = self._deadline_of(job, tier_policy)
         if deadline is not None:
             if now >= deadline:
@@ -386,6 +405,21 @@ class SchedulerCore:
                         f"projected queue wait {wait:.1f} s (+ {lead:.1f} s to a first token) exceeds the "
                         f"{deadline - now:.1f} s left before the request's deadline", retry_after_s=wait)
         return None
+
+    def _fair_queue_slots(self, t: TenantState | None) -> float | None:
+        """Queue slots ``t`` may hold once the global queue is ``overload_queue_fill`` full (with
+        overload control): its weighted share — tier weight over the backlogged tiers', tenant
+        weight over its tier's backlogged tenants' — of that fill. None while the rule is off (the
+        queue below the fill, overload control off, or ``t`` with nothing queued: a tenant under
+        its share may always take the free slots above the fill, so a queue filled by one tenant
+        does not refuse the next one)."""
+        cfg = self.config
+        fill = cfg.overload_queue_fill * cfg.max_queued_total
+        if not cfg.overload_control or t is None or not t.n_queued or self._queued_total < fill:
+            return None
+        tier = t.tier
+        share = (tier.weight / self._backlogged_tier_weight) * (t.weight / tier.backlogged_weight)
+        return share * fill
 
     def check_admission(self, job: Job) -> None:
         """Refuse early if ``job`` cannot be queued or served in time.
@@ -417,6 +451,7 @@ class SchedulerCore:
         t.n_queued += 1
         t.queued_input += job.input_tokens
         t.queued_cost += qj.cost
+        t.tier.queued_cost += qj.cost
         if not self._queued_total:
             self._rate.mark(now, True)
         self._queued_total += 1
@@ -436,6 +471,7 @@ class SchedulerCore:
         t.n_queued -= 1
         t.queued_input -= qj.job.input_tokens
         t.queued_cost -= qj.cost
+        t.tier.queued_cost -= qj.cost
         self._queued_total -= 1
         self._queued_cost_total -= qj.cost
         if not self._queued_total:
@@ -561,6 +597,8 @@ class SchedulerCore:
     def _charge(self, t: TenantState, cost: float, now: float) -> None:
         t.service += cost
         t.counter += cost / t.weight
+        if t.n_queued:  # backlogged: its weight × counter is in the tier's sum
+            t.tier.backlogged_wc += cost
         t.tier.counter += cost / t.tier.weight
         self.service_total += cost
         self._rate.add(now, cost)

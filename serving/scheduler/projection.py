@@ -90,14 +90,31 @@ def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> f
 
 def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,
                    backlogged_tier_weight: float, counter_ordered: bool) -> float:
-    """Projected queue wait (seconds) of a new request of ``tenant``.
+    """Projected queue wait (seconds) of a new request of ``tenant``: the service VTC gives out
+    before that request is dispatched, at the drain rate.
 
-    A tenant with share ``s = (w_tier/Σ backlogged unpaused tier weights)·(w_tenant/Σ backlogged tenant
-    weights in the tier)`` of the drain rate ``R`` reaches a new request within
-    ``min(Q, (W + lag·w)/s) / R`` seconds: ``W`` its queued work, ``lag`` its counter's lead over the
-    least backlogged counter of its tier, and ``Q`` all queued work (no tenant waits longer than the
-    whole backlog takes; this bound matters when the other backlogged tenants have little queued).
-    Under FCFS/RPM (``counter_ordered`` False) or for an unknown tenant it is ``Q / R``.
+    **Fairness-aware** (issue 17): under VTC (Sheng et al., "Fairness in Serving Large Language
+    Models", OSDI 2024, Algorithm 1) the head of the backlogged tenant with the least counter goes
+    next, so a tenant below its fair share is served *alone* until its counter catches up with the
+    others', and a tenant above it waits while they catch up. The projection follows that fluid
+    (GPS) order within the tier: the new request starts when the tenant's counter reaches
+    ``L = c + W/w`` (its counter ``c`` — lifted to the backlog's least counter if it has nothing
+    queued, as on arrival — plus its queued work ``W`` over its weight ``w``); before that the
+    tier's other backlogged tenants (summed weight ``W_o``, weighted mean counter ``c̄_o`` — the
+    tier's fair-share point —, queued work ``Q_o``) receive ``min(Q_o, W_o·max(0, L − c̄_o))``.
+    So an early ``projected_wait`` refusal falls on the tenant whose counter is above the fair
+    share, not on the one below it (whose wait is its own queue at the tier's whole rate).
+
+    Across tiers the tier gets its weighted share ``s = w_tier / Σ backlogged unpaused tier
+    weights`` of the drain rate ``R``, and nobody waits longer than the whole backlog ``Q`` takes::
+
+        wait = min(Q, (W + min(Q_o, W_o·max(0, L − c̄_o))) / s) / R
+
+    Exact for two backlogged tenants in a tier (``c̄_o`` is then the other's counter); with more,
+    the tenants below ``L`` but above their mean are under-counted by at most ``W_o`` × the
+    counters' spread, which VTC bounds by ``2U`` (Sheng et al., §4). Under FCFS/RPM
+    (``counter_ordered`` False) or for an unknown tenant it is ``Q / R``. O(1): the tier keeps the
+    sums (``backlogged_wc``, ``queued_cost``) up to date.
 
     Args:
         tenant: the tenant (its tier and queue as they are now), or None.
@@ -116,11 +133,17 @@ def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total
         return queued_cost_total / rate
     tier = tenant.tier
     tiers_w = backlogged_tier_weight + (0.0 if tier.backlogged and not tier.paused else tier.weight)
-    tenants_w = tier.backlogged_weight + (0.0 if tenant.n_queued else tenant.weight)
-    share = (tier.weight / tiers_w) * (tenant.weight / tenants_w)
-    lag = 0.0
-    if tenant.n_queued:
-        low = tier.counters.top()
-        if low is not None:
-            lag = max(0.0, tenant.counter - low.counter) * tenant.weight
-    return min(queued_cost_total, (tenant.queued_cost + lag) / share) / rate
+    queued = tenant.n_queued > 0
+    own = tenant.queued_cost if queued else 0.0
+    others_w = tier.backlogged_weight - (tenant.weight if queued else 0.0)
+    before = own
+    if others_w > 1e-12:
+        counter = tenant.counter
+        if not queued:  # the lift a new arrival gets (core: _on_backlogged)
+            low = tier.counters.top()
+            if low is not None:
+                counter = max(counter, low.counter)
+        others_mean = (tier.backlogged_wc - (tenant.weight * tenant.counter if queued else 0.0)) / others_w
+        level = counter + own / tenant.weight
+        before += min(max(0.0, tier.queued_cost - own), others_w * max(0.0, level - others_mean))
+    return min(queued_cost_total, before * tiers_w / tier.weight) / rate

@@ -122,7 +122,10 @@ class TierState:
             when nobody is backlogged) and that tenant.
         order: eligible tenants by the policy's key; ``counters``: the same tenants by counter
             (the same heap under VTC).
-        backlogged: tenants with queued work; ``backlogged_weight`` their summed weights.
+        backlogged: tenants with queued work; ``backlogged_weight`` their summed weights;
+            ``backlogged_wc`` the sum of their ``weight × counter`` (so ``backlogged_wc /
+            backlogged_weight`` is their weighted mean counter, the tier's fair-share point);
+            ``queued_cost`` the expected service of the tier's queued jobs (service units).
         fifo: the tier's queued jobs in arrival order (lazy; kept for protected tiers only).
         n_eligible: tenants in ``order``; ``paused``: paused by overload control.
         running: the tier's dispatched, unreleased requests.
@@ -131,8 +134,8 @@ class TierState:
     """
 
     __slots__ = ("name", "policy", "weight", "counter", "vtime", "last_leaver", "order", "counters",
-                 "backlogged", "n_eligible", "backlogged_weight", "paused", "tenants", "completed",
-                 "slo_met", "fifo", "out_tokens", "good_tokens", "running")
+                 "backlogged", "n_eligible", "backlogged_weight", "backlogged_wc", "queued_cost", "paused",
+                 "tenants", "completed", "slo_met", "fifo", "out_tokens", "good_tokens", "running")
 
     def __init__(self, policy: TierPolicy, ordering: "OrderingPolicy") -> None:
         self.name = policy.name
@@ -148,6 +151,8 @@ class TierState:
         self.fifo: deque[QueuedJob] = deque()
         self.n_eligible = 0
         self.backlogged_weight = 0.0
+        self.backlogged_wc = 0.0
+        self.queued_cost = 0.0
         self.paused = False
         self.running = 0
         self.tenants: dict[str, TenantState] = {}

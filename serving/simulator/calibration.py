@@ -52,9 +52,7 @@ class FitResult:
 def simulated_medians(requests: Sequence[TraceRequest], sim: SimConfig) -> tuple[float, float]:
     """(TTFT p50, per-token ITL p50) of ``requests`` replayed FCFS on ``sim`` with no kvmeter limits
     (every request goes to the engine at its arrival, as a measurement straight on the engine does)."""
-    cfg = SchedulerConfig(overload_control=False, tenant_kv_budget_ratio=None, tenant_prefill_budget_tokens=None,
-                          adaptive_engine_limit=False, max_engine_waiting=10 ** 9, kv_watermark_high=1.0,
-                          max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
+    cfg = SchedulerConfig.plain_baseline(max_engine_waiting=10 ** 9, kv_watermark_high=1.0)
     res = Simulation(requests, policy="fcfs", scheduler_config=cfg, sim=sim).run()
     done = [r for r in res.records if r.outcome == "ok"]
     if not done:

@@ -140,24 +140,49 @@ def _workload(args: argparse.Namespace):
     return mapper.assign(reqs)
 
 
+def scheduler_config(args: argparse.Namespace) -> tuple[SchedulerConfig, str]:
+    """The scheduler configuration of the flags, and the policy's label for the report.
+
+    ``vtc`` runs kvmeter's defaults (:class:`SchedulerConfig`): overload control, the adaptive
+    engine limit, KV and prefill budgets. The baselines (``fcfs``, ``rpm``) run
+    :meth:`SchedulerConfig.plain_baseline` — a plain deployment, none of those. A flag that adds a
+    kvmeter mechanism to a baseline (``--overload-control``, ``--kv-budget-ratio``) names it in
+    the label (``fcfs+overload-control``, ``fcfs+kv-budget``), so no report calls FCFS what is not.
+
+    Raises:
+        ValueError: a value the configuration refuses.
+    """
+    baseline = args.policy != "vtc"
+    control = not baseline
+    if args.no_overload_control:
+        control = False
+    if args.overload_control:
+        control = True
+    changes: dict = {"overload_control": control,
+                     "adaptive_engine_limit": control and not args.no_adaptive_limit}
+    if args.rpm_limit is not None:
+        changes["rpm_limit"] = args.rpm_limit
+    if args.kv_budget_ratio is not None:
+        changes["tenant_kv_budget_ratio"] = args.kv_budget_ratio
+    if not control:
+        changes.update(max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
+    label = args.policy
+    if baseline:
+        defaults = SchedulerConfig()
+        if control:  # kvmeter's bounded queues come with its overload control
+            changes.update(max_queued_per_tenant=defaults.max_queued_per_tenant,
+                           max_queued_total=defaults.max_queued_total)
+        label += "+overload-control" if control else ""
+        label += "+kv-budget" if args.kv_budget_ratio is not None else ""
+        return SchedulerConfig.plain_baseline(**changes), label
+    return dataclasses.replace(SchedulerConfig(), **changes), label
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the simulation and write the report; 0 on success, 2 on bad input."""
     try:
         requests = _workload(args)
-        control = args.policy == "vtc"
-        if args.no_overload_control:
-            control = False
-        if args.overload_control:
-            control = True
-        changes: dict = {"overload_control": control,
-                         "adaptive_engine_limit": control and not args.no_adaptive_limit}
-        if args.rpm_limit is not None:
-            changes["rpm_limit"] = args.rpm_limit
-        if args.kv_budget_ratio is not None:
-            changes["tenant_kv_budget_ratio"] = args.kv_budget_ratio
-        if not control:
-            changes.update(max_queued_per_tenant=10 ** 9, max_queued_total=10 ** 9)
-        scfg = dataclasses.replace(SchedulerConfig(), **changes)
+        scfg, label = scheduler_config(args)
         sim = SimConfig(model=args.model, gpu=args.gpu, tp=args.tp, replicas=args.replicas,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         long_prefill_token_threshold=args.long_prefill_threshold,
@@ -170,10 +195,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmeter simulate: {err}", file=sys.stderr)
         return 2
     result = simulation.run()
-    report = build_report(result, trace=str(args.trace))
+    report = build_report(result, trace=str(args.trace), policy_label=label)
     print(format_report(report, top_tenants=args.top_tenants))
     trace_label = str(args.trace).replace("/", "_").replace(".", "_")
-    prefix = args.out or f"kvmeter-sim-{trace_label}-{args.policy}"
+    prefix = args.out or f"kvmeter-sim-{trace_label}-{label}"
     try:
         paths = write_report(report, prefix)
     except OSError as err:

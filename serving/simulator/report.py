@@ -139,12 +139,14 @@ class _Aggregator:
         }
 
 
-def build_report(result: SimResult, *, trace: str = "") -> dict:
+def build_report(result: SimResult, *, trace: str = "", policy_label: str | None = None) -> dict:
     """The full report as plain data (JSON-serialisable).
 
     Args:
         result: a finished simulation.
         trace: trace label for the header.
+        policy_label: the policy as the report names it (default the policy's own name; a
+            baseline with a kvmeter mechanism added says so, e.g. ``fcfs+kv-budget``).
     """
     agg = _Aggregator(result)
     recs = result.records
@@ -180,7 +182,7 @@ def build_report(result: SimResult, *, trace: str = "") -> dict:
     q, h = result.prefix_queries_tokens, result.prefix_hits_tokens
     return {
         "meta": {
-            "trace": trace, "policy": result.policy, "sim": dataclasses.asdict(result.sim_config),
+            "trace": trace, "policy": policy_label or result.policy, "sim": dataclasses.asdict(result.sim_config),
             "cost_model": result.cost, "sim_span_s": _round(result.sim_end_s, 2),
             "wall_s": _round(result.wall_s, 2), "requests": len(recs), "tenants": len(by_tenant),
         },

@@ -70,3 +70,19 @@ def test_help_says_tier_map_is_json_or_a_file(capsys) -> None:
         _parse("--help")
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--tier-map JSON|FILE" in help_text and "inline JSON" in help_text and "path of a JSON file" in help_text
+
+
+def test_the_fcfs_baseline_is_plain_fcfs_and_an_addition_is_named() -> None:
+    # (once the simulator's FCFS ran with kvmeter's 50 % per-tenant KV budget and 32k prefill budget)
+    cfg, label = cli.scheduler_config(_parse("--policy", "fcfs"))
+    assert label == "fcfs"
+    assert cfg.tenant_kv_budget_ratio is None and cfg.tenant_prefill_budget_tokens is None
+    assert not cfg.overload_control and not cfg.adaptive_engine_limit and cfg.max_queued_total >= 10 ** 9
+    cfg, label = cli.scheduler_config(_parse("--policy", "rpm", "--rpm-limit", "30", "--kv-budget-ratio", "0.5"))
+    assert label == "rpm+kv-budget" and cfg.tenant_kv_budget_ratio == 0.5 and cfg.rpm_limit == 30
+    cfg, label = cli.scheduler_config(_parse("--policy", "fcfs", "--overload-control"))
+    assert label == "fcfs+overload-control" and cfg.overload_control and cfg.max_queued_total == 100_000
+    assert cfg.tenant_kv_budget_ratio is None
+    cfg, label = cli.scheduler_config(_parse())               # kvmeter's own: every mechanism on
+    assert label == "vtc" and cfg.overload_control and cfg.tenant_kv_budget_ratio == 0.5
+    assert cfg.tenant_prefill_budget_tokens == 32_768 and cfg.adaptive_engine_limit

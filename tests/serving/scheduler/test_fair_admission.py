@@ -1,0 +1,110 @@
+"""Fairness-aware admission: an early refusal (``projected_wait``) falls on the tenant whose VTC
+counter is above its fair share, not on the one below it (issue 17, item 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmeter.serving.scheduler import SchedulerRejected
+from kvmeter.stats import EngineLoad
+
+from .helpers import job, make_core
+
+#: The fake engine's speed: service units (1 × prompt + 2 × output tokens) per second.
+SPEED = 400.0
+
+
+class OneSlotEngine:
+    """One request at a time; a request of service cost ``c`` takes ``c / SPEED`` seconds, so the
+    scheduler's drain rate is ``SPEED`` whether the work is prompt or output."""
+
+    def __init__(self, core, clock) -> None:
+        self.core, self.clock = core, clock
+        self.grant = None
+        self.ends = 0.0
+        self.dispatched: dict[str, float] = {}
+
+    def _next(self) -> None:
+        grants = self.core.dispatch()
+        if grants:
+            [self.grant] = grants
+            j = self.grant.job
+            now = self.clock.monotonic()
+            self.dispatched[j.request_id] = now
+            self.ends = now + (j.input_tokens + 2 * j.max_tokens) / SPEED
+
+    def run_until(self, t: float) -> None:
+        if self.grant is None:
+            self._next()
+        while self.grant is not None and self.ends <= t:
+            self.clock.set(self.ends)
+            self.core.charge_output(self.grant, self.grant.job.max_tokens)
+            self.core.release(self.grant)
+            self.grant = None
+            self.core.on_engine_load(EngineLoad(0.0, 1_000_000, 0, 0))
+            self._next()
+        self.clock.set(t)
+
+
+def test_projected_wait_refuses_the_tenant_above_its_fair_share_and_admits_the_one_below():
+    core, clock = make_core(max_engine_running=1, max_engine_waiting=1)
+    far = 1e6
+    # both backlogged at t=0; B's head is a 3,900-token prompt, dispatched first (a tie at
+    # counter 0, B queued first): B's counter jumps to 3,900 and A is served alone until it
+    # catches up — VTC owes A that service
+    core.submit(job("b-big", "B", prompt=3_900, max_tokens=50, deadline=far))
+    for i in range(12):
+        core.submit(job(f"a{i}", "A", prompt=100, max_tokens=50, deadline=far))
+    for i in range(10):
+        core.submit(job(f"b{i}", "B", prompt=100, max_tokens=50, deadline=far))
+    engine = OneSlotEngine(core, clock)
+    engine.run_until(12.0)
+    assert list(engine.dispatched) == ["b-big", "a0", "a1", "a2", "a3", "a4"]
+    now = clock.monotonic()
+    rate = core.service_rate()
+    assert rate == pytest.approx(SPEED, rel=0.05)
+    gap = core.tenant_counter("B") - core.tenant_counter("A")
+    queued_a = 200.0 * core.tenant_queue_depth("A")
+    assert gap > queued_a > 0                   # A is below its fair share by more than it has queued
+    wait_a = core.projected_wait("A")
+    deadline = now + 1.5 * queued_a / rate
+    core.submit(job("a-new", "A", prompt=100, max_tokens=50, arrival=now, deadline=deadline))  # admitted
+    # A's queue is all that runs before a new A request: ≈ queued_a / rate, not twice that
+    assert wait_a == pytest.approx(queued_a / rate, rel=0.05)
+    with pytest.raises(SchedulerRejected) as err:   # the same deadline for B, ahead of its share
+        core.submit(job("b-new", "B", prompt=100, max_tokens=50, arrival=now, deadline=deadline))
+    assert err.value.reason == "projected_wait"
+    # and admitting A was right: its request starts before its deadline, no B request before it
+    engine.run_until(deadline)
+    assert "a-new" in engine.dispatched and engine.dispatched["a-new"] <= deadline
+    b_after = [t for r, t in engine.dispatched.items() if r.startswith("b") and r != "b-big"]
+    assert all(t > engine.dispatched["a-new"] for t in b_after)
+    assert core.dropped_total.get("deadline", 0) == 0
+
+
+def test_projection_is_unchanged_for_a_tenant_alone_and_zero_for_a_newcomer():
+    core, clock = make_core(max_engine_running=1, max_engine_waiting=1)
+    for i in range(10):
+        core.submit(job(f"a{i}", "A", prompt=100, max_tokens=50, deadline=1e6))
+    engine = OneSlotEngine(core, clock)
+    engine.run_until(2.0)
+    rate = core.service_rate()
+    assert core.projected_wait("A") == pytest.approx(200.0 * core.tenant_queue_depth("A") / rate, rel=1e-6)
+    # a tenant with nothing queued is lifted to the backlog's counter and starts next
+    assert core.projected_wait("C") == 0.0
+
+
+def test_a_queue_filled_by_one_tenant_refuses_that_tenant_not_the_next_one():
+    # (before: B filled all ten slots and A, with nothing queued, was refused queue_full)
+    core, _ = make_core(max_queued_total=10, overload_queue_fill=0.8)
+    core.on_engine_load(EngineLoad(0.99, 1_000_000, 10, 0))   # the engine is full: everything queues
+    for i in range(8):
+        core.submit(job(f"b{i}", "B"))
+    with pytest.raises(SchedulerRejected) as err:             # B holds 8 of the 8 its share allows
+        core.submit(job("b8", "B"))
+    assert err.value.reason == "queue_full" and "fair share" in str(err.value)
+    core.submit(job("a0", "A"))
+    core.submit(job("a1", "A"))                                # A's share is half of the 8
+    with pytest.raises(SchedulerRejected, match="limit 10"):   # the hard bound still holds
+        core.submit(job("a2", "A"))
+    assert core.tenant_queue_depth("A") == 2 and core.tenant_queue_depth("B") == 8
