@@ -7,6 +7,11 @@ Every query reads deduplicated data (``FINAL``), takes its values as bound param
 :class:`UsageReader` is the protocol both :class:`LedgerQueries` (ClickHouse) and
 :class:`~kvmeter.ledger.http_client.LedgerHttpClient` (the serve process's read API) implement,
 so the billing CLI and the dashboards do not care which one they hold.
+
+Why this module is longer than ~600 lines: :class:`LedgerQueries` is the one read surface that
+billing, reconciliation, the read API and the dashboards share. Its reads share the bill
+classification (:func:`classified_usage_sql`), the period parameters and the allow-listed
+group-by columns; most of its length is SQL text, one statement per read.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ event (``horizon``) or the step where the KV pool would overflow — exact for a
 and what makes an hour of trace simulate in seconds.
 
 Time here is virtual seconds handed in by the caller; nothing reads a clock.
+
+Why this module is longer than ~600 lines: :meth:`SimReplica.step` mirrors vLLM v1's one
+``Scheduler.schedule`` pass (running requests first, then waiting ones, under one token budget
+and one KV pool, with preemption), and the decode-segment fast path must keep exactly the same
+rules; they are kept side by side so a change to one is seen against the other.
 """
 
 from __future__ import annotations
