@@ -230,33 +230,38 @@ class LedgerQueries:
         params = _params(period, tenant_id)
         usage = classified_usage_sql(f"finish_ts >= {_PERIOD} AND finish_ts < {_PERIOD_END}{_tenant_clause(tenant_id)}")
         where = BILLED_SQL
+        # The cost's token counts come from the same statement as the totals, per (model, tier)
+        # (sumMap over tuple keys): two statements could see different drained rows, and a summary
+        # read mid-drain showed 16 requests' tokens beside 17 requests' cost.
+        # (sumMap leaves out keys whose sum is 0, so ``rows`` — never 0 — names every model and tier)
+        kinds = ("rows", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens")
+        by_price = ",\n                ".join(
+            f"sumMap([(c.model, c.tier)], [toUInt64({'1' if k == 'rows' else 'c.' + k})]) AS _priced_{k}" for k in kinds)
         metrics = self._query(f"""
             SELECT {select_keys},
                 {BILLABLE_TOTALS_SQL},
+                {by_price},
                 if(count(ttft_s) = 0, nan, quantileExactInclusive(0.5)(ttft_s)) AS ttft_p50_s,
                 if(count(ttft_s) = 0, nan, quantileExactInclusive(0.95)(ttft_s)) AS ttft_p95_s,
                 if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.5)(itl_mean_s)) AS itl_p50_s,
                 if(count(itl_mean_s) = 0, nan, quantileExactInclusive(0.95)(itl_mean_s)) AS itl_p95_s
-            FROM {usage}
+            FROM {usage} AS c
             WHERE {where}
             GROUP BY {group_sql}
             ORDER BY {group_sql}""", params)
-        priced_keys = list(dict.fromkeys(group + ["model", "tier"]))
-        token_rows = self._query(f"""
-            SELECT {", ".join(f"{GROUP_BY_FIELDS[g]} AS {g}" for g in priced_keys)},
-                sum(input_tokens) AS input_tokens,
-                sum(cached_input_tokens) AS cached_input_tokens,
-                sum(output_tokens) AS output_tokens,
-                sum(reasoning_tokens) AS reasoning_tokens
-            FROM {usage}
-            WHERE {where}
-            GROUP BY {", ".join(priced_keys)}""", params)
         costs: dict[tuple, Decimal | None] = {}
-        for row in token_rows:
+        for row in metrics:
             key = tuple(row[g] for g in group)
-            line = self.prices.cost_if_priced(row["model"], row["tier"], TokenCounts.from_row(row))
-            prev = costs.get(key, Decimal(0))
-            costs[key] = None if (line is None or prev is None) else prev + line
+            per_price: dict[tuple[str, str], dict[str, int]] = {}
+            for k in kinds:
+                price_keys, values = row.pop(f"_priced_{k}")
+                for (model, tier), value in zip(price_keys, values, strict=True):
+                    per_price.setdefault((model, tier), {})[k] = int(value)
+            total: Decimal | None = Decimal(0)
+            for (model, tier), counts in per_price.items():
+                line = self.prices.cost_if_priced(model, tier, TokenCounts.from_row(counts))
+                total = None if (line is None or total is None) else total + line
+            costs[key] = total
         attempts: dict[tuple, int] | None = None
         if all(g in _ATTEMPT_GROUPS for g in group):
             attempt_keys = ", ".join(f"{_ATTEMPT_GROUPS[g]} AS {g}" for g in group)

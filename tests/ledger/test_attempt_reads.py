@@ -105,3 +105,38 @@ async def test_two_tenants_with_one_chosen_event_id_never_decide_each_others_bil
     # acme: its own success bills, its aborted attempt is absorbed by that success; globex's
     # success is globex's; initech has no success, so its undelivered work is billed by its tier
     assert summary == {"acme": (100, 10), "globex": (70, 7), "initech": (50, 0)}
+
+
+async def test_the_usage_summarys_cost_is_priced_from_the_rows_its_totals_count(open_ledger) -> None:
+    """A summary read while the writer drains must not pair one set of rows' tokens with another's
+    cost (a newcomer read 16 requests' tokens beside 17 requests' cost). A row lands in ClickHouse
+    right after the summary's first statement on usage_events; the totals and the cost agree."""
+    ledger = open_ledger()
+    await ledger.record(make_event(1, input_tokens=100, output_tokens=10))
+    assert ledger.flush()
+    client = ledger.query_client()
+    late = make_event(2, input_tokens=300, output_tokens=30)
+
+    class DrainLandsMidRead:
+        """The ledger's own client, with the next event drained after the first usage read."""
+
+        def __init__(self) -> None:
+            self.landed = False
+
+        def query(self, sql: str, **kw):  # noqa: ANN003, ANN201
+            result = client.query(sql, **kw)
+            if not self.landed and "usage_events" in sql:
+                self.landed = True
+                ledger.record_sync(late)
+                assert ledger.flush()
+            return result
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(client, name)
+
+    proxy = DrainLandsMidRead()
+    queries = type(ledger.queries)(lambda: proxy, ledger.prices)
+    [row] = queries.usage_summary(PERIOD, "acme")
+    assert proxy.landed
+    counts = TokenCounts(input_tokens=row["input_tokens"], output_tokens=row["output_tokens"])
+    assert row["cost"] == ledger.prices.cost(MODEL, TIER, counts)  # was the cost of both events beside the first's tokens
