@@ -344,3 +344,34 @@ async def test_bad_input_is_refused_before_the_upstream(serve, model_dir, path, 
         assert s.billed(api_key_id="k1") == []
     finally:
         await up.stop()
+
+
+#: one org per tier (the tier's engine priority is what the upstream must get)
+TIERED = tenants("".join(f"""
+org-{tier}:
+  tier: {tier}
+  workspaces: {{w: {{projects: {{p: {{api_keys: {{key-{tier}: {{key: sk-proxy-{tier}}}}}}}}}}}}}
+""" for tier in ("enterprise", "paid_interactive", "batch", "free")))
+
+
+async def test_the_upstream_gets_the_tiers_engine_priority_over_the_clients(serve, model_dir):
+    """The in-process engines run each request at the scheduler's grant (the tier's priority), not
+    the body's ``priority``; the proxy sends the same grant in vLLM's ``X-Vllm-Priority`` header
+    (read by vLLM before the body), leaving the body as the client sent it."""
+    from kvmeter.serving.tenancy import DEFAULT_TIERS
+
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+              "choices": [{"index": 0, "text": " Paris", "finish_reason": "stop"}], "usage": usage(5, 1)}
+    up = ScriptedUpstream(MODEL, answer=Whole(answer))
+    s = await stack(serve, model_dir, up, TIERED)
+    try:
+        tiers = ("enterprise", "paid_interactive", "batch", "free")
+        for tier in tiers:
+            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "priority": -7}
+            resp = await s.client.post(COMPLETIONS, json=body, headers=bearer(f"sk-proxy-{tier}"))
+            assert resp.status_code == 200, resp.text
+            assert up.bodies[-1] == body  # the body as sent, the client's priority in it
+        sent = [h.get("x-vllm-priority") for h in up.headers]
+        assert sent == [str(DEFAULT_TIERS[t].priority) for t in tiers] == ["0", "1", "2", "3"]
+    finally:
+        await up.stop()
