@@ -297,8 +297,10 @@ class RemoteEndpoint(CompletionEndpoint):
                               single_prompt=payload.single_prompt)
         answered = False  # the upstream accepted the request (a 200): its counts bill
 
-        def source() -> None:  # the event's token_source, on every exit path
+        def source() -> None:  # the event's token_source and each choice's finish reason, on every exit path
             adm.meter.token_source = "estimate" if answered and not reader.exact() else "frontend"
+            # as the upstream answered them (tool_calls included), one per choice (traces)
+            adm.meter.choice_finish_reasons = tuple(reader.finish_reasons.get(i) for i in range(payload.choices))
 
         adm.before_finish = source
         send_headers = {"content-type": "application/json",

@@ -375,3 +375,45 @@ async def test_the_upstream_gets_the_tiers_engine_priority_over_the_clients(serv
         assert sent == [str(DEFAULT_TIERS[t].priority) for t in tiers] == ["0", "1", "2", "3"]
     finally:
         await up.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_each_choices_finish_reason_reaches_the_trace_as_the_upstream_answered_it(serve, model_dir, stream):
+    """The request's :class:`~kvmeter.stats.RequestCompletion` (the span's
+    ``gen_ai.response.finish_reasons``) has one reason per choice, as the upstream sent it:
+    ``tool_calls`` for choice 0 and ``length`` for choice 1 of an ``n=2`` answer."""
+    from kvmeter.stats import RequestCompletion
+
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    if stream:
+        answer: Stream | Whole = Stream(sse(
+            chat_chunk(role=True), chat_chunk(role=True, index=1), chat_chunk(" Par", index=1),
+            {**chat_chunk(), "choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]},
+                                          "logprobs": None, "finish_reason": "tool_calls"}]},
+            chat_chunk("is", index=1, finish="length"),
+            {**chat_chunk(), "choices": [], "usage": usage(30, 3)}, "[DONE]"))
+    else:
+        answer = Whole({"id": "chatcmpl-up-1", "object": "chat.completion", "created": 1, "model": MODEL,
+                        "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls",
+                                     "message": {"role": "assistant", "content": None, "tool_calls": [call]}},
+                                    {"index": 1, "message": {"role": "assistant", "content": " Paris"},
+                                     "logprobs": None, "finish_reason": "length"}],
+                        "usage": usage(30, 3)})
+    up = ScriptedUpstream(MODEL, answer=answer)
+    s = await stack(serve, model_dir, up)
+    done: list[RequestCompletion] = []
+    s.runtime.bus.subscribe(RequestCompletion, done.append)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "n": 2, "stream": stream,
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+        if stream:
+            resp, _ = await post_stream(s, CHAT, body)
+        else:
+            resp = await s.client.post(CHAT, json=body, headers=bearer(KEY))
+        assert resp.status_code == 200, resp.text
+        [completion] = done
+        assert completion.finish_reasons == ("tool_calls", "length")
+        assert completion.response_id == "chatcmpl-up-1"
+    finally:
+        await up.stop()
