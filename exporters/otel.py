@@ -22,8 +22,9 @@ on spans:
   (wall clock), carrying ``gen_ai.usage.input_tokens`` / ``output_tokens`` /
   ``cache_read.input_tokens``, ``gen_ai.request.model``, ``gen_ai.operation.name``,
   ``gen_ai.response.id`` (the answer's ``id``, when known), ``gen_ai.response.model`` (the served
-  model that answered), ``gen_ai.response.finish_reasons`` (one per choice: the engine's reasons —
-  where vLLM's layer answers ``tool_calls`` the engine stopped with ``stop``),
+  model that answered), ``gen_ai.response.finish_reasons`` (one per choice, as the answer sent them:
+  ``tool_calls`` where vLLM's layer, or a remote upstream, answered it though the engine stopped
+  with ``stop``; the engine's reason for a choice the answer did not finish),
   ``kvmeter.tenant.id``, ``kvmeter.tier``, ``kvmeter.outcome``, ``kvmeter.slo_met``, the TTFT and
   queue time, and an ERROR status with ``error.type`` for failed requests;
 * the request's phases (:class:`~kvmeter.stats.RequestPhase`) as span events in order, each at the

@@ -84,8 +84,9 @@ class RequestCompletion:
         phases: the request's :class:`RequestPhase` s in order (``queue``; ``prefill`` once a
             first token came; ``decode`` with two output tokens or more).
         response_id: the ``id`` of the answer (``chatcmpl-...`` / ``cmpl-...``), ``""`` when unknown.
-        finish_reasons: one finish reason per choice, in the answer's choice order (``stop``,
-            ``length``, ``tool_calls``..., ``abort`` / ``error`` for a choice that did not finish).
+        finish_reasons: one finish reason per choice, in the answer's choice order, as the answer
+            sent it (``stop``, ``length``, ``tool_calls``...; ``abort`` / ``error`` for a choice that
+            did not finish).
         trace_headers: the request's :data:`TRACE_CONTEXT_HEADERS` as received, ``(name, value)``
             pairs in order (lower-case names; a header sent twice appears twice); unvalidated.
     """

@@ -83,7 +83,7 @@ from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager
                                                IdempotencyTicket, StoredResponse)
 from kvmeter.serving.scheduler.base import Grant, Job, Scheduler, SchedulerRejected
 from kvmeter.serving.tenancy import DEFAULT_TIERS, Authenticator, Principal, TierPolicy
-from kvmeter.stats import TRACE_CONTEXT_HEADERS, AdmissionDecision, RequestRefused
+from kvmeter.stats import TRACE_CONTEXT_HEADERS, AdmissionDecision, RequestCompletion, RequestRefused
 from kvmeter.tokens import NO_TOKENS, TokenCounts
 
 __all__ = ["Gateway", "GatewaySettings", "UsageRecorder", "CompletionEndpoint", "Prepared", "Admitted",
@@ -348,6 +348,11 @@ class Admitted:
     before_finish: Callable[[], None] | None = None
     #: the client disconnected (seen by the disconnect watcher or the stream's response)
     client_left: bool = False
+    #: the protocol publishes the request's :class:`RequestCompletion` itself, once its answer's
+    #: finish reasons are known (:meth:`CompletionEndpoint._publish_completion`); until then
+    #: finalization keeps it in :attr:`completion`
+    hold_completion: bool = False
+    completion: RequestCompletion | None = None
 
 
 class CompletionEndpoint:
@@ -666,8 +671,25 @@ class CompletionEndpoint:
         if adm.grant is not None:
             gw.scheduler.release(adm.grant)
         await gw.quota.reconcile(adm.reservation, event.tokens)
-        gw.bus.publish(completion)
+        if adm.hold_completion:
+            adm.completion = completion
+        else:
+            gw.bus.publish(completion)
         return event
+
+    def _publish_completion(self, adm: Admitted, answered: dict[int, str] | None = None) -> None:
+        """Publish the :class:`RequestCompletion` finalization held (``hold_completion``), once:
+        ``answered`` (choice index → the ``finish_reason`` the answer sent) replaces the engine's
+        reason of each choice the answer named — vLLM's layer answers ``tool_calls`` where the
+        engine stopped with ``stop``. A no-op when nothing is held (not finalized, or published)."""
+        adm.hold_completion = False
+        held, adm.completion = adm.completion, None
+        if held is None:
+            return
+        if answered:
+            reasons = held.finish_reasons
+            held.finish_reasons = tuple(answered.get(i, r) for i, r in enumerate(reasons))
+        self.gw.bus.publish(held)
 
     async def _close_unfinished(self, adm: Admitted, *, status_code: int = 499,
                                 outcome: Outcome = "aborted", cause: str = "") -> None:

@@ -30,7 +30,7 @@ import logging
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from kvmeter.errors import Refusal
 from kvmeter.serving.engines.base import EngineError
@@ -69,6 +69,29 @@ def _engine_failure(exc: BaseException) -> bool:
     if isinstance(exc, EngineError):
         return True
     return type(exc).__name__ in ("EngineGenerateError", "EngineDeadError")
+
+
+def _finish_reasons(choices: Any) -> dict[int, str]:
+    """Choice index → ``finish_reason`` of an answer's (or chunk's) ``choices``, where one is set."""
+    out: dict[int, str] = {}
+    for c in choices if isinstance(choices, list) else ():
+        if isinstance(c, dict) and isinstance(c.get("finish_reason"), str) and isinstance(c.get("index"), int):
+            out[c["index"]] = c["finish_reason"]
+    return out
+
+
+def _event_finish_reasons(event: str) -> dict[int, str]:
+    """The finish reasons in one of vLLM's SSE strings (``data: <chunk>``...); {} when none."""
+    out: dict[int, str] = {}
+    for line in event.splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            try:
+                chunk = json.loads(line[5:])
+            except ValueError:
+                continue
+            if isinstance(chunk, dict):
+                out.update(_finish_reasons(chunk.get("choices")))
+    return out
 
 
 class OpenAIEndpoint(CompletionEndpoint):
@@ -133,14 +156,23 @@ class OpenAIEndpoint(CompletionEndpoint):
             meter.response_id = str(getattr(getattr(request.state, "request_metadata", None), "request_id", "") or "")
 
         adm.before_finish = before_finish
+        # vLLM's layer decides a choice's tool_calls finish (its tool parser, tool_choice) after the
+        # engine's last output, so after the usage event: the trace's RequestCompletion waits for
+        # the answer's finish reasons (published by the answer's end, or below)
+        adm.hold_completion = self.chat and bool(getattr(payload.request, "tools", None))
         work = payload.layer.create(payload.request, request, self.chat)
         bound.bind()  # the engine calls vLLM's layer makes inside create() are this request's
+        response: Response | None = None
         try:
             if adm.prepared.stream:
-                return await self._stream(payload, bound, adm, headers, work)
-            return await self._complete(request, payload, bound, adm, headers, work)
+                response = await self._stream(payload, bound, adm, headers, work)
+            else:
+                response = await self._complete(request, payload, bound, adm, headers, work)
+            return response
         finally:
             bound.unbind()
+            if not isinstance(response, StreamingResponse):  # a stream publishes it as it ends (_events)
+                self._publish_completion(adm)
 
     async def _complete(self, request: Request, payload: _Payload, bound: BoundRequest, adm: Admitted,
                         headers: dict[str, str], work: Any) -> Response:
@@ -163,8 +195,12 @@ class OpenAIEndpoint(CompletionEndpoint):
         await self._finalize(adm, "ok", status_code=200)  # normally done already, by the engine client
         body = result.model_dump_json()
         gate = payload.emitted
+        answered = {c.index: c.finish_reason for c in result.choices if c.finish_reason}
         if gate is not None and any(getattr(c.message, "tool_calls", None) for c in result.choices):
-            body = json.dumps(await gate.response(json.loads(body)), ensure_ascii=False, separators=(",", ":"))
+            gated = await gate.response(json.loads(body))
+            answered = _finish_reasons(gated.get("choices"))
+            body = json.dumps(gated, ensure_ascii=False, separators=(",", ":"))
+        self._publish_completion(adm, answered)
         response = Response(body, media_type="application/json", headers=headers)
         await self._settle_idempotency(adm, StoredResponse(
             200, stored_headers({**headers, "content-type": "application/json"}), bytes(response.body)))
@@ -183,6 +219,7 @@ class OpenAIEndpoint(CompletionEndpoint):
         async def on_close() -> None:
             await bound.aclose()
             await self._close_unfinished(adm)
+            self._publish_completion(adm)  # (a stream that never started: else a no-op)
 
         if payload.emitted is not None:  # tool-call deltas held until decided (emitted.py)
             result = payload.emitted.stream(result)
@@ -194,8 +231,11 @@ class OpenAIEndpoint(CompletionEndpoint):
         durable by the engine client before vLLM's layer yields the usage chunk and ``[DONE]``."""
         sent: list[bytes] | None = [] if adm.ticket is not None else None
         completed = False
+        answered: dict[int, str] = {}  # each choice's finish_reason as the stream sends it
         try:
             async for event in events:
+                if adm.hold_completion and '"finish_reason":"' in event:
+                    answered.update(_event_finish_reasons(event))
                 data = event.encode("utf-8")
                 if sent is not None:
                     sent.append(data)
@@ -214,6 +254,7 @@ class OpenAIEndpoint(CompletionEndpoint):
             # request closes them, which aborts any engine request still running (the client left).
             await bound.aclose()
             await self._finalize(adm, "aborted", status_code=200, finish_reason="abort")
+            self._publish_completion(adm, answered)
             if not completed:
                 await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
 

@@ -41,8 +41,14 @@ Under agent runs, a chat request that declares ``tools`` has the tool calls the 
 decided before they reach the client (:mod:`kvmeter.serving.gateway.emitted`), as on the
 in-process engines.
 
-Not forwarded: kvmeter's tier priority (the body is the client's), the client's own headers other
-than ``X-Request-Id`` (the upstream gets the engine's API key, never the client's).
+The tier's engine priority — the scheduler's grant, as the in-process engines get it — goes to the
+upstream in vLLM's ``X-Vllm-Priority`` header (vLLM's ``PRIORITY_HEADER``, which its serving layer
+reads before the body's ``priority``), so the body stays as sent and the client's own ``priority``
+is overridden by the tier's, as on the in-process path. It orders the upstream's queue when the
+upstream runs with ``--scheduling-policy priority`` (vLLM ignores it under ``fcfs``).
+
+Not forwarded: the client's own headers other than ``X-Request-Id`` (the upstream gets the
+engine's API key, never the client's).
 """
 
 from __future__ import annotations
@@ -196,6 +202,10 @@ class RemoteEndpoint(CompletionEndpoint):
         super().__init__(gateway, chat=chat)
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
         request_kind(chat)  # vLLM's request model, imported (seconds: torch) before the first request
+        from vllm.entrypoints.generate.base.serving import PRIORITY_HEADER
+
+        #: the header vLLM's serving layer reads the engine priority from (before the body's)
+        self.priority_header = PRIORITY_HEADER
         #: the upstream's system_fingerprint, learnt from its usage chunks (see ClientView)
         self.fingerprint: Any = UNKNOWN
 
@@ -287,12 +297,16 @@ class RemoteEndpoint(CompletionEndpoint):
                               single_prompt=payload.single_prompt)
         answered = False  # the upstream accepted the request (a 200): its counts bill
 
-        def source() -> None:  # the event's token_source, on every exit path
+        def source() -> None:  # the event's token_source and each choice's finish reason, on every exit path
             adm.meter.token_source = "estimate" if answered and not reader.exact() else "frontend"
+            # as the upstream answered them (tool_calls included), one per choice (traces)
+            adm.meter.choice_finish_reasons = tuple(reader.finish_reasons.get(i) for i in range(payload.choices))
 
         adm.before_finish = source
         send_headers = {"content-type": "application/json",
-                        "x-request-id": request.headers.get("x-request-id") or adm.meter.identity.request_id}
+                        "x-request-id": request.headers.get("x-request-id") or adm.meter.identity.request_id,
+                        # the tier's engine priority, the scheduler's grant (see the module docstring)
+                        self.priority_header: str(adm.grant.priority if adm.grant is not None else 0)}
         engine = cast(RemoteEngine, self.gw.engine)  # the app serves this path for the remote engine only
         try:
             resp = await self._until_disconnect(request, engine.open(self.path, payload.body, send_headers), adm)

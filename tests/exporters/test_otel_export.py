@@ -312,9 +312,10 @@ def test_otlp_http_to_a_real_receiver(bus, otlp_receiver, monkeypatch):
 
 
 @pytest.fixture
-async def traced_gateway(model_dir, otlp_receiver, free_port, monkeypatch):
+async def traced_gateway(model_dir, otlp_receiver, free_port, monkeypatch, request):
     """The gateway with vLLM's serving layer over the instant engine on loopback, its OTLP
-    exporter (built from the ``OTEL_*`` environment, as ``serve`` builds it) sending to the receiver."""
+    exporter (built from the ``OTEL_*`` environment, as ``serve`` builds it) sending to the receiver.
+    Parametrized indirectly with a text, the instant engine answers that text (token by token)."""
     from prometheus_client import CollectorRegistry
 
     from kvmeter.model import DEFAULT_MODEL_NAME
@@ -331,7 +332,9 @@ async def traced_gateway(model_dir, otlp_receiver, free_port, monkeypatch):
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # export on flush only
     port = free_port()
     config = load_serve_config(None, {("engine", "kind"): "instant", ("server", "port"): port}, env={})
-    engine = InstantEngine(HFTokenizer(model_dir), DEFAULT_MODEL_NAME, max_model_len=4096)
+    text = getattr(request, "param", None)
+    engine = InstantEngine(HFTokenizer(model_dir), DEFAULT_MODEL_NAME, max_model_len=4096,
+                           reply=None if text is None else (lambda _request: text))
     await engine.start()
     runtime = ServeRuntime(config, registry=CollectorRegistry(), engine=engine)
     runtime.gateway.recorder = MemoryRecorder()
@@ -404,3 +407,36 @@ async def test_the_openai_sdk_traceparent_joins_the_callers_trace(traced_gateway
     # a malformed traceparent: answered 200, its span the root of a new trace
     root = spans[malformed.id]
     assert root.parent_span_id == b"" and root.trace_id.hex() != TRACE_ID and len(root.trace_id) == 16
+
+
+#: a hermes tool call (vLLM's default ``--tool-call-parser`` for kvmeter's serving layer)
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("traced_gateway", [TOOL_CALL], indirect=True, ids=["hermes"])
+async def test_the_spans_finish_reasons_are_tool_calls_where_the_answer_ends_in_tool_calls(traced_gateway):
+    """The engine stops with ``stop``; vLLM's layer parses the tool call and answers ``tool_calls``
+    (after the engine's last output, so after the usage event): the span carries the answer's
+    reason for each of the ``n`` choices, in a JSON answer and in a stream."""
+    import openai
+
+    from tests.serving.gateway.conftest import KEYS
+
+    base_url, otel, receiver = traced_gateway
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=KEYS["acme"], max_retries=0)
+    ask = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "weather in Paris?"}],
+           "max_tokens": 64, "n": 2, "tools": WEATHER}
+    whole = await client.chat.completions.create(**ask)
+    chunks = [c async for c in await client.chat.completions.create(**ask, stream=True)]
+    await client.close()
+    assert otel.force_flush()
+
+    assert [c.finish_reason for c in whole.choices] == ["tool_calls"] * 2
+    assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
+    streamed = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert streamed == {0: "tool_calls", 1: "tool_calls"}
+    spans = {_attrs(s.attributes).get("gen_ai.response.id"): s for s in _spans(receiver)}
+    assert _attrs(spans[whole.id].attributes)["gen_ai.response.finish_reasons"] == ["tool_calls"] * 2
+    assert _attrs(spans[chunks[0].id].attributes)["gen_ai.response.finish_reasons"] == ["tool_calls"] * 2

@@ -344,3 +344,76 @@ async def test_bad_input_is_refused_before_the_upstream(serve, model_dir, path, 
         assert s.billed(api_key_id="k1") == []
     finally:
         await up.stop()
+
+
+#: one org per tier (the tier's engine priority is what the upstream must get)
+TIERED = tenants("".join(f"""
+org-{tier}:
+  tier: {tier}
+  workspaces: {{w: {{projects: {{p: {{api_keys: {{key-{tier}: {{key: sk-proxy-{tier}}}}}}}}}}}}}
+""" for tier in ("enterprise", "paid_interactive", "batch", "free")))
+
+
+async def test_the_upstream_gets_the_tiers_engine_priority_over_the_clients(serve, model_dir):
+    """The in-process engines run each request at the scheduler's grant (the tier's priority), not
+    the body's ``priority``; the proxy sends the same grant in vLLM's ``X-Vllm-Priority`` header
+    (read by vLLM before the body), leaving the body as the client sent it."""
+    from kvmeter.serving.tenancy import DEFAULT_TIERS
+
+    answer = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+              "choices": [{"index": 0, "text": " Paris", "finish_reason": "stop"}], "usage": usage(5, 1)}
+    up = ScriptedUpstream(MODEL, answer=Whole(answer))
+    s = await stack(serve, model_dir, up, TIERED)
+    try:
+        tiers = ("enterprise", "paid_interactive", "batch", "free")
+        for tier in tiers:
+            body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "priority": -7}
+            resp = await s.client.post(COMPLETIONS, json=body, headers=bearer(f"sk-proxy-{tier}"))
+            assert resp.status_code == 200, resp.text
+            assert up.bodies[-1] == body  # the body as sent, the client's priority in it
+        sent = [h.get("x-vllm-priority") for h in up.headers]
+        assert sent == [str(DEFAULT_TIERS[t].priority) for t in tiers] == ["0", "1", "2", "3"]
+    finally:
+        await up.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_each_choices_finish_reason_reaches_the_trace_as_the_upstream_answered_it(serve, model_dir, stream):
+    """The request's :class:`~kvmeter.stats.RequestCompletion` (the span's
+    ``gen_ai.response.finish_reasons``) has one reason per choice, as the upstream sent it:
+    ``tool_calls`` for choice 0 and ``length`` for choice 1 of an ``n=2`` answer."""
+    from kvmeter.stats import RequestCompletion
+
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+    if stream:
+        answer: Stream | Whole = Stream(sse(
+            chat_chunk(role=True), chat_chunk(role=True, index=1), chat_chunk(" Par", index=1),
+            {**chat_chunk(), "choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]},
+                                          "logprobs": None, "finish_reason": "tool_calls"}]},
+            chat_chunk("is", index=1, finish="length"),
+            {**chat_chunk(), "choices": [], "usage": usage(30, 3)}, "[DONE]"))
+    else:
+        answer = Whole({"id": "chatcmpl-up-1", "object": "chat.completion", "created": 1, "model": MODEL,
+                        "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls",
+                                     "message": {"role": "assistant", "content": None, "tool_calls": [call]}},
+                                    {"index": 1, "message": {"role": "assistant", "content": " Paris"},
+                                     "logprobs": None, "finish_reason": "length"}],
+                        "usage": usage(30, 3)})
+    up = ScriptedUpstream(MODEL, answer=answer)
+    s = await stack(serve, model_dir, up)
+    done: list[RequestCompletion] = []
+    s.runtime.bus.subscribe(RequestCompletion, done.append)
+    try:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "n": 2, "stream": stream,
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+        if stream:
+            resp, _ = await post_stream(s, CHAT, body)
+        else:
+            resp = await s.client.post(CHAT, json=body, headers=bearer(KEY))
+        assert resp.status_code == 200, resp.text
+        [completion] = done
+        assert completion.finish_reasons == ("tool_calls", "length")
+        assert completion.response_id == "chatcmpl-up-1"
+    finally:
+        await up.stop()
