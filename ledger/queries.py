@@ -236,7 +236,8 @@ class LedgerQueries:
         # (sumMap leaves out keys whose sum is 0, so ``rows`` — never 0 — names every model and tier)
         kinds = ("rows", "input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens")
         by_price = ",\n                ".join(
-            f"sumMap([(c.model, c.tier)], [toUInt64({'1' if k == 'rows' else 'c.' + k})]) AS _priced_{k}" for k in kinds)
+            f"sumMap([(c.model, c.tier)], [toUInt64({'1' if k == 'rows' else 'c.' + k})]) AS _priced_{k}"
+            for k in kinds)
         metrics = self._query(f"""
             SELECT {select_keys},
                 {BILLABLE_TOTALS_SQL},

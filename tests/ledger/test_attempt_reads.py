@@ -139,4 +139,5 @@ async def test_the_usage_summarys_cost_is_priced_from_the_rows_its_totals_count(
     [row] = queries.usage_summary(PERIOD, "acme")
     assert proxy.landed
     counts = TokenCounts(input_tokens=row["input_tokens"], output_tokens=row["output_tokens"])
-    assert row["cost"] == ledger.prices.cost(MODEL, TIER, counts)  # was the cost of both events beside the first's tokens
+    # was the cost of both events beside the first's tokens
+    assert row["cost"] == ledger.prices.cost(MODEL, TIER, counts)
