@@ -183,20 +183,28 @@ def main() -> int:
     return 0
 
 
-def summarize(results: dict, args: argparse.Namespace, *, throughput: str, p50: str, p99: str) -> None:
-    """Print kvmeter's throughput ratio and added TTFT over vLLM's (means over rounds) and write
-    ``args.json`` when given; ``throughput``/``p50``/``p99`` name the result keys (tok/s, ms)."""
-    def mean(kind: str, key: str) -> float:
-        return statistics.fmean(r[key] for r in results[kind])
+def summarize(results: dict, args: argparse.Namespace, *, throughput: str, p50: str, p99: str,
+              kind: str = "kvmeter") -> None:
+    """Print ``kind``'s throughput ratio and added TTFT over vLLM's (means over rounds) and write
+    ``args.json`` when given (every kind's results; ratios keyed by kind when ``kind`` is not
+    "kvmeter"); ``throughput``/``p50``/``p99`` name the result keys (tok/s, ms)."""
+    def mean(k: str, key: str) -> float:
+        return statistics.fmean(r[key] for r in results[k])
 
-    ratio = mean("kvmeter", throughput) / mean("vllm", throughput)
-    added_p99 = mean("kvmeter", p99) - mean("vllm", p99)
-    added_p50 = mean("kvmeter", p50) - mean("vllm", p50)
-    print(f"\nthroughput ratio kvmeter/vLLM = {ratio:.3f}   added TTFT p50 = {added_p50:+.1f} ms   "
+    ratio = mean(kind, throughput) / mean("vllm", throughput)
+    added_p99 = mean(kind, p99) - mean("vllm", p99)
+    added_p50 = mean(kind, p50) - mean("vllm", p50)
+    print(f"\nthroughput ratio {kind}/vLLM = {ratio:.3f}   added TTFT p50 = {added_p50:+.1f} ms   "
           f"added TTFT p99 = {added_p99:+.1f} ms")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "ratio": ratio,
-                                               "added_ttft_p99_ms": added_p99}, indent=2))
+        path = Path(args.json)
+        doc = json.loads(path.read_text()) if kind != "kvmeter" and path.exists() else {}
+        doc.update(args=vars(args), results=results)
+        if kind == "kvmeter":
+            doc.update(ratio=ratio, added_ttft_p99_ms=added_p99)
+        else:
+            doc.setdefault("variants", {})[kind] = {"ratio": ratio, "added_ttft_p99_ms": added_p99}
+        path.write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

@@ -67,10 +67,16 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--kv-gib", type=int, default=2)
-    ap.add_argument("--scheduler", choices=["vtc", "fcfs"], default="vtc")
+    ap.add_argument("--scheduler", default="vtc",
+                    help="kvmeter's scheduler policy, or a comma list (vtc,fcfs): one kvmeter run per policy "
+                         "in each round; fcfs is the plain baseline (no adaptive engine limit, no budgets), "
+                         "so vtc − fcfs is what the scheduler's policy adds and fcfs − vLLM the gateway")
     ap.add_argument("--port", type=int, default=18432)
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
+    policies = args.scheduler.split(",")
+    if not policies or any(p not in ("vtc", "fcfs") for p in policies):
+        ap.error(f"--scheduler: vtc, fcfs or a comma list of them, not {args.scheduler!r}")
 
     sys.path.insert(0, str(overhead.ROOT))
     from vllm.benchmarks.serve import main as bench_main
@@ -79,14 +85,20 @@ def main() -> int:
 
     os.environ["OPENAI_API_KEY"] = overhead.KEY
     model_dir, name = resolve_model(None)
-    results: dict[str, list[dict]] = {"vllm": [], "kvmeter": []}
+    # one result list per server: "vllm", then "kvmeter" for the first policy, "kvmeter-<policy>" for others
+    kinds = ["vllm"] + ["kvmeter" if i == 0 else f"kvmeter-{p}" for i, p in enumerate(policies)]
+    policy_of = {k: p for k, p in zip(kinds[1:], policies, strict=True)}
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for kind in ("vllm", "kvmeter"):
+            # odd rounds run the servers in reverse order, so a drift in the machine's load over the
+            # run does not always favour the same side
+            for kind in (kinds if rnd % 2 == 0 else kinds[::-1]):
                 workdir = Path(tmp) / f"{kind}-{rnd}"
                 workdir.mkdir()
                 url = f"http://127.0.0.1:{args.port}"
-                proc = overhead.start(kind, model_dir, name, args.port, args, workdir)
+                server_args = argparse.Namespace(**{**vars(args), "scheduler": policy_of.get(kind, "vtc")})
+                proc = overhead.start(kind.split("-")[0], model_dir, name, args.port, server_args, workdir)
                 try:
                     ready = overhead.wait_ready(proc, url, workdir / f"{kind}.log")
                     load_start, t0 = overhead.loadavg(), time.strftime("%H:%M:%S", time.gmtime())
@@ -100,7 +112,9 @@ def main() -> int:
                 finally:
                     overhead.stop(proc)
 
-    overhead.summarize(results, args, throughput="output_throughput", p50="median_ttft_ms", p99="p99_ttft_ms")
+    for kind in kinds[1:]:
+        overhead.summarize(results, args, throughput="output_throughput", p50="median_ttft_ms", p99="p99_ttft_ms",
+                           kind=kind)
     return 0
 
 
