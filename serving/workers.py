@@ -221,7 +221,9 @@ def run_workers(config: ServeConfig, ledger: LedgerConfig, *, multiproc_dir: Pat
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer threads across the spawn
     server = config.server
     uv_config = uvicorn.Config(
-        functools.partial(worker_app, config.model_dump_json(), server.log_level), factory=True,
+        # the workers log at the parent's level (``kvmeter --log-level``), as the one process would
+        functools.partial(worker_app, config.model_dump_json(),
+                          logging.getLevelName(logging.getLogger().getEffectiveLevel())), factory=True,
         host=server.host, port=server.port, workers=server.workers, log_level=server.log_level,
         lifespan="on", timeout_graceful_shutdown=30, access_log=False)
     sock = uv_config.bind_socket()
