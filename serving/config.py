@@ -98,6 +98,10 @@ class ServerSettings(_Section):
         body_read_timeout_s: longest a request body may take to arrive (seconds, > 0; 408
             ``request_timeout`` after it, so a client that stalls mid-body cannot hold a request).
         log_level: uvicorn's and kvmeter's log level.
+        workers: gateway processes on this one port (>= 1; ``kvmeter serve --workers N``). Above 1
+            the engine must be shared (``remote`` or ``instant``), the quota store too (``redis://``)
+            and the ledger ClickHouse over HTTP: :func:`kvmeter.serving.workers.workers_problem`
+            names what refuses it.
     """
 
     host: str = "127.0.0.1"
@@ -105,6 +109,7 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     log_level: str = "info"
+    workers: int = Field(default=1, ge=1)
 
 
 class EngineSettings(_Section):
@@ -243,6 +248,7 @@ _ENV = {
     ("tenants",): "KVMETER_TENANTS",
     ("quota_store",): "KVMETER_QUOTA_STORE",
     ("quota_lease_s",): "KVMETER_QUOTA_LEASE_S",
+    ("server", "workers"): "KVMETER_WORKERS",
     ("ledger_dsn",): "KVMETER_LEDGER_DSN",
     ("spool_dir",): "KVMETER_SPOOL_DIR",
     ("scheduler", "policy"): "KVMETER_SCHEDULER",

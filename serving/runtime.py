@@ -54,7 +54,7 @@ from kvmeter.stats import EngineLoad, EngineStepStats
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
 
-__all__ = ["ServeRuntime", "build_engine", "scheduler_config_from_tiers"]
+__all__ = ["ServeRuntime", "build_engine", "ledger_config_of", "scheduler_config_from_tiers"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,19 @@ def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfi
     return dataclasses.replace(base, tiers=dict(snapshot.tiers), default_tier=snapshot.default_tier, **options)
 
 
+def ledger_config_of(config: ServeConfig) -> LedgerConfig:
+    """The ledger settings ``config`` names (DSN, spool dir, prices) over ``KVMETER_LEDGER_*``.
+
+    Raises:
+        ConfigError: an invalid DSN or ``KVMETER_LEDGER_*`` variable (a ``ValueError``).
+    """
+    base = LedgerConfig.from_env()
+    return dataclasses.replace(
+        base, dsn=config.ledger_dsn or base.dsn,
+        spool_dir=Path(config.spool_dir).expanduser().absolute() if config.spool_dir else base.spool_dir,
+        prices_path=Path(config.prices) if config.prices else base.prices_path)
+
+
 class _LedgerRecorder:
     """The gateway's recorder: the ledger once it is open."""
 
@@ -152,6 +165,12 @@ class ServeRuntime:
         bus: the stats bus every part shares (default: a new one, which a built engine gets).
         nvml: the NVML module for the GPU poller (default: the real ``pynvml``; tests pass the
             capture-backed stand-in).
+        worker: this process's worker slot under ``kvmeter serve --workers N`` (0-based; ``None``:
+            the one process). A worker spools into its slot's own directory under the spool dir
+            (:func:`kvmeter.serving.workers.worker_spool_dir`), counts every worker as a quota
+            replica (the outage fallback's share) and runs the fleet-wide readers — periodic
+            reconciliation and the signal history — only in slot 0 (docs/ARCHITECTURE.md, "How
+            each part starts").
     Raises:
         ValueError: an invalid setting, the ledger's included (its DSN, its ``KVMETER_LEDGER_*``
             variables: :class:`~kvmeter.ledger.errors.ConfigError`), checked here rather than
@@ -162,8 +181,9 @@ class ServeRuntime:
 
     def __init__(self, config: ServeConfig, *, clock: Clock = SYSTEM_CLOCK,
                  registry: CollectorRegistry | None = REGISTRY, engine: Engine | None = None,
-                 bus: StatsBus | None = None, nvml: object | None = None) -> None:
+                 bus: StatsBus | None = None, nvml: object | None = None, worker: int | None = None) -> None:
         self.config = config
+        self.worker = worker
         self.ledger_config()  # raises ConfigError (a ValueError) before anything is built
         self.clock = clock
         self.bus = bus or StatsBus()
@@ -172,7 +192,8 @@ class ServeRuntime:
         self.prices = load_price_list(config.prices)
         # the quota store and the idempotency manager, chosen by the URL's scheme (an unknown one
         # is refused here, before the engine is built)
-        self.quota_backend = open_quota_backend(config.quota_store, replicas=config.quota_replicas,
+        replicas = config.quota_replicas if worker is None else max(config.quota_replicas, config.server.workers)
+        self.quota_backend = open_quota_backend(config.quota_store, replicas=replicas,
                                                 clock=clock, bus=self.bus, lease_s=config.quota_lease_s)
         self.quota = HierarchicalQuota(self.directory, self.quota_backend.store,
                                        price=self.prices.cost, clock=clock, bus=self.bus,
@@ -236,12 +257,14 @@ class ServeRuntime:
         return self.directory.snapshot.tiers.get(tier)
 
     def ledger_config(self) -> LedgerConfig:
-        base = LedgerConfig.from_env()
-        cfg = self.config
-        return dataclasses.replace(
-            base, dsn=cfg.ledger_dsn or base.dsn,
-            spool_dir=Path(cfg.spool_dir).expanduser().absolute() if cfg.spool_dir else base.spool_dir,
-            prices_path=Path(cfg.prices) if cfg.prices else base.prices_path)
+        """The ledger's settings: the config's DSN, spool dir and prices over ``KVMETER_LEDGER_*``;
+        a worker's spool dir is its slot's (:func:`kvmeter.serving.workers.worker_spool_dir`)."""
+        config = ledger_config_of(self.config)
+        if self.worker is None:
+            return config
+        from kvmeter.serving.workers import worker_spool_dir
+
+        return dataclasses.replace(config, spool_dir=worker_spool_dir(config.spool_dir, self.worker))
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -279,13 +302,14 @@ class ServeRuntime:
             # a remote engine's scrapes.
             self.scheduler.on_engine_load(load)
         await asyncio.to_thread(self.gpu.start)
-        self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
-        self.signal_recorder.start()
-        rec = self.config.reconciliation
-        # on the ledger's own query client, from a worker thread (see kvmeter.ledger.reconciler)
-        self.reconciler = Reconciler(ledger.queries, self.bus, clock=self.clock, interval_s=rec.interval_s,
-                                     first_run_delay_s=rec.first_run_delay_s, lookback_s=rec.lookback_s)
-        self.reconciler.start()
+        if self.worker in (None, 0):  # once per fleet: slot 0 (a replacement takes a dead one's slot)
+            self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
+            self.signal_recorder.start()
+            rec = self.config.reconciliation
+            # on the ledger's own query client, from a worker thread (see kvmeter.ledger.reconciler)
+            self.reconciler = Reconciler(ledger.queries, self.bus, clock=self.clock, interval_s=rec.interval_s,
+                                         first_run_delay_s=rec.first_run_delay_s, lookback_s=rec.lookback_s)
+            self.reconciler.start()
         if self.directory.path is not None:
             self._watch = self.directory.start_watching(2.0)
         # Everything built so far (model tokenizer, price list, tenancy, ledger, modules) lives as

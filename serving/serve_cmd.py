@@ -6,6 +6,8 @@ Examples::
     kvmeter serve --config deploy/kvmeter/kvmeter.yaml
     kvmeter serve --engine remote --remote-url http://gpu-node:8000 --model /models/llama
     kvmeter serve --model /models/qwen2.5-7b --tool-call-parser hermes --vllm-arg=--max-logprobs=50
+    kvmeter serve --workers 4 --engine remote --remote-url http://gpu-node:8000 \
+        --quota-store redis://redis:6379/0 --ledger-dsn http://kvmeter:pw@clickhouse:8123/kvmeter
 
 Flags override the config file, which overrides environment variables (see
 :mod:`kvmeter.serving.config`).
@@ -14,7 +16,11 @@ Exit status: 0 after a graceful stop (Ctrl+C / SIGINT included; SIGTERM stops as
 uvicorn re-raises it: -15); 2 for an invalid setting, ledger DSN included, a port already in use
 or a ledger spool or embedded ledger path held by another process (one line, ``cannot start:
 ...``, before the engine loads); 3 when the app fails while starting (uvicorn's lifespan: the engine or
-ledger could not open); 130 for Ctrl+C before the server started.
+ledger could not open; with ``--workers N``, a worker that failed to start); 130 for Ctrl+C before
+the server started.
+
+``--workers N`` (``server.workers``) runs N gateway processes on one port under uvicorn's
+supervisor; what they share and what refuses it: :mod:`kvmeter.serving.workers`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="serve config YAML (default $KVMETER_CONFIG)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--workers", type=int,
+                        help="gateway processes on the one port (default 1; above 1: --engine remote or "
+                             "instant, a redis:// quota store, an http(s):// ledger)")
     parser.add_argument("--engine", choices=["vllm", "remote", "instant"], help="engine kind")
     parser.add_argument("--model", help="smollm2 (default), a model directory or a .gguf file")
     parser.add_argument("--max-model-len", type=int, help="context window in tokens")
@@ -83,6 +92,33 @@ def _preflight(host: str, port: int, ledger) -> str | None:  # noqa: ANN001 — 
     return None
 
 
+def _run_workers(config) -> int:  # noqa: ANN001 — a ServeConfig
+    """``--workers N`` above 1: refuse what cannot be shared, check what the single-process path's
+    :class:`ServeRuntime` would check first (the ledger settings, tenants file, price list, port,
+    spool), then supervise the workers.
+
+    Raises:
+        ServeConfigError, ValueError, OSError: an invalid setting (the caller's one line, status 2).
+    """
+    from kvmeter.ledger.prices import load_price_list
+    from kvmeter.serving.runtime import ledger_config_of
+    from kvmeter.serving.tenancy import TenantDirectory
+    from kvmeter.serving.workers import run_workers, workers_problem
+
+    ledger = ledger_config_of(config)
+    problem = workers_problem(config, ledger)
+    if problem is None:
+        TenantDirectory.from_file(config.tenants_path())
+        load_price_list(config.prices)
+        problem = _preflight(config.server.host, config.server.port, ledger)
+    if problem:
+        log.error("cannot start: %s", problem)
+        return 2
+    log.info("kvmeter serve: %d workers, %s engine, on http://%s:%d", config.server.workers, config.engine.kind,
+             config.server.host, config.server.port)
+    return run_workers(config, ledger)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -92,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from kvmeter.serving.runtime import ServeRuntime
 
     overrides = {
-        ("server", "host"): args.host, ("server", "port"): args.port,
+        ("server", "host"): args.host, ("server", "port"): args.port, ("server", "workers"): args.workers,
         ("engine", "kind"): args.engine, ("engine", "model"): args.model,
         ("engine", "max_model_len"): args.max_model_len,
         ("engine", "kv_cache_space_gib"): args.kv_cache_gib,
@@ -111,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
             overrides[("openai", "enable_auto_tool_choice")] = False
     try:
         config = load_serve_config(args.config, overrides)
+        if config.server.workers > 1:
+            return _run_workers(config)
         runtime = ServeRuntime(config)  # checks the ledger settings too (ConfigError: a ValueError)
     except (ServeConfigError, ModelError, EngineError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
