@@ -13,7 +13,7 @@ import pytest
 
 from bench.fairness.two_gateways import run_two_gateways
 from kvmeter.clock import ManualClock
-from kvmeter.serving.config import ServeConfig
+from kvmeter.serving.config import ServeConfig, load_serve_config
 from kvmeter.serving.quota import redis_client
 from kvmeter.serving.quota.redis_store import redis_cluster_client
 from kvmeter.serving.runtime import shared_service_for
@@ -187,7 +187,7 @@ def test_counters_key_puts_the_pool_in_the_hash_tag():
         counters_key("kvs:", "a{b}")
 
 
-async def test_serve_shares_counters_on_a_redis_quota_store_only():
+async def test_serve_shares_counters_on_a_redis_quota_store_only(monkeypatch: pytest.MonkeyPatch):
     assert shared_service_for(ServeConfig()) is None  # memory://: one process
     on_redis = shared_service_for(ServeConfig(quota_store="redis://127.0.0.1:1/0",
                                               engine={"model": "smollm2"}))
@@ -197,4 +197,7 @@ async def test_serve_shares_counters_on_a_redis_quota_store_only():
                                           scheduler={"shared_service": "off"})) is None
     with pytest.raises(ValueError, match="shared_service"):
         shared_service_for(ServeConfig(scheduler={"shared_service": "on"}))
+    monkeypatch.setenv("KVMETER_QUOTA_STORE", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("KVMETER_SCHEDULER_SHARED_SERVICE", "off")
+    assert shared_service_for(load_serve_config()) is None
 
