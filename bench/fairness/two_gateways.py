@@ -18,13 +18,16 @@ settings are the plain baseline (no overload control, budgets or adaptive limit)
 dispatch order differs.
 
 Run: .venv/bin/python bench/fairness/two_gateways.py [--ticks 2000] [--sync-every 5] [--redis URL]
-(without ``--redis`` a private ``redis-server`` from PATH is started on a free loopback port).
+[--processes] (without ``--redis`` a private ``redis-server`` from PATH is started on a free
+loopback port; ``--processes`` runs each gateway in its own OS process, stepped in lock-step by
+this one over pipes, so the two Lua calls of a sync race on Redis as two gateways' would).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -45,7 +48,7 @@ from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
 from kvmeter.serving.scheduler.shared_service import SharedServiceSync
 
-__all__ = ["DEMAND", "TwoGatewayResult", "run_two_gateways"]
+__all__ = ["DEMAND", "Gateway", "TwoGatewayResult", "run_two_gateways", "run_two_processes"]
 
 #: requests per tick: (tenant, gateway index) → count
 DEMAND: dict[tuple[str, int], int] = {("A", 0): 4, ("B", 0): 6, ("B", 1): 2}
@@ -65,10 +68,42 @@ class TwoGatewayResult:
         return self.service["B"] / self.service["A"]
 
 
+class Gateway:
+    """One gateway: a :class:`SchedulerCore` whose engine completes ``capacity`` requests per tick,
+    fed with its part of the demand, optionally with a :class:`SharedServiceSync`."""
+
+    def __init__(self, idx: int, clock: ManualClock, sync: SharedServiceSync | None, *, capacity: int,
+                 demand: dict[tuple[str, int], int]) -> None:
+        self.idx, self.clock, self.sync, self.capacity = idx, clock, sync, capacity
+        self.core = SchedulerCore(SchedulerConfig.plain_baseline(), clock=clock, counter_log=sync)
+        self.arrivals = [(tenant, n) for (tenant, gw), n in demand.items() if gw == idx]
+        self._seq = 0
+
+    def step(self) -> None:
+        """Submit this tick's arrivals, then dispatch, run and release up to ``capacity``."""
+        now = self.clock.monotonic()
+        for tenant, n in self.arrivals:
+            for _ in range(n):
+                self._seq += 1
+                self.core.submit(Job(request_id=f"g{self.idx}-{self._seq}", attribution=Attribution(tenant),
+                                     input_tokens=PROMPT_TOKENS, max_tokens=OUTPUT_TOKENS, arrival_s=now))
+        for grant in self.core.dispatch(max_grants=self.capacity):
+            self.core.charge_output(grant, OUTPUT_TOKENS)
+            self.core.release(grant)
+
+    def service(self) -> dict[str, float]:
+        return {t: self.core.tenant_service(t) for t in ("A", "B")}
+
+
+def _result(per: list[dict[str, float]], failed: int) -> TwoGatewayResult:
+    return TwoGatewayResult(service={t: sum(p[t] for p in per) for t in ("A", "B")}, per_gateway=per,
+                            failed_syncs=failed)
+
+
 async def run_two_gateways(syncs: Sequence[SharedServiceSync] | None, *, ticks: int = 2000,
                            tick_s: float = 0.1, capacity: int = 4, sync_every: int = 5,
                            demand: dict[tuple[str, int], int] | None = None) -> TwoGatewayResult:
-    """Drive two cores in virtual time (see the module docstring).
+    """Drive two gateways in one process in virtual time (see the module docstring).
 
     Args:
         syncs: one :class:`SharedServiceSync` per gateway (the same pool), or None: no sharing.
@@ -79,27 +114,78 @@ async def run_two_gateways(syncs: Sequence[SharedServiceSync] | None, *, ticks: 
     """
     demand = DEMAND if demand is None else demand
     clock = ManualClock()
-    cores = [SchedulerCore(SchedulerConfig.plain_baseline(), clock=clock,
-                           counter_log=None if syncs is None else syncs[i]) for i in range(2)]
-    seq = 0
+    gws = [Gateway(i, clock, None if syncs is None else syncs[i], capacity=capacity, demand=demand)
+           for i in range(2)]
     for tick in range(ticks):
-        now = clock.monotonic()
-        for (tenant, gw), n in demand.items():
-            for _ in range(n):
-                seq += 1
-                cores[gw].submit(Job(request_id=f"r{seq}", attribution=Attribution(tenant),
-                                     input_tokens=PROMPT_TOKENS, max_tokens=OUTPUT_TOKENS, arrival_s=now))
-        for core in cores:
-            for grant in core.dispatch(max_grants=capacity):
-                core.charge_output(grant, OUTPUT_TOKENS)
-                core.release(grant)
+        for gw in gws:
+            gw.step()
         clock.advance(tick_s)
         if syncs is not None and (tick + 1) % sync_every == 0:
-            for core, sync in zip(cores, syncs, strict=True):
-                await sync.sync(core)
-    per = [{t: core.tenant_service(t) for t in ("A", "B")} for core in cores]
-    return TwoGatewayResult(service={t: sum(p[t] for p in per) for t in ("A", "B")}, per_gateway=per,
-                            failed_syncs=0 if syncs is None else sum(s.failures_total for s in syncs))
+            for gw in gws:
+                assert gw.sync is not None
+                await gw.sync.sync(gw.core)
+    return _result([gw.service() for gw in gws],
+                   0 if syncs is None else sum(s.failures_total for s in syncs))
+
+
+async def _child(idx: int, url: str | None, pool: str, capacity: int, tick_s: float) -> None:
+    """One gateway in its own OS process, stepped by the parent over stdin: ``t`` a tick, ``s`` a
+    sync, ``q`` print the service as JSON and stop; each command is answered with one line."""
+    from kvmeter.serving.quota import redis_client
+
+    sync = None if url is None else SharedServiceSync(redis_client(url), pool=pool)
+    gw = Gateway(idx, ManualClock(), sync, capacity=capacity, demand=DEMAND)
+    loop = asyncio.get_running_loop()
+    while True:
+        cmd = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
+        if cmd == "t":
+            gw.step()
+            gw.clock.advance(tick_s)
+        elif cmd == "s" and sync is not None:
+            await sync.sync(gw.core)
+        elif cmd in ("q", ""):
+            print(json.dumps({"service": gw.service(), "failed": 0 if sync is None else sync.failures_total}),
+                  flush=True)
+            if sync is not None:
+                await sync.aclose()
+            return
+        print("ok", flush=True)
+
+
+def run_two_processes(url: str | None, *, ticks: int = 2000, sync_every: int = 5, capacity: int = 4,
+                      tick_s: float = 0.1) -> TwoGatewayResult:
+    """The same run with each gateway in its own OS process (``python two_gateways.py --child``),
+    in lock-step: every tick both step, every ``sync_every`` ticks both sync at once (their Lua
+    calls race on Redis, as two gateways' would). ``url`` None: no sharing."""
+    pool = f"bench-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), "--pool", pool,
+                               "--capacity", str(capacity), *(["--redis", url] if url else [])],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+
+    def command(cmd: str) -> list[str]:
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(cmd + "\n")
+            p.stdin.flush()
+        out = []
+        for p in procs:
+            assert p.stdout is not None
+            out.append(p.stdout.readline().strip())
+        return out
+
+    try:
+        for tick in range(ticks):
+            command("t")
+            if url is not None and (tick + 1) % sync_every == 0:
+                command("s")
+        finals = [json.loads(line) for line in command("q")]
+    finally:
+        for p in procs:
+            p.wait(timeout=30)
+    return _result([f["service"] for f in finals], sum(f["failed"] for f in finals))
 
 
 def _free_port() -> int:
@@ -151,7 +237,14 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=2000)
     ap.add_argument("--sync-every", type=int, default=5, help="ticks (0.1 s each) between syncs")
     ap.add_argument("--redis", default=None, help="redis://host:port/db (default: a private redis-server)")
+    ap.add_argument("--processes", action="store_true", help="each gateway in its own OS process")
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pool", default="bench", help=argparse.SUPPRESS)
+    ap.add_argument("--capacity", type=int, default=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child is not None:
+        asyncio.run(_child(args.child, args.redis, args.pool, args.capacity, 0.1))
+        return
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         url = args.redis
@@ -159,14 +252,20 @@ def main() -> None:
             proc, url = _start_redis(tmp)
         try:
             t0 = time.perf_counter()
-            local, shared = asyncio.run(_both(url, args.ticks, args.sync_every))
+            if args.processes:
+                local = run_two_processes(None, ticks=args.ticks, sync_every=args.sync_every)
+                shared = run_two_processes(url, ticks=args.ticks, sync_every=args.sync_every)
+            else:
+                local, shared = asyncio.run(_both(url, args.ticks, args.sync_every))
             wall = time.perf_counter() - t0
         finally:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=10)
-    print(f"two gateways, one Redis; demand A:B = 1:2 (A 4/tick on gw1; B 6/tick on gw1, 2/tick on gw2); "
-          f"capacity 4/tick per gateway; {args.ticks} ticks of 0.1 s; sync every {args.sync_every * 0.1:.1f} s")
+    where = "two OS processes" if args.processes else "two cores in one process"
+    print(f"two gateways ({where}), one Redis; demand A:B = 1:2 (A 4/tick on gw1; B 6/tick on gw1, "
+          f"2/tick on gw2); capacity 4/tick per gateway; {args.ticks} ticks of 0.1 s; "
+          f"sync every {args.sync_every * 0.1:.1f} s")
     for name, r in (("without sharing", local), ("with sharing", shared)):
         print(f"  {name:16s} service A {r.service['A']:>10,.0f}  B {r.service['B']:>10,.0f}  "
               f"A:B = 1:{r.ratio_b_to_a:.3f}   (gw1 A {r.per_gateway[0]['A']:,.0f} B {r.per_gateway[0]['B']:,.0f}; "

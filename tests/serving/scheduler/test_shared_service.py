@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.fairness.two_gateways import run_two_gateways
+from bench.fairness.two_gateways import run_two_gateways, run_two_processes
 from kvmeter.clock import ManualClock
 from kvmeter.serving.config import ServeConfig, load_serve_config
 from kvmeter.serving.quota import redis_client
@@ -60,6 +60,14 @@ async def test_a_tenant_spread_over_two_gateways_gets_its_fair_share_only_with_s
     # gateway 2 serves only B either way (work-conserving); the fairness comes from gateway 1
     assert shared.per_gateway[1]["B"] == local.per_gateway[1]["B"]
     assert shared.per_gateway[0]["A"] > 1.4 * local.per_gateway[0]["A"]
+
+
+def test_two_gateway_processes_share_their_counters(redis_url: str):
+    """The same case with each gateway in its own OS process, in lock-step over pipes: the two
+    processes' syncs race on Redis as two gateways' would."""
+    shared = run_two_processes(redis_url, ticks=500)
+    assert shared.failed_syncs == 0
+    assert 1 / 1.1 <= shared.ratio_b_to_a <= 1.1
 
 
 async def test_charges_add_up_and_two_lifts_of_one_tenant_take_the_larger(redis_url: str):
