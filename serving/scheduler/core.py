@@ -42,6 +42,11 @@ tenant holding more than its weighted share of it is refused (``queue_full``) wh
 its share still gets the free slots. Tier shedding (``shed``) stays by tier, as the tier policy
 says.
 
+**Across gateway processes** (issue 17): with a ``counter_log`` (:mod:`.shared_service`) every
+charge and lift is reported, and :meth:`SchedulerCore.raise_counters` takes back the pool's
+fleet-wide counters, so the VTC order here follows the service every process gave; without one
+(the simulator, a single process) nothing changes.
+
 Engine gating — KV watermark, the engine's waiting queue, a running cap and an adaptive limit on
 the running batch driven by the engine's step latencies (AIMD) — is :mod:`.gating`'s; the overload
 pressure level is :mod:`.pressure`'s; projected waits are :mod:`.projection`'s; Jain's index, the
