@@ -22,6 +22,12 @@ that are global), the process's nearest view of the fleet's minimum; and between
 process sees other processes' service up to ``interval_s`` late — the fairness bound of the core
 widens by the service the fleet gives in one interval.
 
+Tier counters (the tier level of the hierarchical weights) are not shared: a raise adds to this
+process's tier counter as service given elsewhere (:meth:`.core.SchedulerCore.raise_counters`), so
+between tiers the order follows the fleet's service approximately (a remote lift counts there as
+service). A tenant's ``service`` here (its metric) stays this process's own; summed over the
+processes it is the fleet's.
+
 Keys: one hash per scheduler pool (a model's engines): ``{key_prefix}{<pool>}:vtc``. The pool name
 is the hash tag, so the pool's counters live in one slot and the script runs on a Redis Cluster.
 Every process of a pool must use the same tenant weights (the counters are divided by them).
