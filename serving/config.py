@@ -21,6 +21,10 @@ The periodic three-way reconciliation (``reconciliation:`` in the file, see
 :class:`ReconciliationSettings`): ``KVMETER_RECONCILE_INTERVAL_S`` (seconds between runs, default
 3600) and ``KVMETER_RECONCILE_FIRST_RUN_DELAY_S`` (seconds from start to the first run, default 60).
 
+VTC counters shared between gateway processes (``scheduler.shared_service``, see
+:class:`SchedulerSettings`): ``KVMETER_SCHEDULER_SHARED_SERVICE`` (``auto``, ``on``, ``off``;
+default ``auto``: on with a Redis quota store).
+
 The self-checks (``selfcheck:`` in the file, see :class:`SelfCheckSettings`):
 ``KVMETER_SELFCHECK_TTFT_FLOOR_S`` and ``KVMETER_SELFCHECK_PEAK_FLOPS_PER_S``.
 
@@ -137,8 +141,28 @@ class EngineSettings(_Section):
 
 
 class SchedulerSettings(_Section):
+    """The fair scheduler (:mod:`kvmeter.serving.scheduler`).
+
+    Attributes:
+        policy: ``vtc`` or ``fcfs``.
+        options: :class:`~kvmeter.serving.scheduler.SchedulerConfig` fields.
+        shared_service: share the VTC counters with the other gateway processes of the pool
+            through the quota store's Redis (:mod:`kvmeter.serving.scheduler.shared_service`), so a
+            tenant spreading over N gateways gets its fair share of the fleet, not N×. ``auto``
+            (default): on with a ``redis://`` / ``rediss://`` quota store (several gateways share
+            it), off with ``memory://`` (one process: nothing to share); ``on`` needs a Redis
+            quota store; ``off``: each process's own counters.
+        shared_service_interval_s: seconds between syncs (> 0): how late a process sees the
+            others' service.
+        shared_service_pool: the hash the counters share (one per scheduler pool: processes in
+            front of the same engines); default the served model's name.
+    """
+
     policy: Literal["vtc", "fcfs"] = "vtc"
     options: dict[str, Any] = Field(default_factory=dict)
+    shared_service: Literal["auto", "on", "off"] = "auto"
+    shared_service_interval_s: float = Field(default=0.5, gt=0, allow_inf_nan=False)
+    shared_service_pool: str | None = Field(default=None, min_length=1, pattern=r"^[^{}]+$")
 
 
 class ReconciliationSettings(_Section):
@@ -252,6 +276,7 @@ _ENV = {
     ("ledger_dsn",): "KVMETER_LEDGER_DSN",
     ("spool_dir",): "KVMETER_SPOOL_DIR",
     ("scheduler", "policy"): "KVMETER_SCHEDULER",
+    ("scheduler", "shared_service"): "KVMETER_SCHEDULER_SHARED_SERVICE",
     ("reconciliation", "interval_s"): "KVMETER_RECONCILE_INTERVAL_S",
     ("reconciliation", "first_run_delay_s"): "KVMETER_RECONCILE_FIRST_RUN_DELAY_S",
     ("selfcheck", "ttft_floor_s"): "KVMETER_SELFCHECK_TTFT_FLOOR_S",

@@ -44,8 +44,10 @@ from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.openai_api.layer import OpenAIApi
-from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend
+from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend, redis_client
+from kvmeter.serving.quota.backends import scheme_of
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
+from kvmeter.serving.scheduler.shared_service import SharedServiceSync
 from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
@@ -54,7 +56,7 @@ from kvmeter.stats import EngineLoad, EngineStepStats
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
 
-__all__ = ["ServeRuntime", "build_engine", "ledger_config_of", "scheduler_config_from_tiers"]
+__all__ = ["ServeRuntime", "build_engine", "ledger_config_of", "scheduler_config_from_tiers", "shared_service_for"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,28 @@ def ledger_config_of(config: ServeConfig) -> LedgerConfig:
         base, dsn=config.ledger_dsn or base.dsn,
         spool_dir=Path(config.spool_dir).expanduser().absolute() if config.spool_dir else base.spool_dir,
         prices_path=Path(config.prices) if config.prices else base.prices_path)
+
+
+def shared_service_for(config: ServeConfig) -> SharedServiceSync | None:
+    """The scheduler's shared VTC counters for ``config`` (``scheduler.shared_service``): on the
+    quota store's Redis when it is ``redis://`` / ``rediss://`` (``auto``, ``on``), else None.
+    The pool is ``scheduler.shared_service_pool``, else the served model's name (braces, Redis
+    Cluster's hash-tag marks, replaced by ``_``), else ``default``.
+
+    Raises:
+        ValueError: ``shared_service: on`` with a quota store that is not Redis.
+    """
+    settings = config.scheduler
+    on_redis = scheme_of(config.quota_store) in ("redis", "rediss")
+    if settings.shared_service == "off" or (settings.shared_service == "auto" and not on_redis):
+        return None
+    if not on_redis:
+        raise ValueError("scheduler.shared_service: on needs a redis:// or rediss:// quota_store, "
+                         f"got {config.quota_store!r}")
+    pool = settings.shared_service_pool or config.engine.remote_model or config.engine.model or "default"
+    pool = pool.replace("{", "_").replace("}", "_")
+    return SharedServiceSync(redis_client(config.quota_store), pool=pool,
+                             interval_s=settings.shared_service_interval_s)
 
 
 class _LedgerRecorder:
@@ -209,7 +233,10 @@ class ServeRuntime:
         self.engine = engine or build_engine(config, self.bus, clock)
         self._owns_engine = engine is None
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
-        self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus)
+        # VTC counters shared with the pool's other gateway processes on a Redis quota store
+        self.shared_service = shared_service_for(config)
+        self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus,
+                                       shared_service=self.shared_service)
         # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
                              self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
@@ -340,6 +367,8 @@ class ServeRuntime:
         if self._owns_engine:
             await self.engine.shutdown()
         await self.quota_backend.aclose()
+        if self.shared_service is not None:
+            await self.shared_service.aclose()
         await self.agent_store.aclose()
         for unsubscribe in self._unsubscribe:
             unsubscribe()

@@ -216,6 +216,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_scheduler_pressure_level", "gauge", (),
            "overload control level: 0 normal, 1 elevated (batch paused, new free refused), 2 overload",
            "scheduler", multiprocess_mode="max"),
+    Metric("kvmeter_scheduler_shared_service_failures_total", "counter", (),
+           "failed syncs of the VTC counters shared between gateway processes through Redis "
+           "(fairness is the process's own while they fail)", "scheduler"),
     # ---- gateway retries, quota, tenancy (quota and tenancy stats, AdmissionDecision): quota.py
     Metric("kvmeter_gateway_retries_total", "counter", ("tier", "tenant"),
            "client retries of an already-seen logical request (same idempotency key)", "gateway"),

@@ -1,7 +1,7 @@
 """Fair-scheduler metrics from :class:`~kvmeter.stats.SchedulerStats` (published by
 ``FairScheduler`` about once a second): per-tenant queue depth (requests, prompt tokens) and
 oldest wait, per-tenant active KV tokens, per-tenant service, Jain's index, the service gap,
-dropped requests by reason and the overload level.
+dropped requests by reason, the overload level and failed syncs of the shared VTC counters.
 
 Bounded tenants. A snapshot lists every tenant the scheduler has seen; the ``tenant`` label keeps
 the top-K (:mod:`.tenants`) and folds the rest into ``other``:
@@ -50,6 +50,7 @@ class SchedulerMetrics(MetricSource):
         self.gap = m("kvmeter_scheduler_max_service_gap_tokens")
         self.dropped = m("kvmeter_scheduler_dropped_requests_total")
         self.pressure = m("kvmeter_scheduler_pressure_level")
+        self.shared_failures = m("kvmeter_scheduler_shared_service_failures_total")
         self._gauges = (self.depth, self.depth_tokens, self.oldest, self.active_kv)
         self._service_last: dict[str, float] = {}
         self._working: set[str] = set()  # tenants with active work in the last snapshot
@@ -100,6 +101,8 @@ class SchedulerMetrics(MetricSource):
         self.pressure.set(s.pressure_level)
         for reason, total in s.dropped_total.items():
             self._cumulative.update(self.dropped, (reason,), total)
+        if s.shared_service_failures_total is not None:
+            self._cumulative.update(self.shared_failures, (), s.shared_service_failures_total)
 
     def _count_service(self, tier: str, tenant: str, total: float) -> None:
         last = self._service_last.get(tenant)

@@ -107,6 +107,8 @@ class SchedulerStats:
             adaptive limit driven by its step latencies, or the static ``max_engine_running``.
         tiers: per-tier aggregates.
         tenants: per-tenant detail (every tenant seen; exporters cap the label set).
+        shared_service_failures_total: failed syncs of the VTC counters shared through Redis
+            since start (``serving/scheduler/shared_service.py``); None without sharing.
     """
 
     wall_ts: float
@@ -124,3 +126,4 @@ class SchedulerStats:
     engines_running_limit: list[int] = field(default_factory=list)
     tiers: list[TierSchedulerStats] = field(default_factory=list)
     tenants: list[TenantSchedulerStats] = field(default_factory=list)
+    shared_service_failures_total: int | None = None

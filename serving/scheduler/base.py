@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmeter.attribution import Attribution
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
 
-__all__ = ["Job", "Grant", "Scheduler", "SchedulerRejected", "PassThroughScheduler"]
+__all__ = ["Job", "Grant", "Scheduler", "SchedulerRejected", "PassThroughScheduler", "CounterLog"]
 
 
 @dataclass(slots=True)
@@ -151,3 +152,17 @@ class PassThroughScheduler(Scheduler):
 
     def release(self, grant: Grant) -> None:
         self.running -= 1
+
+
+class CounterLog(Protocol):
+    """What a :class:`~kvmeter.serving.scheduler.core.SchedulerCore` tells about its VTC counters
+    (weight-normalised service units), for a store that shares them between processes
+    (:mod:`kvmeter.serving.scheduler.shared_service`). Both calls are synchronous and must not
+    block: they only record.
+    """
+
+    def charged(self, tenant_id: str, counter_delta: float) -> None:
+        """The tenant's counter grew by ``counter_delta`` (≥ 0) for service given here."""
+
+    def lifted(self, tenant_id: str, counter: float) -> None:
+        """The tenant's counter was lifted to ``counter`` on its return (VTC's lift rule)."""

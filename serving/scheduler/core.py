@@ -42,6 +42,11 @@ tenant holding more than its weighted share of it is refused (``queue_full``) wh
 its share still gets the free slots. Tier shedding (``shed``) stays by tier, as the tier policy
 says.
 
+**Across gateway processes** (issue 17): with a ``counter_log`` (:mod:`.shared_service`) every
+charge and lift is reported, and :meth:`SchedulerCore.raise_counters` takes back the pool's
+fleet-wide counters, so the VTC order here follows the service every process gave; without one
+(the simulator, a single process) nothing changes.
+
 Engine gating — KV watermark, the engine's waiting queue, a running cap and an adaptive limit on
 the running batch driven by the engine's step latencies (AIMD) — is :mod:`.gating`'s; the overload
 pressure level is :mod:`.pressure`'s; projected waits are :mod:`.projection`'s; Jain's index, the
@@ -66,14 +71,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.serving.tenancy.tiers import PRESSURE_ELEVATED, PRESSURE_NORMAL, PRESSURE_OVERLOAD, TierPolicy
 from kvmeter.stats import EngineLoad, SchedulerStats
 
 from ._heap import LazyMinHeap
-from .base import Grant, Job, SchedulerRejected
+from .base import CounterLog, Grant, Job, SchedulerRejected
 from .config import SchedulerConfig
 from .gating import EngineGate, latency_targets, pick_engine
 from .policy import OrderingPolicy, make_policy
@@ -98,12 +103,17 @@ class SchedulerCore:
         clock: monotonic time source (inject a :class:`~kvmeter.clock.ManualClock` in tests and
             the simulator).
         num_engines: engine replicas this core dispatches to (grants carry ``engine_idx``).
+        counter_log: told of every counter charge and lift (a store that shares the counters
+            between gateway processes, :mod:`.shared_service`); None (the default, and the
+            simulator's): the counters are this process's alone. Shared counters come back
+            through :meth:`raise_counters`.
     Raises:
         ValueError: on an unknown policy name or ``num_engines < 1``.
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
-                 clock: Clock = SYSTEM_CLOCK, num_engines: int = 1) -> None:
+                 clock: Clock = SYSTEM_CLOCK, num_engines: int = 1,
+                 counter_log: CounterLog | None = None) -> None:
         self.config = config or SchedulerConfig()
         if isinstance(policy, str):
             policy = make_policy(policy, rpm_limit=self.config.rpm_limit,
@@ -138,6 +148,9 @@ class SchedulerCore:
         self._fairness = FairnessSampler(self.config.stats_window_s)
         self._n_backlogged = 0
         self.service_total = 0.0
+        self.counter_log = counter_log
+        #: shared counters of tenants not seen here yet (their start value when they arrive)
+        self._shared_counters: dict[str, float] = {}
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -259,6 +272,7 @@ class SchedulerCore:
         if t is None:
             tier = self._tier(tier_name if tier_name in self.config.tiers else self.config.default_tier)
             t = TenantState(tenant_id, tier, float(self.config.tenant_weights.get(tenant_id, 1.0)))
+            t.counter = self._shared_counters.pop(tenant_id, 0.0)
             tier.tenants[tenant_id] = t
             self._tenants[tenant_id] = t
         return t
@@ -294,7 +308,10 @@ class SchedulerCore:
             floor = low.counter
         else:  # the last leaver keeps being charged for the output it streams after leaving
             floor = max(tier.vtime, tier.last_leaver.counter if tier.last_leaver is not None else 0.0)
-        t.counter = max(t.counter, floor)
+        if floor > t.counter:
+            t.counter = floor
+            if self.counter_log is not None:
+                self.counter_log.lifted(t.id, floor)
         if not tier.backlogged:
             others = [x.counter for x in self._backlogged_tiers if x is not tier]
             tier.counter = max(tier.counter, min(others) if others else self._tier_vtime)
@@ -597,11 +614,44 @@ class SchedulerCore:
     def _charge(self, t: TenantState, cost: float, now: float) -> None:
         t.service += cost
         t.counter += cost / t.weight
+        if self.counter_log is not None:
+            self.counter_log.charged(t.id, cost / t.weight)
         if t.n_queued:  # backlogged: its weight × counter is in the tier's sum
             t.tier.backlogged_wc += cost
         t.tier.counter += cost / t.tier.weight
         self.service_total += cost
         self._rate.add(now, cost)
+
+    def raise_counters(self, counters: Mapping[str, float]) -> int:
+        """Raise tenants' VTC counters to shared values (service given by other gateway processes,
+        :mod:`.shared_service`); a counter never goes down.
+
+        A raise is service given elsewhere: it is added to the tier's counter too (``Δ × tenant
+        weight / tier weight``, as :meth:`_charge` does) but not to the tenant's ``service`` here,
+        which stays this process's own. The order heaps tolerate keys that grow in place
+        (:mod:`._heap`). A tenant not seen here yet starts at its shared counter when it arrives.
+
+        Args:
+            counters: tenant id → counter (weight-normalised service units).
+        Returns:
+            How many known tenants' counters rose.
+        """
+        raised = 0
+        for tenant_id, value in counters.items():
+            t = self._tenants.get(tenant_id)
+            if t is None:
+                if value > self._shared_counters.get(tenant_id, 0.0):
+                    self._shared_counters[tenant_id] = value
+                continue
+            delta = value - t.counter
+            if not delta > 0:
+                continue
+            t.counter = value
+            if t.n_queued:  # backlogged: its weight × counter is in the tier's sum
+                t.tier.backlogged_wc += t.weight * delta
+            t.tier.counter += delta * t.weight / t.tier.weight
+            raised += 1
+        return raised
 
     # ------------------------------------------------------------------ running requests
     def charge_output(self, grant: Grant, tokens: int) -> None:

@@ -39,6 +39,7 @@ from .base import Grant, Job, Scheduler
 from .config import SchedulerConfig
 from .core import SchedulerCore
 from .policy import OrderingPolicy
+from .shared_service import SharedServiceSync
 
 __all__ = ["FairScheduler"]
 
@@ -56,16 +57,22 @@ class FairScheduler(Scheduler):
         num_engines: engine replicas (grants carry ``engine_idx``).
         stats_interval_s: clock seconds between published snapshots (> 0).
         tick_interval_s: real seconds between background ticks once :meth:`start` ran (> 0).
+        shared_service: share the VTC counters with the pool's other gateway processes through
+            Redis (:mod:`.shared_service`; its sync task runs between :meth:`start` and
+            :meth:`stop`); None: this process's counters alone.
     Raises:
         ValueError: on non-positive intervals (and as :class:`SchedulerCore`).
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
                  clock: Clock = SYSTEM_CLOCK, bus: StatsBus | None = None, num_engines: int = 1,
-                 stats_interval_s: float = 1.0, tick_interval_s: float = 0.1) -> None:
+                 stats_interval_s: float = 1.0, tick_interval_s: float = 0.1,
+                 shared_service: SharedServiceSync | None = None) -> None:
         if not stats_interval_s > 0 or not tick_interval_s > 0:
             raise ValueError("stats_interval_s and tick_interval_s must be > 0")
-        self.core = SchedulerCore(config, policy=policy, clock=clock, num_engines=num_engines)
+        self.core = SchedulerCore(config, policy=policy, clock=clock, num_engines=num_engines,
+                                  counter_log=shared_service)
+        self.shared_service = shared_service
         self._clock = clock
         self._bus = bus
         self._stats_interval_s = stats_interval_s
@@ -144,11 +151,15 @@ class FairScheduler(Scheduler):
         """Start the background tick task (idempotent)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvmeter-scheduler-tick")
+        if self.shared_service is not None:
+            self.shared_service.start(self.core, self._pump)
 
     async def stop(self) -> None:
-        """Stop the background tick task."""
+        """Stop the background tick task (and the shared-service sync)."""
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        if self.shared_service is not None:
+            await self.shared_service.stop()
 
     async def _run(self) -> None:
         while True:
@@ -157,11 +168,16 @@ class FairScheduler(Scheduler):
 
     def snapshot(self) -> SchedulerStats:
         """The core's current :class:`SchedulerStats`."""
-        return self.core.snapshot()
+        return self._with_sync(self.core.snapshot())
+
+    def _with_sync(self, snap: SchedulerStats) -> SchedulerStats:
+        if self.shared_service is not None:
+            snap.shared_service_failures_total = self.shared_service.failures_total
+        return snap
 
     def publish_stats(self) -> SchedulerStats:
         """Build a snapshot and publish it on the bus (if any); returns it."""
-        snap = self.core.snapshot(include_tenants=True)
+        snap = self._with_sync(self.core.snapshot(include_tenants=True))
         if self._bus is not None:
             self._bus.publish(snap)
         return snap
