@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvmeter.aio import cancel_and_wait
+from kvmeter.aio import PeriodicTask
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.stats import EngineLoad, EngineStepStats, SchedulerStats
@@ -69,10 +69,9 @@ class FairScheduler(Scheduler):
         self._clock = clock
         self._bus = bus
         self._stats_interval_s = stats_interval_s
-        self._tick_interval_s = tick_interval_s
         self._next_stats = clock.monotonic()
         self._waiters: dict[str, asyncio.Future[Grant]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask(self.tick, tick_interval_s, name="kvmeter-scheduler-tick")
 
     # ---------------------------------------------------------------- Scheduler contract
     def check_admission(self, job: Job) -> None:
@@ -142,18 +141,11 @@ class FairScheduler(Scheduler):
 
     async def start(self) -> None:
         """Start the background tick task (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="kvmeter-scheduler-tick")
+        self._task.start()
 
     async def stop(self) -> None:
         """Stop the background tick task."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._tick_interval_s)
-            self.tick()
+        await self._task.stop()
 
     def snapshot(self) -> SchedulerStats:
         """The core's current :class:`SchedulerStats`."""
