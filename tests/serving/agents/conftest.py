@@ -1,5 +1,5 @@
 """Fixtures for the agent-run tests: the same test body on the in-memory run store and on a real
-redis-server (``tests.serving.quota.quota_testlib.RedisServer``), with a tenant directory, the quota gate
+redis-server (the session fixture ``redis_url``, tests/conftest.py), with a tenant directory, the quota gate
 whose tool-call counters the store shares, and the services over them.
 
 Records the services write go to an in-process list sink (what the ledger's ``record_agent``
@@ -114,18 +114,6 @@ class Kit:
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(start_wall=T0_WALL)
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.serving.quota.quota_testlib import NO_REDIS, REDIS_BIN, RedisServer
-
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis-agents"))
-    server.start()
-    yield server.url
-    server.stop()
 
 
 @pytest.fixture(params=["memory", "redis"])

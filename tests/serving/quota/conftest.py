@@ -23,16 +23,6 @@ from quota_testlib import NO_REDIS, REDIS_BIN, REDIS_CLI, RedisClusterServers, R
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> RedisClusterServers:
     """A real 3-master Redis Cluster on loopback for the session (skipped without redis-server)."""
     if REDIS_BIN is None or REDIS_CLI is None:

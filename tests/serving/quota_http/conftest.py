@@ -158,19 +158,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A real redis-server on loopback for the session (skipped without the binary)."""
-    from tests.serving.quota.quota_testlib import NO_REDIS, REDIS_BIN, RedisServer
-
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server.url
-    server.stop()
-
-
 @pytest.fixture(params=["memory", "redis"])
 def quota_store(request: pytest.FixtureRequest) -> str:
     """The quota store URL: the same test body on the in-memory store and on a real Redis (a
