@@ -4,6 +4,7 @@ data folder."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import subprocess
@@ -45,6 +46,16 @@ def ledger_held_by_another_process(chdb_path: Path, spool_dir: Path) -> Iterator
     finally:
         holder.stdin.close()
         holder.wait(60)
+
+
+def run_async_tests_on_session_loop(folder: Path, items: list[pytest.Item]) -> None:
+    """Mark the coroutine tests under ``folder`` to run on the session event loop (where that
+    folder's session-scoped async fixtures live). Called from a folder conftest's
+    ``pytest_collection_modifyitems`` (which sees every collected item, hence the folder filter)."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        if folder in item.path.parents and fn is not None and inspect.iscoroutinefunction(fn):
+            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
 
 
 @pytest.hookimpl(wrapper=True)
