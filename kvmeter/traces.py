@@ -23,13 +23,16 @@ simulator's tenant mapping reads them, :mod:`kvmeter.serving.simulator.tenants`.
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-__all__ = ["TraceRequest", "load_trace", "data_dir", "data_file", "trace_path", "TRACE_FILES",
-           "REQUEST_TRACES", "DATA_DIR_ENV", "DataNotFoundError", "TraceError", "TraceNotFoundError"]
+__all__ = ["TraceRequest", "load_trace", "write_poisson_trace", "data_dir", "data_file", "trace_path",
+           "TRACE_FILES", "REQUEST_TRACES", "DATA_DIR_ENV", "DataNotFoundError", "TraceError", "TraceNotFoundError"]
 
 #: The environment variable that overrides the data folder (:func:`data_dir`).
 DATA_DIR_ENV = "KVMETER_DATA_DIR"
@@ -267,3 +270,49 @@ def load_trace(name_or_path: str | os.PathLike, limit: int | None = None, *,
         if limit is not None:
             rows = rows[:limit]
     return rows
+
+
+def write_poisson_trace(path: str | os.PathLike, rates: Mapping[str, float], seconds: float, *, seed: int = 0,
+                        input_tokens: Mapping[str, int] | None = None, output_tokens: int = 256) -> int:
+    """Write a kvmeter CSV trace of independent Poisson arrivals, one stream per tenant.
+
+    Each tenant's inter-arrival times are exponential with mean ``1 / rate`` (a Poisson process of
+    ``rate`` requests per second), drawn from one ``numpy.random.default_rng(seed)`` tenant after
+    tenant in the order of ``rates``, so a seed gives the same file. Arrivals in ``[0, seconds)``
+    are kept, rounded to the microsecond and sorted. Columns: ``arrival_s, input_tokens,
+    output_tokens, tenant_id`` — the kvmeter CSV :func:`load_trace` reads (it shifts the first
+    arrival to 0).
+
+    Args:
+        path: the file to write (replaced).
+        rates: tenant id → arrivals per second (finite, > 0).
+        seconds: length of the trace, seconds (≥ 0).
+        seed: the generator's seed.
+        input_tokens: tenant id → prompt length in tokens; a tenant not named gets 256.
+        output_tokens: every request's output length in tokens.
+    Returns:
+        The number of requests written.
+    Raises:
+        ValueError: a rate that is not a finite number > 0, or a negative ``seconds``.
+    """
+    import numpy as np
+
+    for tenant, rate in rates.items():
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate of tenant {tenant!r} must be a finite number > 0 (req/s), got {rate!r}")
+    if not seconds >= 0:
+        raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for tenant, rate in rates.items():
+        prompt = (input_tokens or {}).get(tenant, 256)
+        t = rng.exponential(1 / rate)
+        while t < seconds:
+            rows.append((round(float(t), 6), prompt, output_tokens, tenant))
+            t += rng.exponential(1 / rate)
+    rows.sort()
+    with Path(path).open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["arrival_s", "input_tokens", "output_tokens", "tenant_id"])
+        w.writerows(rows)
+    return len(rows)

@@ -250,19 +250,6 @@ class LedgerQueries:
             WHERE {where}
             GROUP BY {group_sql}
             ORDER BY {group_sql}""", params)
-        costs: dict[tuple, Decimal | None] = {}
-        for row in metrics:
-            key = tuple(row[g] for g in group)
-            per_price: dict[tuple[str, str], dict[str, int]] = {}
-            for k in kinds:
-                price_keys, values = row.pop(f"_priced_{k}")
-                for (model, tier), value in zip(price_keys, values, strict=True):
-                    per_price.setdefault((model, tier), {})[k] = int(value)
-            total: Decimal | None = Decimal(0)
-            for (model, tier), counts in per_price.items():
-                line = self.prices.cost_if_priced(model, tier, TokenCounts.from_row(counts))
-                total = None if (line is None or total is None) else total + line
-            costs[key] = total
         attempts: dict[tuple, int] | None = None
         if all(g in _ATTEMPT_GROUPS for g in group):
             attempt_keys = ", ".join(f"{_ATTEMPT_GROUPS[g]} AS {g}" for g in group)
@@ -273,17 +260,33 @@ class LedgerQueries:
             attempts = {tuple(r[g] for g in group): int(r["attempts"]) for r in rows}
         out = []
         for row in metrics:
-            key = tuple(row[g] for g in group)
+            key = tuple(row[g] for g in group)  # before the hour/day conversion: attempts' keys are raw
+            cost = self._priced_cost(row, kinds)
             for g in ("hour", "day"):
                 if g in row:
                     row[g] = _utc(row[g])
             for name in ("ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s"):
                 row[name] = _nan_to_none(row[name])
             row["attempts"] = attempts.get(key, 0) if attempts is not None else None
-            row["cost"] = costs.get(key, Decimal(0))
+            row["cost"] = cost
             row["currency"] = self.prices.currency
             out.append(row)
         return out
+
+    def _priced_cost(self, row: dict[str, Any], kinds: Sequence[str]) -> Decimal | None:
+        """The cost of one summary row from its ``_priced_<kind>`` sumMap columns (removed from
+        ``row``): the sum over its (model, tier) pairs of the price list's cost, exact Decimal;
+        ``None`` when any of its models is unpriced."""
+        per_price: dict[tuple[str, str], dict[str, int]] = {}
+        for k in kinds:
+            price_keys, values = row.pop(f"_priced_{k}")
+            for (model, tier), value in zip(price_keys, values, strict=True):
+                per_price.setdefault((model, tier), {})[k] = int(value)
+        total: Decimal | None = Decimal(0)
+        for (model, tier), counts in per_price.items():
+            line = self.prices.cost_if_priced(model, tier, TokenCounts.from_row(counts))
+            total = None if (line is None or total is None) else total + line
+        return total
 
     def invoice_usage(self, period: Period, tenant_id: str | None = None) -> list[dict[str, Any]]:
         """Usage per invoice line key (:data:`INVOICE_KEYS`), line type and undelivered cause in

@@ -32,7 +32,7 @@ import threading
 from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, Protocol
 
-from kvmeter.aio import cancel_and_wait
+from kvmeter.aio import PeriodicTask
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 
@@ -94,12 +94,12 @@ class Reconciler:
         self.interval_s = float(interval_s)
         self.lookback_s = float(lookback_s)
         self.settle_s = float(settle_s)
-        self._sleep = sleep
         self._next_due = clock.monotonic() + first_run_delay_s
         self._runs = dict.fromkeys(RUN_RESULTS, 0)
         self._last_ok: float | None = None
         self._tick_lock = threading.Lock()
-        self._task: asyncio.Task | None = None
+        self._task = PeriodicTask(self._wake, min(self.interval_s, WAKE_S), name="kvmeter-reconciler",
+                                  sleep=sleep)
         self.last: ReconciliationStats | None = None
 
     # ------------------------------------------------------------------ one run
@@ -178,26 +178,21 @@ class Reconciler:
     @property
     def running(self) -> bool:
         """True while the loop task runs."""
-        return self._task is not None and not self._task.done()
+        return self._task.running
 
     def start(self) -> asyncio.Task:
         """Run :meth:`tick` from a task of the running event loop (idempotent); a due run goes to
         a worker thread, so the loop keeps serving meanwhile."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvmeter-reconciler")
-        return self._task
+        return self._task.start()
 
-    async def _loop(self) -> None:
-        while True:
-            await self._sleep(min(self.interval_s, WAKE_S))
-            if self.due():
-                await asyncio.to_thread(self.tick)
+    async def _wake(self) -> None:
+        if self.due():
+            await asyncio.to_thread(self.tick)
 
     async def stop(self) -> None:
         """Stop the loop, then wait for a run still in progress on its worker thread (so the
         ledger it reads can close after this returns)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._task.stop()
         await asyncio.to_thread(self._wait_idle)
 
     def _wait_idle(self) -> None:

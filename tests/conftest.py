@@ -4,6 +4,7 @@ data folder."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import subprocess
@@ -11,9 +12,12 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from bench.redis_servers import RedisServer
 
 # vLLM's CPU build sizes its KV cache from this (GiB); 1 GiB ≈ 46k tokens for SmolLM2-135M.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -42,6 +46,16 @@ def ledger_held_by_another_process(chdb_path: Path, spool_dir: Path) -> Iterator
     finally:
         holder.stdin.close()
         holder.wait(60)
+
+
+def run_async_tests_on_session_loop(folder: Path, items: list[pytest.Item]) -> None:
+    """Mark the coroutine tests under ``folder`` to run on the session event loop (where that
+    folder's session-scoped async fixtures live). Called from a folder conftest's
+    ``pytest_collection_modifyitems`` (which sees every collected item, hence the folder filter)."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        if folder in item.path.parents and fn is not None and inspect.iscoroutinefunction(fn):
+            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -94,6 +108,27 @@ def data_dir() -> Path:
         raise traces.DataNotFoundError(f"data folder {path} does not exist (the repository's data/; "
                                        f"${traces.DATA_DIR_ENV} overrides it)")
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on loopback for the test session (:class:`bench.redis_servers.RedisServer`;
+    skipped without the binary). One server for every folder: the tests keep apart by key prefix
+    or flush it at their start (``tests/serving/quota_http``'s ``quota_store``)."""
+    from bench.redis_servers import NO_REDIS, REDIS_BIN, RedisServer
+
+    if REDIS_BIN is None:
+        pytest.skip(NO_REDIS)
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    """``redis://127.0.0.1:<port>/0`` of :func:`redis_server`."""
+    return redis_server.url
 
 
 @pytest.fixture(scope="session")

@@ -17,36 +17,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import io
 import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 from common import capacity_rps, md_table, save
 from kvmeter.cli import main as kvmeter_main
 from kvmeter.serving.simulator import SimConfig
-from kvmeter.traces import TraceRequest
-
-
-def write_trace(path: Path, rates: dict[str, float], seconds: float, seed: int = 0,
-                prompts: dict[str, int] | None = None) -> int:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for tenant, rate in rates.items():
-        prompt = (prompts or {}).get(tenant, 256)
-        t = rng.exponential(1 / rate)
-        while t < seconds:
-            rows.append((round(float(t), 6), prompt, 256, tenant))
-            t += rng.exponential(1 / rate)
-    rows.sort()
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arrival_s", "input_tokens", "output_tokens", "tenant_id"])
-        w.writerows(rows)
-    return len(rows)
+from kvmeter.traces import TraceRequest, write_poisson_trace
 
 
 def simulate(trace: Path, out: Path, *flags: str) -> dict:
@@ -79,7 +59,7 @@ def main() -> dict:
             cases = [(rates["A"], rates, {args.big: 4000})]
         for i, (a, rates, prompts) in enumerate(cases):
             trace = Path(tmp) / f"two_{i}.csv"
-            n = write_trace(trace, rates, args.seconds, prompts=prompts)
+            n = write_poisson_trace(trace, rates, args.seconds, input_tokens=prompts)
             for label, flags in (("on", ()), ("off", ("--no-overload-control",))):
                 rep = simulate(trace, Path(tmp) / f"sim_{i}_{label}", *flags)
                 ta, tb = rep["tenants"]["A"], rep["tenants"]["B"]

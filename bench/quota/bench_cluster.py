@@ -45,11 +45,11 @@ from pathlib import Path
 import redis
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[2] / "tests" / "serving" / "quota"))
+sys.path.insert(0, str(HERE.parents[2]))  # bench.redis_servers
 sys.path.insert(0, str(HERE.parent))
 
 from bench_quota import ACTUAL, BIG, ESTIMATE, price  # noqa: E402
-from quota_testlib import RedisClusterServers, RedisServer  # noqa: E402
+from bench.redis_servers import RedisClusterServers, RedisServer  # noqa: E402
 
 from kvmeter.serving.quota import HierarchicalQuota, RedisQuotaStore  # noqa: E402
 from kvmeter.serving.tenancy import TenantDirectory  # noqa: E402

@@ -295,7 +295,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kvq-gw-bench-"))
     (root / "tenants.yaml").write_text(tenants_yaml())
     (root / "litellm_keys.py").write_text(LITELLM_AUTH)
-    redis_proc, redis_url, redis_version = start_redis()
+    redis_server = start_redis()
+    redis_url, redis_version = redis_server.url, redis_server.version()
     up_port = free_port()
     (root / "litellm.yaml").write_text(litellm_config(up_port))
     load_start = loadavg()
@@ -359,8 +360,7 @@ def main() -> None:
             ceiling.append(row)
     finally:
         stop(procs)
-        redis_proc.terminate()
-        redis_proc.wait()
+        redis_server.stop()
     report = {"date_utc": started, "machine": machine(redis_version), "load_start": load_start,
               "load_end": loadavg(), "n": args.n, "rounds": args.rounds, "notes": notes,
               "latency": {t.name: summarize(t) for t in targets if t.lat_s}, "ceiling": ceiling,

@@ -34,13 +34,11 @@ import asyncio
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
@@ -58,6 +56,12 @@ from kvmeter.serving.quota import (
 )
 from kvmeter.serving.tenancy import TenantDirectory
 from kvmeter.tokens import TokenCounts
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.redis_servers` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.redis_servers import REDIS_BIN, RedisServer, free_port  # noqa: E402,F401 (free_port: bench_gateway's)
 
 BIG = "{requests_per_minute: 1000000000, input_tokens_per_minute: 1000000000000, " \
       "output_tokens_per_minute: 1000000000000, concurrent_requests: 1000000000, " \
@@ -172,29 +176,13 @@ class RoundTripBaseline:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis() -> tuple[subprocess.Popen, str, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+def start_redis() -> RedisServer:
+    """A redis-server on a free loopback port in a fresh temporary folder (exits without the binary)."""
+    if REDIS_BIN is None:
         sys.exit("redis-server not found (Debian: apt-get install -y redis-server) — or pass --redis-url")
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="kvq-bench-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                             "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(500):
-        try:
-            client.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.01)
-    version = client.info()["redis_version"]
-    client.close()
-    return proc, f"redis://127.0.0.1:{port}/0", version
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="kvq-bench-")))
+    server.start()
+    return server
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -213,13 +201,9 @@ async def main(args: argparse.Namespace) -> dict:
     out["memory_pair"] = await run_sequential(mem_gate, principals, args.n)
 
     # --- redis -----------------------------------------------------------------------------
-    proc = None
-    url = args.redis_url
-    if url is None:
-        proc, url, version = start_redis()
-    else:
-        version = redis.Redis.from_url(url).info()["redis_version"]
-    out["redis_version"] = version
+    server = start_redis() if args.redis_url is None else None
+    url = server.url if server is not None else args.redis_url
+    out["redis_version"] = redis.Redis.from_url(url).info()["redis_version"]
     try:
         client = redis_client(url, timeout_s=2.0, max_connections=64)
         rt = RoundTripBaseline(client)
@@ -239,9 +223,8 @@ async def main(args: argparse.Namespace) -> dict:
         out["redis_sequential"] = await run_sequential(red_gate, principals, sn)
         await client.aclose()
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
+        if server is not None:
+            server.stop()
     out["load_end"] = _load()
     return out
 

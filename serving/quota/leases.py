@@ -31,7 +31,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from kvmeter.aio import cancel_and_wait
+from kvmeter.aio import PeriodicTask
 from kvmeter.clock import Clock
 
 if TYPE_CHECKING:
@@ -73,30 +73,25 @@ class LeaseRenewer:
         self._store = store
         self._clock = clock
         self.interval_s = interval_s
-        self._sleep = sleep
-        self._task: asyncio.Task | None = None
+        self._task = PeriodicTask(self._renew, interval_s, name="kvmeter-quota-leases", sleep=sleep)
         self.renewals = 0
 
     @property
     def running(self) -> bool:
         """True while the task runs."""
-        return self._task is not None and not self._task.done()
+        return self._task.running
 
     def start(self) -> None:
         """Start the task on the running loop (idempotent)."""
-        if not self.running:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvmeter-quota-leases")
+        self._task.start()
 
     async def stop(self) -> None:
         """Stop the task (its holds expire ``lease_s`` after the last renewal)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._task.stop()
 
-    async def _run(self) -> None:
-        while True:
-            await self._sleep(self.interval_s)
-            try:
-                await self._store.renew_leases(self._clock.wall())
-                self.renewals += 1
-            except Exception:  # noqa: BLE001 — keep renewing; the lease outlives a few failures
-                log.exception("quota lease renewal failed (store %s)", self._store.name)
+    async def _renew(self) -> None:
+        try:
+            await self._store.renew_leases(self._clock.wall())
+            self.renewals += 1
+        except Exception:  # noqa: BLE001 — keep renewing; the lease outlives a few failures
+            log.exception("quota lease renewal failed (store %s)", self._store.name)

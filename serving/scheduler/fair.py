@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvmeter.aio import cancel_and_wait
+from kvmeter.aio import PeriodicTask
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.stats import EngineLoad, EngineStepStats, SchedulerStats
@@ -76,10 +76,9 @@ class FairScheduler(Scheduler):
         self._clock = clock
         self._bus = bus
         self._stats_interval_s = stats_interval_s
-        self._tick_interval_s = tick_interval_s
         self._next_stats = clock.monotonic()
         self._waiters: dict[str, asyncio.Future[Grant]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask(self.tick, tick_interval_s, name="kvmeter-scheduler-tick")
 
     # ---------------------------------------------------------------- Scheduler contract
     def check_admission(self, job: Job) -> None:
@@ -149,22 +148,15 @@ class FairScheduler(Scheduler):
 
     async def start(self) -> None:
         """Start the background tick task (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="kvmeter-scheduler-tick")
+        self._task.start()
         if self.shared_service is not None:
             self.shared_service.start(self.core, self._pump)
 
     async def stop(self) -> None:
         """Stop the background tick task (and the shared-service sync)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._task.stop()
         if self.shared_service is not None:
             await self.shared_service.stop()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._tick_interval_s)
-            self.tick()
 
     def snapshot(self) -> SchedulerStats:
         """The core's current :class:`SchedulerStats`."""

@@ -47,11 +47,12 @@ and an ``HGETALL`` of the pool's tenants inside it (O(tenants) per interval, not
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from kvmeter.aio import cancel_and_wait
+from kvmeter.aio import PeriodicTask
 
 if TYPE_CHECKING:  # pragma: no cover
     from .core import SchedulerCore
@@ -120,7 +121,7 @@ class SharedServiceSync:
         self._sleep = sleep
         # tenant -> [increment, floor (-inf: none)] not yet sent
         self._pending: dict[str, list[float]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._periodic: PeriodicTask | None = None
         #: successful and failed syncs since start; whether the last one succeeded
         self.syncs_total = 0
         self.failures_total = 0
@@ -194,30 +195,30 @@ class SharedServiceSync:
     # ------------------------------------------------------------------ periodic task
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._periodic is not None and self._periodic.running
 
     def start(self, core: "SchedulerCore", on_synced: Callable[[], None] | None = None) -> None:
         """Run :meth:`sync` every ``interval_s`` on the running loop (idempotent); ``on_synced``
         runs after each successful one (the scheduler re-evaluates dispatch)."""
         if not self.running:
-            self._task = asyncio.get_running_loop().create_task(self._run(core, on_synced),
-                                                                name="kvmeter-shared-service")
+            self._periodic = PeriodicTask(functools.partial(self._tick, core, on_synced), self.interval_s,
+                                          name="kvmeter-shared-service", sleep=self._sleep)
+            self._periodic.start()
 
     async def stop(self) -> None:
         """Stop the periodic task (changes not yet sent stay unsent)."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        periodic, self._periodic = self._periodic, None
+        if periodic is not None:
+            await periodic.stop()
 
     async def aclose(self) -> None:
         """Stop the task and close the client's connections."""
         await self.stop()
         await self._client.aclose()
 
-    async def _run(self, core: "SchedulerCore", on_synced: Callable[[], None] | None) -> None:
-        while True:
-            await self._sleep(self.interval_s)
-            try:
-                if await self.sync(core) and on_synced is not None:
-                    on_synced()
-            except Exception:  # noqa: BLE001 — keep syncing; never end the task on a fault
-                log.exception("scheduler: shared service sync failed")
+    async def _tick(self, core: "SchedulerCore", on_synced: Callable[[], None] | None) -> None:
+        try:
+            if await self.sync(core) and on_synced is not None:
+                on_synced()
+        except Exception:  # noqa: BLE001 — keep syncing; never end the task on a fault
+            log.exception("scheduler: shared service sync failed")

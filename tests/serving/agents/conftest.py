@@ -1,5 +1,5 @@
 """Fixtures for the agent-run tests: the same test body on the in-memory run store and on a real
-redis-server (``tests.serving.quota.quota_testlib.RedisServer``), with a tenant directory, the quota gate
+redis-server (the session fixture ``redis_url``, tests/conftest.py), with a tenant directory, the quota gate
 whose tool-call counters the store shares, and the services over them.
 
 Records the services write go to an in-process list sink (what the ledger's ``record_agent``
@@ -9,7 +9,6 @@ ledger instead.
 
 from __future__ import annotations
 
-import inspect
 import textwrap
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from kvmeter.serving.agents import AgentRuns, AgentStore, ApprovalDesk, MemoryAg
 from kvmeter.serving.quota import HierarchicalQuota, MemoryQuotaStore, RedisQuotaStore, redis_client
 from kvmeter.serving.tenancy import TenantDirectory
 from kvmeter.stats import AgentRunStopped, ApprovalEvent, ToolCallDecided
+from tests.conftest import run_async_tests_on_session_loop
 
 #: 2024-05-17 12:00:00 UTC
 T0_WALL = 1_715_947_200.0
@@ -116,18 +116,6 @@ def clock() -> ManualClock:
     return ManualClock(start_wall=T0_WALL)
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.serving.quota.quota_testlib import NO_REDIS, REDIS_BIN, RedisServer
-
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis-agents"))
-    server.start()
-    yield server.url
-    server.stop()
-
-
 @pytest.fixture(params=["memory", "redis"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -167,11 +155,7 @@ async def make_kit(store_kind: str, request: pytest.FixtureRequest, clock: Manua
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run this folder's async tests on the session event loop, where the async fixtures live."""
-    here = Path(__file__).parent
-    for item in items:
-        fn = getattr(item, "function", None)
-        if here in item.path.parents and fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
+    run_async_tests_on_session_loop(Path(__file__).parent, items)
 
 
 @pytest.hookimpl(trylast=True)

@@ -7,7 +7,6 @@ that says how to install it; the in-memory variants still run.
 
 from __future__ import annotations
 
-import inspect
 import uuid
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -19,17 +18,8 @@ import redis.asyncio as aioredis
 from kvmeter.clock import ManualClock
 from kvmeter.serving.quota import HierarchicalQuota, MemoryQuotaStore, QuotaStore, RedisQuotaStore
 from kvmeter.serving.tenancy import TenantDirectory
+from tests.conftest import run_async_tests_on_session_loop
 from quota_testlib import NO_REDIS, REDIS_BIN, REDIS_CLI, RedisClusterServers, RedisServer, price
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> RedisServer:
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -105,11 +95,7 @@ def make_gate(store: QuotaStore, clock: ManualClock) -> Callable[..., Hierarchic
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run this folder's async tests on the session event loop, where the async fixtures live."""
-    here = Path(__file__).parent
-    for item in items:
-        fn = getattr(item, "function", None)
-        if here in item.path.parents and fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
+    run_async_tests_on_session_loop(Path(__file__).parent, items)
 
 
 def _uses_redis(item: pytest.Item) -> bool:

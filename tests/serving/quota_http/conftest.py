@@ -14,7 +14,6 @@ keeps another chDB path open for the whole session (``tests/serving/gateway``'s 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import textwrap
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
@@ -32,7 +31,7 @@ from kvmeter.serving.engines.base import Engine
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
 from kvmeter.serving.engines.instant import InstantEngine
 from kvmeter.serving.runtime import ServeRuntime
-from tests.conftest import free_port, start_uvicorn
+from tests.conftest import free_port, run_async_tests_on_session_loop, start_uvicorn
 from tests.serving.gateway.conftest import Stack
 
 #: 2024-05-17 12:00:00 UTC — mid-day, mid-month: the next UTC midnight is 12 h away.
@@ -151,24 +150,7 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run this folder's async tests on the session event loop (where the fixtures live)."""
-    here = Path(__file__).parent
-    for item in items:
-        fn = getattr(item, "function", None)
-        if here in item.path.parents and fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.asyncio(loop_scope="session"), append=False)
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A real redis-server on loopback for the session (skipped without the binary)."""
-    from tests.serving.quota.quota_testlib import NO_REDIS, REDIS_BIN, RedisServer
-
-    if REDIS_BIN is None:
-        pytest.skip(NO_REDIS)
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server.url
-    server.stop()
+    run_async_tests_on_session_loop(Path(__file__).parent, items)
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -6,7 +6,6 @@ import csv
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvmeter.cli import main
@@ -15,7 +14,7 @@ from kvmeter.serving.simulator import SimConfig, Simulation, build_report
 from kvmeter.serving.simulator.report import format_report, weighted_percentiles, write_report
 from kvmeter.serving.simulator.tenants import (ServeGenTenantMap, load_servegen_rates, servegen_arrivals,
                                                tier_for_tenant)
-from kvmeter.traces import TraceRequest, load_trace
+from kvmeter.traces import TraceRequest, load_trace, write_poisson_trace
 
 SMALL = SimConfig(model="llama-3.1-70b", gpu="h200", tp=4)
 
@@ -109,28 +108,13 @@ def test_cli_simulate_writes_reports_and_refuses_bad_input(tmp_path, capsys):
     assert "does not fit" in capsys.readouterr().err
 
 
-def _write_poisson_trace(path: Path, rates: dict[str, float], seconds: float, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for tenant, rate in rates.items():
-        t = rng.exponential(1 / rate)
-        while t < seconds:
-            rows.append((round(float(t), 6), 256, 256, tenant))
-            t += rng.exponential(1 / rate)
-    rows.sort()
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["arrival_s", "input_tokens", "output_tokens", "tenant_id"])
-        w.writerows(rows)
-
-
 @pytest.mark.parametrize("overload", [True, False], ids=["overload-control-on", "overload-control-off"])
 def test_two_backlogged_tenants_at_demand_1_to_3_get_service_within_1_to_1_05(tmp_path, overload):
     # issue 17 item 3: under `kvmeter simulate`'s defaults (vtc, llama-3.1-70b on 4 × h200, overload
     # control on) as with it off. Capacity ≈ 18 req/s of 256/256 requests; A asks 15/s (1.6× its
     # half), B 45/s, for two minutes.
     trace = tmp_path / "two.csv"
-    _write_poisson_trace(trace, {"A": 15.0, "B": 45.0}, 120.0)
+    write_poisson_trace(trace, {"A": 15.0, "B": 45.0}, 120.0)
     out = tmp_path / "sim"
     argv = ["simulate", "--trace", str(trace), "--tenants", "column", "--no-progress", "--out", str(out)]
     assert main(argv + ([] if overload else ["--no-overload-control"])) == 0
