@@ -406,6 +406,10 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
                  "input tokens found in the prefix cache / looked up, over the sample interval, 0-1 "
                  "(in PromQL: the rate of kvmeter_engine_prefix_cache_hits_tokens_total over that of "
                  "..._queries_tokens_total)"),
+    # ---- engine work per tenant (EngineStepShares), every tenant
+    _rate("kvmeter_engine_tenant_scheduled_prefill_tokens_total", _E + ("tier", "tenant")),
+    _rate("kvmeter_engine_tenant_scheduled_decode_tokens_total", _E + ("tier", "tenant")),
+    _rate("kvmeter_engine_tenant_kv_token_seconds_total", _E + ("tier", "tenant")),
     # ---- scheduler (SchedulerStats)
     SignalSeries("kvmeter_scheduler_queued_requests", (),
                  "requests waiting in the scheduler's queues, all tenants (in PromQL: the sum of "
