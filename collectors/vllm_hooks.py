@@ -134,8 +134,6 @@ _FINISHED_REMEMBERED = 65_536
 _PEAK_ATTR = "_kvmeter_peak_computed_tokens"
 _PREEMPTED_ATTR = "_kvmeter_preempted_tokens"
 _CACHED_ATTR = "_kvmeter_cached_tokens"
-#: Attribute the scheduler hook sets on vLLM's ``SchedulerOutput``: ``(monotonic start, rows)``.
-_STEP_ATTR = "_kvmeter_step"
 
 
 def external_request_id(internal_id: str) -> str:
@@ -185,6 +183,9 @@ class _RequestAccounts(_SchedulerBase):
         self._kvmeter_on = isinstance(extra, dict) and bool(extra.get(ACCOUNTS_CONFIG_KEY))
         self._kvmeter_pending: list[dict[str, Any]] = []
         self._kvmeter_steps: list[dict[str, Any]] = []
+        # id(SchedulerOutput) → (monotonic start, rows) from schedule to update_from_output; kept
+        # here, not on the output, which the executor may serialise to its workers
+        self._kvmeter_scheduled: dict[int, tuple[float, list[list]]] = {}
         self._kvmeter_last_end = 0.0
         self._kvmeter_rows_on = self._kvmeter_on and bool(getattr(self, "log_stats", False))
 
@@ -210,8 +211,10 @@ class _RequestAccounts(_SchedulerBase):
         start = time.monotonic()
         output = super().schedule(*args, **kwargs)
         if self._kvmeter_rows_on:
-            setattr(output, _STEP_ATTR,
-                    (start, step_rows(self.requests, output.num_scheduled_tokens, self.running)))
+            scheduled = self._kvmeter_scheduled
+            scheduled[id(output)] = (start, step_rows(self.requests, output.num_scheduled_tokens, self.running))
+            if len(scheduled) > MAX_PENDING_STEPS:  # outputs never given back (not in vLLM 0.32)
+                del scheduled[next(iter(scheduled))]
         if self._kvmeter_on:
             requests = self.requests
             for new in output.scheduled_new_reqs:
@@ -224,7 +227,7 @@ class _RequestAccounts(_SchedulerBase):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        step = getattr(scheduler_output, _STEP_ATTR, None)
+        step = self._kvmeter_scheduled.pop(id(scheduler_output), None) if self._kvmeter_rows_on else None
         if step is not None:
             end = time.monotonic()
             start, rows = step
