@@ -382,7 +382,7 @@ def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | Non
 
     Prefix-cache counters are per-step deltas in vLLM (``PrefixCacheStats.queries``/``hits`` count
     tokens of first admissions; preempted requests' lookups are kept apart by vLLM and not
-    counted). The step's scheduled tokens and scheduled requests come from the scheduler hook's
+    counted). The step's scheduled tokens come from the scheduler hook's
     ``steps`` (:func:`take_step_rows`; summed when one record carries several steps), else
     from ``iteration_details`` — which vLLM fills only with
     ``--enable-logging-iteration-details`` (``EngineCore.capture_iteration_details``,
@@ -399,13 +399,11 @@ def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | Non
             step.prefix_cache_queries_tokens = int(prefix.queries)
             step.prefix_cache_hits_tokens = int(prefix.hits)
         details = getattr(scheduler_stats, "iteration_details", None)
-        if steps:
-            scheduled = [row for entry in steps for row in entry["rows"] if row[1] or row[2]]
-            step.scheduled_tokens = sum(int(row[1]) + int(row[2]) for row in scheduled)
-            step.batch_size = len(scheduled)
-        elif details is not None:
+        if details is not None:
             step.scheduled_tokens = int(details.num_ctx_tokens + details.num_generation_tokens)
             step.batch_size = int(details.num_ctx_requests + details.num_generation_requests)
+        if steps:
+            step.scheduled_tokens = sum(int(row[1]) + int(row[2]) for entry in steps for row in entry["rows"])
     if iteration_stats is not None:
         step.num_preempted = int(iteration_stats.num_preempted_reqs)
         step.input_tokens = int(iteration_stats.num_prompt_tokens)
