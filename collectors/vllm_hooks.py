@@ -45,6 +45,14 @@ schedules asynchronously) is vLLM's scheduler with four methods extended:
   ``finished_req_ids``, so ``has_requests()`` stays true (scheduler.py:2813–2838) and the core
   steps once more.
 
+With stats on (``log_stats``), ``schedule`` also notes each step's scheduled tokens per request
+(prefill or decode) and the KV positions every running request holds, and ``update_from_output``
+sends them under :data:`~kvmeter.collectors.vllm_step_shares.STEPS_STATS_KEY` the same way
+(:mod:`kvmeter.collectors.vllm_step_shares` defines the rows and says their cost). They give
+:class:`~kvmeter.stats.EngineStepStats` its scheduled tokens, which vLLM reports only with
+``--enable-logging-iteration-details`` (its ``iteration_details``, else ``None``), and the engine
+adapter its per-tenant :class:`~kvmeter.stats.EngineStepShares` (``on_step_rows``).
+
 The frontend's :class:`KvmeterStatLogger` takes the key out of ``kv_connector_stats`` before
 vLLM's own loggers see the stats (custom loggers come first in ``StatLoggerManager``,
 loggers.py:1381–1419): with no KV connector configured, vLLM's ``LoggingStatLogger`` would hand
@@ -94,6 +102,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvmeter.collectors.vllm_step_shares import MAX_PENDING_STEPS, STEPS_STATS_KEY, step_rows
 from kvmeter.stats import EngineRequestStats, EngineStepStats
 from kvmeter.tokens import TokenCounts
 
@@ -101,13 +110,16 @@ __all__ = [
     "KvmeterStatLogger", "KvmeterScheduler", "KvmeterAsyncScheduler", "stat_logger_factory",
     "install_request_accounts", "step_stats_from_vllm", "request_stats_from_vllm",
     "request_stats_from_account", "account_of", "external_request_id",
-    "ACCOUNTS_CONFIG_KEY", "ACCOUNTS_STATS_KEY",
+    "take_step_rows", "ACCOUNTS_CONFIG_KEY", "ACCOUNTS_STATS_KEY",
 ]
 
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[EngineStepStats], None]
 RequestCallback = Callable[[EngineRequestStats], None]
+#: ``(wall_ts, engine_idx, step)`` per step, ``step`` the scheduler hook's ``{"dur", "rows"}``
+#: (:mod:`kvmeter.collectors.vllm_step_shares`).
+StepRowsCallback = Callable[[float, int, dict[str, Any]], None]
 
 #: ``VllmConfig.additional_config`` key that turns the scheduler hook's accounts on.
 ACCOUNTS_CONFIG_KEY = "kvmeter_request_accounts"
@@ -170,6 +182,12 @@ class _RequestAccounts(_SchedulerBase):
         extra = getattr(self.vllm_config, "additional_config", None)
         self._kvmeter_on = isinstance(extra, dict) and bool(extra.get(ACCOUNTS_CONFIG_KEY))
         self._kvmeter_pending: list[dict[str, Any]] = []
+        self._kvmeter_steps: list[dict[str, Any]] = []
+        # id(SchedulerOutput) → (monotonic start, rows) from schedule to update_from_output; kept
+        # here, not on the output, which the executor may serialise to its workers
+        self._kvmeter_scheduled: dict[int, tuple[float, list[list]]] = {}
+        self._kvmeter_last_end = 0.0
+        self._kvmeter_rows_on = self._kvmeter_on and bool(getattr(self, "log_stats", False))
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> list:
         freed = super().finish_requests(request_ids, finished_status)
@@ -190,7 +208,13 @@ class _RequestAccounts(_SchedulerBase):
         return super()._preempt_request(request, *args, **kwargs)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
         output = super().schedule(*args, **kwargs)
+        if self._kvmeter_rows_on:
+            scheduled = self._kvmeter_scheduled
+            scheduled[id(output)] = (start, step_rows(self.requests, output.num_scheduled_tokens, self.running))
+            if len(scheduled) > MAX_PENDING_STEPS:  # outputs never given back (not in vLLM 0.32)
+                del scheduled[next(iter(scheduled))]
         if self._kvmeter_on:
             requests = self.requests
             for new in output.scheduled_new_reqs:
@@ -203,14 +227,28 @@ class _RequestAccounts(_SchedulerBase):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self._kvmeter_pending:
+        step = self._kvmeter_scheduled.pop(id(scheduler_output), None) if self._kvmeter_rows_on else None
+        if step is not None:
+            end = time.monotonic()
+            start, rows = step
+            self._kvmeter_steps.append({"dur": end - max(start, self._kvmeter_last_end), "rows": rows})
+            self._kvmeter_last_end = end
+            if len(self._kvmeter_steps) > MAX_PENDING_STEPS:
+                log.warning("kvmeter: %d step rows waiting for a step with stats; dropping the oldest",
+                            len(self._kvmeter_steps))
+                del self._kvmeter_steps[:len(self._kvmeter_steps) - MAX_PENDING_STEPS]
+        if self._kvmeter_pending or self._kvmeter_steps:
             for eco in outputs.values():
                 stats = eco.scheduler_stats
                 if stats is not None:
                     if stats.kv_connector_stats is None:
                         stats.kv_connector_stats = {}
-                    stats.kv_connector_stats[ACCOUNTS_STATS_KEY] = self._kvmeter_pending
-                    self._kvmeter_pending = []
+                    if self._kvmeter_pending:
+                        stats.kv_connector_stats[ACCOUNTS_STATS_KEY] = self._kvmeter_pending
+                        self._kvmeter_pending = []
+                    if self._kvmeter_steps:
+                        stats.kv_connector_stats[STEPS_STATS_KEY] = self._kvmeter_steps
+                        self._kvmeter_steps = []
                     break
         return outputs
 
@@ -325,14 +363,30 @@ def take_accounts(scheduler_stats: Any) -> list[dict[str, Any]]:
     return list(accounts or ())
 
 
+def take_step_rows(scheduler_stats: Any) -> list[dict[str, Any]]:
+    """Remove and return the scheduler hook's step rows (``[{"dur", "rows"}, ...]``,
+    :mod:`kvmeter.collectors.vllm_step_shares`) from one ``SchedulerStats``, as :func:`take_accounts`."""
+    carrier = getattr(scheduler_stats, "kv_connector_stats", None)
+    if not isinstance(carrier, dict) or STEPS_STATS_KEY not in carrier:
+        return []
+    steps = carrier.pop(STEPS_STATS_KEY)
+    if not carrier:
+        scheduler_stats.kv_connector_stats = None
+    return list(steps or ())
+
+
 def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | None, *,
                          engine_idx: int, kv_blocks_total: int, kv_block_size_tokens: int,
-                         wall_ts: float) -> EngineStepStats:
+                         wall_ts: float, steps: list[dict[str, Any]] | None = None) -> EngineStepStats:
     """Convert one step's vLLM ``SchedulerStats`` and/or ``IterationStats`` (either may be None).
 
     Prefix-cache counters are per-step deltas in vLLM (``PrefixCacheStats.queries``/``hits`` count
     tokens of first admissions; preempted requests' lookups are kept apart by vLLM and not
-    counted); ``iteration_details`` (when present) gives the scheduled tokens of the step.
+    counted). The step's scheduled tokens come from the scheduler hook's
+    ``steps`` (:func:`take_step_rows`; summed when one record carries several steps), else
+    from ``iteration_details`` — which vLLM fills only with
+    ``--enable-logging-iteration-details`` (``EngineCore.capture_iteration_details``,
+    ``vllm/v1/engine/core.py:578``), so without the hook the scheduled tokens stay unknown (0).
     """
     step = EngineStepStats(wall_ts=wall_ts, engine_idx=engine_idx, kv_blocks_total=kv_blocks_total,
                            kv_block_size_tokens=kv_block_size_tokens)
@@ -348,6 +402,8 @@ def step_stats_from_vllm(scheduler_stats: Any | None, iteration_stats: Any | Non
         if details is not None:
             step.scheduled_tokens = int(details.num_ctx_tokens + details.num_generation_tokens)
             step.batch_size = int(details.num_ctx_requests + details.num_generation_requests)
+        if steps:
+            step.scheduled_tokens = sum(int(row[1]) + int(row[2]) for entry in steps for row in entry["rows"])
     if iteration_stats is not None:
         step.num_preempted = int(iteration_stats.num_preempted_reqs)
         step.input_tokens = int(iteration_stats.num_prompt_tokens)
@@ -372,6 +428,7 @@ class KvmeterStatLogger(StatLoggerBase):
 
     def __init__(self, vllm_config: Any, engine_index: int = 0, *,
                  on_step: StepCallback | None = None, on_request: RequestCallback | None = None,
+                 on_step_rows: StepRowsCallback | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
         cache = vllm_config.cache_config
         self.kv_blocks_total = int(getattr(cache, "num_gpu_blocks", 0) or 0)
@@ -379,6 +436,7 @@ class KvmeterStatLogger(StatLoggerBase):
         self.engine_index = engine_index
         self._on_step = on_step
         self._on_request = on_request
+        self._on_step_rows = on_step_rows
         self._wall = wall_clock
         self._finished: OrderedDict[str, None] = OrderedDict()
 
@@ -392,6 +450,11 @@ class KvmeterStatLogger(StatLoggerBase):
             log.exception("kvmeter stat logger could not read the scheduler hook's accounts")
             accounts = []
         try:
+            steps = take_step_rows(scheduler_stats) if scheduler_stats is not None else []
+        except Exception:  # noqa: BLE001
+            log.exception("kvmeter stat logger could not read the scheduler hook's step rows")
+            steps = []
+        try:
             if self._on_request is not None:
                 for stats in self._requests(accounts, iteration_stats, wall_ts):
                     self._on_request(stats)
@@ -399,7 +462,10 @@ class KvmeterStatLogger(StatLoggerBase):
                 self._on_step(step_stats_from_vllm(
                     scheduler_stats, iteration_stats, engine_idx=engine_idx,
                     kv_blocks_total=self.kv_blocks_total,
-                    kv_block_size_tokens=self.kv_block_size_tokens, wall_ts=wall_ts))
+                    kv_block_size_tokens=self.kv_block_size_tokens, wall_ts=wall_ts, steps=steps))
+            if self._on_step_rows is not None:
+                for rows in steps:
+                    self._on_step_rows(wall_ts, engine_idx, rows)
         except Exception:  # noqa: BLE001 — never break vLLM's output loop
             log.exception("kvmeter stat logger failed")
 
@@ -430,11 +496,13 @@ class KvmeterStatLogger(StatLoggerBase):
 
 
 def stat_logger_factory(on_step: StepCallback | None, on_request: RequestCallback | None,
+                        on_step_rows: StepRowsCallback | None = None,
                         ) -> Callable[[Any, int], KvmeterStatLogger]:
     """A ``StatLoggerFactory`` (``(vllm_config, engine_index) -> StatLoggerBase``) bound to the
     callbacks, for ``AsyncLLM.from_vllm_config(..., stat_loggers=[...])``."""
 
     def factory(vllm_config: Any, engine_index: int = 0) -> KvmeterStatLogger:
-        return KvmeterStatLogger(vllm_config, engine_index, on_step=on_step, on_request=on_request)
+        return KvmeterStatLogger(vllm_config, engine_index, on_step=on_step, on_request=on_request,
+                                 on_step_rows=on_step_rows)
 
     return factory

@@ -21,6 +21,12 @@ interval since the previous sample on the injected clock's monotonic reading):
   ``kvmeter_engine_waiting_requests``; summed over the interval (local engines):
   ``kvmeter_engine_output_tokens_per_second``, ``kvmeter_engine_preemptions_per_second``,
   ``kvmeter_engine_prefix_cache_hit_ratio`` (hit / queried input tokens, when any were queried);
+* engine work per tenant, labels ``engine``, ``model``, ``tier``, ``tenant`` (every tenant,
+  unbounded) — from :class:`EngineStepShares` summed over the interval:
+  ``kvmeter_engine_tenant_scheduled_prefill_tokens_per_second``,
+  ``kvmeter_engine_tenant_scheduled_decode_tokens_per_second``,
+  ``kvmeter_engine_tenant_kv_token_seconds_per_second`` (KV tokens held, time-averaged); a
+  tenant with work in the previous interval and none in this one gets one row of 0;
 * scheduler, no labels — latest :class:`SchedulerStats`: ``kvmeter_scheduler_queued_requests``,
   ``kvmeter_scheduler_running_requests``, ``kvmeter_scheduler_pressure_level``,
   ``kvmeter_scheduler_jain_index_ratio``, ``kvmeter_scheduler_max_service_gap_tokens``;
@@ -73,8 +79,8 @@ from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.exporters.prometheus.names import rate_series, series
 from kvmeter.ledger.records import SignalSample
-from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, QuotaStoreState, RemoteEngineStats,
-                           RequestCompletion, SchedulerStats)
+from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, QuotaStoreState,
+                           RemoteEngineStats, RequestCompletion, SchedulerStats)
 
 __all__ = ["SignalSampler", "SignalRecorder", "SignalSamplerConfig"]
 
@@ -91,6 +97,9 @@ _ENGINE_WAITING = series("kvmeter_engine_waiting_requests")
 _OUTPUT_RATE = rate_series("kvmeter_engine_output_tokens_total")
 _PREEMPTION_RATE = rate_series("kvmeter_engine_preemptions_total")
 _PREFIX_HIT = series("kvmeter_engine_prefix_cache_hit_ratio")
+_TENANT_WORK = (rate_series("kvmeter_engine_tenant_scheduled_prefill_tokens_total"),
+                rate_series("kvmeter_engine_tenant_scheduled_decode_tokens_total"),
+                rate_series("kvmeter_engine_tenant_kv_token_seconds_total"))
 _QUEUED = series("kvmeter_scheduler_queued_requests")
 _RUNNING = series("kvmeter_scheduler_running_requests")
 _PRESSURE = series("kvmeter_scheduler_pressure_level")
@@ -189,6 +198,9 @@ class SignalSampler:
         self._engines: dict[str, tuple[dict[str, str], EngineStepStats]] = {}
         # engine → [output tokens, preemptions, prefix-cache queried tokens, hit tokens]
         self._engine_counts: dict[str, list[int]] = {}
+        # (engine, tier, tenant) → [prefill tokens, decode tokens, KV token-seconds] this interval
+        self._tenant_work: dict[tuple[str, str, str], list[float]] = {}
+        self._busy_tenant_work: set[tuple[str, str, str]] = set()
         self._remote: dict[str, tuple[float, RemoteEngineStats]] = {}
         self._scheduler: SchedulerStats | None = None
         self._tiers: dict[str, _TierWindow] = {}
@@ -201,6 +213,7 @@ class SignalSampler:
         self._last_sample = clock.monotonic()
         self._unsubscribe = [
             bus.subscribe(EngineStepStats, self._on_step),
+            bus.subscribe(EngineStepShares, self._on_shares),
             bus.subscribe(RemoteEngineStats, self._on_remote),
             bus.subscribe(SchedulerStats, self._on_scheduler),
             bus.subscribe(RequestCompletion, self._on_completion),
@@ -219,6 +232,15 @@ class SignalSampler:
             counts[1] += s.num_preempted
             counts[2] += s.prefix_cache_queries_tokens
             counts[3] += s.prefix_cache_hits_tokens
+
+    def _on_shares(self, s: EngineStepShares) -> None:
+        engine = str(s.engine_idx)
+        with self._lock:
+            for t in s.tenants:
+                acc = self._tenant_work.setdefault((engine, t.tier or "unknown", t.tenant_id), [0, 0, 0.0])
+                acc[0] += t.prefill_tokens
+                acc[1] += t.decode_tokens
+                acc[2] += t.kv_tokens * s.duration_s
 
     def _on_remote(self, s: RemoteEngineStats) -> None:
         with self._lock:
@@ -267,6 +289,7 @@ class SignalSampler:
             self._last_sample = now
             engines = dict(self._engines)
             counts, self._engine_counts = self._engine_counts, {}
+            work, self._tenant_work = self._tenant_work, {}
             remote = dict(self._remote)
             sched = self._scheduler
             tiers, self._tiers = self._tiers, {}
@@ -282,6 +305,7 @@ class SignalSampler:
 
         stale = self._config.stale_after_s
         self._engine_rows(add, engines, counts, elapsed)
+        self._tenant_work_rows(add, work, elapsed)
         for seen, r in remote.values():
             if now - seen > stale:
                 continue
@@ -322,6 +346,17 @@ class SignalSampler:
             if queried > 0:
                 add(_PREFIX_HIT, hit / queried, labels)
         self._busy_engines = busy
+
+    def _tenant_work_rows(self, add, work: dict[tuple[str, str, str], list[float]], elapsed: float) -> None:
+        """Per-second rates over the interval; a tenant busy last interval gets one row of 0."""
+        if elapsed <= 0:
+            return
+        for key in set(work) | self._busy_tenant_work:
+            engine, tier, tenant = key
+            labels = {"engine": engine, "model": self._model, "tier": tier, "tenant": tenant}
+            for name, total in zip(_TENANT_WORK, work.get(key, (0, 0, 0.0)), strict=True):
+                add(name, total / elapsed, labels)
+        self._busy_tenant_work = set(work)
 
     def _scheduler_rows(self, add, s: SchedulerStats) -> None:
         add(_QUEUED, s.queued_total)

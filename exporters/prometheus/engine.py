@@ -1,12 +1,14 @@
 """Engine metrics: KV watermark and blocks, batch, queue, preemptions, prefix cache, engine-side
 TTFT/ITL (from :class:`~kvmeter.stats.EngineStepStats`) and per-request phases and engine-true
 tokens, aborted requests included (from :class:`~kvmeter.stats.EngineRequestStats`; the phase
-histograms only where the engine measured the phases, not for an abort's scheduler account)."""
+histograms only where the engine measured the phases, not for an abort's scheduler account), and
+per tenant (bounded label) the engine's scheduled prefill and decode tokens and KV token-seconds
+(from :class:`~kvmeter.stats.EngineStepShares`)."""
 
 from __future__ import annotations
 
 from kvmeter.bus import StatsBus
-from kvmeter.stats import EngineRequestStats, EngineStepStats
+from kvmeter.stats import EngineRequestStats, EngineStepShares, EngineStepStats
 
 from .base import MetricSource, SourceContext
 
@@ -39,10 +41,14 @@ class EngineMetrics(MetricSource):
         self.req_decode = m("kvmeter_engine_request_decode_seconds")
         self.req_e2e = m("kvmeter_engine_request_e2e_seconds")
         self.req_tokens = m("kvmeter_engine_request_tokens_total")
+        self.tenant_prefill = m("kvmeter_engine_tenant_scheduled_prefill_tokens_total")
+        self.tenant_decode = m("kvmeter_engine_tenant_scheduled_decode_tokens_total")
+        self.tenant_kv_seconds = m("kvmeter_engine_tenant_kv_token_seconds_total")
 
     def attach(self, bus: StatsBus):
         return [bus.subscribe(EngineStepStats, self.on_step),
-                bus.subscribe(EngineRequestStats, self.on_request)]
+                bus.subscribe(EngineRequestStats, self.on_request),
+                bus.subscribe(EngineStepShares, self.on_shares)]
 
     def on_step(self, s: EngineStepStats) -> None:
         labels = (str(s.engine_idx), self.ctx.config.model)
@@ -85,3 +91,16 @@ class EngineMetrics(MetricSource):
                             ("output", r.tokens.output_tokens)):
             if count > 0:
                 self.req_tokens.labels(kind, reason).inc(count)
+
+    def on_shares(self, s: EngineStepShares) -> None:
+        """Per-tenant counters; KV token-seconds = kv_tokens × duration_s of the step."""
+        engine, model = str(s.engine_idx), self.ctx.config.model
+        tenants = self.ctx.tenants
+        for share in s.tenants:
+            tenants.observe(share.tenant_id, share.prefill_tokens + share.decode_tokens)
+            values = (engine, model, share.tier or "unknown", share.tenant_id)
+            for counter, delta in ((self.tenant_prefill, share.prefill_tokens),
+                                   (self.tenant_decode, share.decode_tokens),
+                                   (self.tenant_kv_seconds, share.kv_tokens * s.duration_s)):
+                if delta > 0:
+                    self.tenant_child(counter, 3, values).inc(delta)

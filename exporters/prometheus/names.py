@@ -86,6 +86,15 @@ METRICS: tuple[Metric, ...] = (
            "requests that produced output in one engine step", "engine", buckets=B.BATCH_REQUESTS),
     Metric("kvmeter_engine_step_scheduled_tokens", "histogram", _E,
            "tokens (prefill + decode) scheduled in one engine step", "engine", buckets=B.STEP_TOKENS),
+    # per tenant, from EngineStepShares (vLLM in-process; collectors/vllm_step_shares.py defines them)
+    Metric("kvmeter_engine_tenant_scheduled_prefill_tokens_total", "counter", _E + ("tier", "tenant"),
+           "prefill tokens the engine scheduled for the tenant's requests (prompt chunks, recomputes)",
+           "engine"),
+    Metric("kvmeter_engine_tenant_scheduled_decode_tokens_total", "counter", _E + ("tier", "tenant"),
+           "decode tokens the engine scheduled for the tenant's requests", "engine"),
+    Metric("kvmeter_engine_tenant_kv_token_seconds_total", "counter", _E + ("tier", "tenant"),
+           "KV positions held by the tenant's running requests x engine step duration, token-seconds",
+           "engine"),
     Metric("kvmeter_engine_ttft_seconds", "histogram", _E, "engine-side time to first token, seconds",
            "engine", buckets=B.TTFT_SECONDS),
     Metric("kvmeter_engine_itl_seconds", "histogram", _E, "engine-side inter-token latency, seconds",
@@ -400,6 +409,10 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
                  "input tokens found in the prefix cache / looked up, over the sample interval, 0-1 "
                  "(in PromQL: the rate of kvmeter_engine_prefix_cache_hits_tokens_total over that of "
                  "..._queries_tokens_total)"),
+    # ---- engine work per tenant (EngineStepShares), every tenant
+    _rate("kvmeter_engine_tenant_scheduled_prefill_tokens_total", _E + ("tier", "tenant")),
+    _rate("kvmeter_engine_tenant_scheduled_decode_tokens_total", _E + ("tier", "tenant")),
+    _rate("kvmeter_engine_tenant_kv_token_seconds_total", _E + ("tier", "tenant")),
     # ---- scheduler (SchedulerStats)
     SignalSeries("kvmeter_scheduler_queued_requests", (),
                  "requests waiting in the scheduler's queues, all tenants (in PromQL: the sum of "

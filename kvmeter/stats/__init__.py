@@ -8,9 +8,10 @@ producer or an exporter, as vLLM keeps ``v1/metrics/stats.py`` apart from ``logg
 
 One module per producer:
 
-* :mod:`.engine` — :class:`EngineStepStats`, :class:`EngineRequestStats`, :class:`EngineLoad`
-  (an engine kvmeter hosts: vLLM in-process, instant, the simulator; and the load the scheduler
-  gates on, which the remote engine publishes after every scrape);
+* :mod:`.engine` — :class:`EngineStepStats`, :class:`EngineRequestStats`, :class:`EngineLoad`,
+  :class:`EngineStepShares` with :class:`TenantStepShare` (an engine kvmeter hosts: vLLM
+  in-process, instant, the simulator; the load the scheduler gates on, which the remote engine
+  publishes after every scrape; who each engine step worked for);
 * :mod:`.remote` — :class:`RemoteEngineStats` with :class:`HistogramSnapshot` and
   :class:`CounterAnomaly` (a vLLM server kvmeter scrapes but does not host);
 * :mod:`.gateway` — :class:`RequestCompletion` (with its :class:`RequestPhase` s), :class:`AdmissionDecision`,
@@ -32,7 +33,7 @@ Units are in the field names or stated; timestamps say which clock they come fro
 
 from kvmeter.stats.agents import (APPROVAL_EVENTS, RISK_CLASSES, RUN_STOP_REASONS, TOOL_CALL_DECISIONS,
                                   TOOL_CALL_SOURCES, AgentRunStopped, ApprovalEvent, ToolCallDecided)
-from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepStats
+from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepShares, EngineStepStats, TenantStepShare
 from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, TRACE_CONTEXT_HEADERS, AdmissionDecision,
                                    RequestCompletion, RequestPhase, RequestRefused)
 from kvmeter.stats.gpu import (CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample,
@@ -47,7 +48,7 @@ from kvmeter.stats.tenancy import ConfigReloaded
 
 __all__ = [
     # engine
-    "EngineStepStats", "EngineRequestStats", "EngineLoad",
+    "EngineStepStats", "EngineRequestStats", "EngineLoad", "EngineStepShares", "TenantStepShare",
     # remote engine
     "RemoteEngineStats", "HistogramSnapshot", "CounterAnomaly",
     # gateway

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvmeter.attribution import UNATTRIBUTED, Attribution
 from kvmeter.tokens import TokenCounts
 
-__all__ = ["EngineStepStats", "EngineRequestStats", "EngineLoad"]
+__all__ = ["EngineStepStats", "EngineRequestStats", "EngineLoad", "EngineStepShares", "TenantStepShare"]
 
 
 @dataclass(slots=True)
@@ -60,6 +60,57 @@ class EngineStepStats:
     def kv_blocks_used(self) -> int:
         """Used KV blocks, derived as round(ratio × total)."""
         return round(self.kv_watermark_ratio * self.kv_blocks_total)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStepShare:
+    """One tenant's (and tier's) part of one engine step (:class:`EngineStepShares`).
+
+    Attributes:
+        tenant_id: the tenant (``""``: requests nobody attributed, e.g. a benchmark).
+        tier: the tier at admission (``""`` when unattributed).
+        prefill_tokens: tokens scheduled this step for the tenant's requests whose chunk started
+            inside the prompt (a recompute after a preemption included).
+        decode_tokens: the other tokens scheduled this step (fed-back outputs, spec-decode drafts).
+        kv_tokens: KV positions the tenant's running requests hold once the step has run (vLLM's
+            ``num_computed_tokens`` summed; prefix-cache hits included).
+        requests: the tenant's running requests in the step.
+    """
+
+    tenant_id: str
+    tier: str
+    prefill_tokens: int
+    decode_tokens: int
+    kv_tokens: int
+    requests: int
+
+
+@dataclass(slots=True)
+class EngineStepShares:
+    """Who one engine step worked for: scheduled tokens and KV held, per tenant.
+
+    Built by the vLLM engine adapter from its scheduler hook's per-request rows
+    (:mod:`kvmeter.collectors.vllm_step_shares`, where the prefill/decode split is defined). A
+    tenant's share of a quantity is its value ÷ the sum over ``tenants``; KV token-seconds of a
+    tenant in the step = ``kv_tokens × duration_s``.
+
+    Attributes:
+        wall_ts: wall-clock epoch seconds when the frontend received the step.
+        engine_idx: data-parallel engine index.
+        duration_s: the step's span on the engine core's monotonic clock (spans of consecutive
+            steps never overlap).
+        tenants: one entry per (tenant, tier) with a running request, sorted.
+    """
+
+    wall_ts: float
+    engine_idx: int = 0
+    duration_s: float = 0.0
+    tenants: tuple[TenantStepShare, ...] = ()
+
+    @property
+    def scheduled_tokens(self) -> int:
+        """Tokens scheduled in the step, all tenants (prefill + decode)."""
+        return sum(t.prefill_tokens + t.decode_tokens for t in self.tenants)
 
 
 @dataclass(slots=True)

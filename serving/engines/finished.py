@@ -76,6 +76,11 @@ class FinishedStats:
             log.warning("finished stats of %s never taken; published as reported", oldest)
             self.release(oldest)
 
+    def attribution_of(self, request_id: str) -> Attribution | None:
+        """The attribution ``request_id`` was claimed with, or ``None`` (never claimed, or pushed
+        out by :data:`MAX_ACCOUNTS` newer claims)."""
+        return self._attributions.get(request_id)
+
     def put(self, stats: EngineRequestStats) -> None:
         """One report from the engine (its hooks): held for a claimer, else published; kept for
         :meth:`account` either way; stamped with the claim's attribution."""

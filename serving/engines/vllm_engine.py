@@ -8,7 +8,9 @@ vLLM's own command line (:func:`~kvmeter.serving.engines.vllm_args.parse_vllm_ar
 with the same arguments.
 
 Engine hooks (:mod:`kvmeter.collectors.vllm_hooks`) publish
-:class:`~kvmeter.stats.EngineStepStats` on the bus and keep :meth:`VllmEngine.load` current; each
+:class:`~kvmeter.stats.EngineStepStats` on the bus and keep :meth:`VllmEngine.load` current; after
+each engine step one :class:`~kvmeter.stats.EngineStepShares` (the step's scheduled tokens and KV
+by the tenant of each request, from the attribution its claim named); each
 request's :class:`~kvmeter.stats.EngineRequestStats` go through :attr:`VllmEngine.finished`
 (held for the caller that claimed the request, published on the bus otherwise).
 
@@ -30,9 +32,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncGenerator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from kvmeter.bus import StatsBus
+from kvmeter.collectors.vllm_step_shares import tenant_shares
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
 from kvmeter.serving.engines.finished import FinishedStats
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
@@ -122,6 +125,7 @@ class VllmEngine(Engine):
         self._tokenizer: HFTokenizer | None = None
         self._load = EngineLoad()
         self.finished = FinishedStats(self._bus.publish)
+        self._external_id: Callable[[str], str] = lambda request_id: request_id  # set at start
         #: the ``vllm serve`` words the engine is built from
         self.argv = engine_argv(config)
         self.model_dir = Path(config.model_dir)
@@ -145,7 +149,8 @@ class VllmEngine(Engine):
             from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            from kvmeter.collectors.vllm_hooks import install_request_accounts, stat_logger_factory
+            from kvmeter.collectors.vllm_hooks import (external_request_id, install_request_accounts,
+                                                       stat_logger_factory)
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed ({exc}); install kvmeter[cpu] or kvmeter[gpu]") from exc
         try:
@@ -157,8 +162,10 @@ class VllmEngine(Engine):
             engine_args = args
             vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
             install_request_accounts(vllm_config)  # the scheduler hook, by qualified name
+            self._external_id = external_request_id
             self._llm = llm = AsyncLLM.from_vllm_config(
-                vllm_config, stat_loggers=[stat_logger_factory(self._on_step, self._on_request)],
+                vllm_config,
+                stat_loggers=[stat_logger_factory(self._on_step, self._on_request, self._on_step_rows)],
                 enable_log_requests=engine_args.enable_log_requests, disable_log_stats=False)
         except Exception as exc:  # noqa: BLE001 — translate at the boundary
             raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from exc
@@ -191,6 +198,11 @@ class VllmEngine(Engine):
         self._load.num_running = step.num_running
         self._load.num_waiting = step.num_waiting
         self._bus.publish(step)
+
+    def _on_step_rows(self, wall_ts: float, engine_idx: int, step: dict[str, Any]) -> None:
+        self._bus.publish(tenant_shares(step, wall_ts=wall_ts, engine_idx=engine_idx,
+                                        attribution_of=self.finished.attribution_of,
+                                        external_id=self._external_id))
 
     def _on_request(self, stats: EngineRequestStats) -> None:
         self.finished.put(stats)

@@ -21,8 +21,9 @@ from kvmeter.exporters.prometheus.names import SIGNAL_SERIES, rate_series, signa
 from kvmeter.exporters.signals import SignalRecorder, SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
-from kvmeter.stats import (EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState, RemoteEngineStats,
-                           RequestCompletion, SchedulerStats, TenantSchedulerStats)
+from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState,
+                           RemoteEngineStats, RequestCompletion, SchedulerStats, TenantSchedulerStats,
+                           TenantStepShare)
 from kvmeter.tokens import TokenCounts
 
 MIB = 1024 * 1024
@@ -102,6 +103,9 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
                                 prefix_cache_queries_tokens=800, prefix_cache_hits_tokens=200))
     bus.publish(EngineStepStats(wall_ts=T0 + 1, kv_watermark_ratio=0.75, kv_blocks_total=4000, num_running=9,
                                 num_waiting=1, output_tokens=50))
+    for _ in range(2):  # two engine steps of 0.5 s: acme prefills, hob decodes
+        bus.publish(EngineStepShares(wall_ts=T0 + 1, duration_s=0.5, tenants=(
+            TenantStepShare("acme", "enterprise", 256, 0, 1000, 1), TenantStepShare("hob", "free", 0, 3, 600, 3))))
     bus.publish(sched([tenant("acme", "enterprise", depth=2, kv=3000, running=1, oldest=1.5),
                        tenant("hob", "free", depth=5, oldest=40.0),
                        tenant("idle", "free")], pressure_level=1))
@@ -138,6 +142,13 @@ def test_one_interval_lands_in_the_signals_table(bus, clock, ledger, data_dir):
     assert one(rows, "kvmeter_scheduler_queue_depth_requests", tier="free", tenant="hob") == 5
     assert one(rows, "kvmeter_scheduler_queue_oldest_wait_seconds", tier="free", tenant="hob") == 40.0
     assert not [k for k in rows if ("tenant", "idle") in k[1]]
+    # the engine's work per tenant over the interval (EngineStepShares), every tenant
+    acme = {**e, "tier": "enterprise", "tenant": "acme"}
+    hob = {**e, "tier": "free", "tenant": "hob"}
+    assert one(rows, "kvmeter_engine_tenant_scheduled_prefill_tokens_per_second", **acme) == pytest.approx(51.2)
+    assert one(rows, "kvmeter_engine_tenant_scheduled_decode_tokens_per_second", **hob) == pytest.approx(0.6)
+    assert one(rows, "kvmeter_engine_tenant_kv_token_seconds_per_second", **acme) == pytest.approx(100.0)
+    assert one(rows, "kvmeter_engine_tenant_kv_token_seconds_per_second", **hob) == pytest.approx(60.0)
     # tokens/s by tier over the 10 s interval; goodput = ok and inside the SLO
     assert one(rows, "kvmeter_throughput_tokens_per_second", tier="enterprise", type="output") == pytest.approx(30.0)
     assert one(rows, "kvmeter_goodput_tokens_per_second", tier="enterprise", type="output") == pytest.approx(20.0)
@@ -166,6 +177,8 @@ def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus
                                   kv_cache_usage_ratio=0.3, kv_blocks_total=1000, num_running=2.0, num_waiting=0.0))
     bus.publish(sched([tenant("acme", "enterprise", depth=1, kv=300, running=1, oldest=0.5)]))
     bus.publish(completion("acme", "enterprise", 100, 20))
+    bus.publish(EngineStepShares(wall_ts=T0, duration_s=0.1,
+                                 tenants=(TenantStepShare("acme", "enterprise", 64, 1, 300, 2),)))
     bus.publish(GpuSample(wall_ts=T0, index=0, memory_used_bytes=10 * MIB, memory_total_bytes=80 * MIB,
                           utilization_gpu_ratio=0.9, sm_active_ratio=0.6, tensor_active_ratio=0.4,
                           dram_bandwidth_ratio=0.7, power_watts=350.0, temperature_gpu_celsius=55.0,
