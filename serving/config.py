@@ -100,7 +100,7 @@ class ServerSettings(_Section):
         stream_stall_timeout_s: a streamed answer whose client reads nothing for this long (one
             send blocked on its connection; seconds) is cut: the engine request is aborted (its KV
             freed) and the attempt billed as a client disconnect (``aborted``,
-            ``client_abandoned``); counted per tenant in ``kvmeter_stream_stall_cuts_total``. 0 or
+            ``client_abandoned``); counted per tenant in ``kvmeter_stream_stall_cut_requests_total``. 0 or
             null: never cut (a stalled reader then holds its request's KV until it disconnects).
         log_level: uvicorn's and kvmeter's log level.
     """

@@ -127,7 +127,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_slo_requests_total", "counter", ("tier", "result"),
            "ended requests by SLO result (met, missed, unset)", "gateway"),
     # ---- streamed answers (StreamSendStats, once a stream ended): streams.py
-    Metric("kvmeter_stream_stall_cuts_total", "counter", ("tier", "tenant"),
+    Metric("kvmeter_stream_stall_cut_requests_total", "counter", ("tier", "tenant"),
            "streams cut because their client read nothing for stream_stall_timeout_s (engine request "
            "aborted, billed as a client disconnect)", "gateway"),
     Metric("kvmeter_stream_send_blocked_seconds_total", "counter", ("tier", "tenant"),

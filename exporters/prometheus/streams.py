@@ -20,7 +20,7 @@ class StreamMetrics(MetricSource):
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         m = self.metric
-        self.cuts = m("kvmeter_stream_stall_cuts_total")
+        self.cuts = m("kvmeter_stream_stall_cut_requests_total")
         self.blocked_s = m("kvmeter_stream_send_blocked_seconds_total")
         self.blocked_bytes = m("kvmeter_stream_send_blocked_bytes_total")
         self.blocked_kv = m("kvmeter_stream_blocked_kv_token_seconds_total")

@@ -22,7 +22,7 @@ recorded but never alerted on, it is many tenants):
   the tenant retries at least :attr:`NoisyThresholds.retries_min_per_s` times per second.
 
 * **Slow streaming clients** = streams cut because their client read nothing for
-  ``server.stream_stall_timeout_s`` (``kvmeter_stream_stall_cuts_total``; each cut aborted an
+  ``server.stream_stall_timeout_s`` (``kvmeter_stream_stall_cut_requests_total``; each cut aborted an
   engine request that the reader had kept alive, holding KV). The detector fires while the tenant's
   cuts run at least :attr:`NoisyThresholds.stall_cuts_min_per_s` per second.
 
@@ -131,7 +131,7 @@ def records(t: NoisyThresholds = THRESHOLDS) -> dict[str, str]:
             "cache_hit_ratio": f"kvmeter:tenant_prompt_cache_hit:ratio_rate{w}",
             "retry_rate": f"kvmeter:tenant_retries:rate{w}",
             "retries_per_request": f"kvmeter:tenant_retries_per_logical_request:ratio_rate{w}",
-            "stall_cut_rate": f"kvmeter:tenant_stream_stall_cuts:rate{w}"}
+            "stall_cut_rate": f"kvmeter:tenant_stream_stall_cut_requests:rate{w}"}
 
 
 def _num(x: float) -> str:
@@ -153,7 +153,8 @@ def render(t: NoisyThresholds = THRESHOLDS) -> str:
          "expr": f"(\n  {cached_rate}\n  or 0 * {input_rate}\n)\n/ ({input_rate} > 0)"},
         {"record": r["retry_rate"], "expr": retries},
         {"record": r["retries_per_request"], "expr": f"{retries}\n/ ({keyed} > 0)"},
-        {"record": r["stall_cut_rate"], "expr": f"sum by (tenant) (rate(kvmeter_stream_stall_cuts_total[{w}]))"},
+        {"record": r["stall_cut_rate"],
+         "expr": f"sum by (tenant) (rate(kvmeter_stream_stall_cut_requests_total[{w}]))"},
         {"alert": "KvmeterTenantPromptCacheHitLow",
          "expr": (f'{r["cache_hit_ratio"]}{{tenant!="other"}} < {_num(t.cache_hit_ratio_below)}\n'
                   f'and on (tenant) {r["input_rate"]} >= {_num(t.cache_min_input_tokens_per_s)}'),
@@ -206,7 +207,7 @@ def render(t: NoisyThresholds = THRESHOLDS) -> str:
         "# Noisy-neighbour detectors per tenant (issue 14): prompt-cache hit ratio (cached_input / input\n"
         "# tokens, engine-true, every attempt), retries per logical request (retries / logical\n"
         "# requests sent with an Idempotency-Key) and streams cut for a stalled reader (slow clients,\n"
-        "# kvmeter_stream_stall_cuts_total). Each alert names the tenant and fires only while the\n"
+        "# kvmeter_stream_stall_cut_requests_total). Each alert names the tenant and fires only while the\n"
         "# tenant is busy enough to matter; tenant \"other\" (the bounded-label bucket) is recorded,\n"
         "# never alerted on.\n"
         f"# Thresholds: {thresholds}\n")

@@ -106,7 +106,7 @@ async def _stall_and_check(runtime, recorder, port: int, sock: socket.socket) ->
     registry = runtime.registry
 
     def cuts() -> float | None:
-        return registry.get_sample_value("kvmeter_stream_stall_cuts_total", {"tier": tier, "tenant": "acme"})
+        return registry.get_sample_value("kvmeter_stream_stall_cut_requests_total", {"tier": tier, "tenant": "acme"})
 
     await _until(lambda: cuts() is not None)
     assert cuts() == 1
