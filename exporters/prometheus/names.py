@@ -432,6 +432,9 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     SignalSeries("kvmeter_goodput_ratio", ("tier",),
                  "output goodput / output throughput over the sample interval, 0-1 (in PromQL: the ratio "
                  "of the rates of kvmeter_goodput_tokens_total and kvmeter_throughput_tokens_total)"),
+    # ---- streamed answers (StreamSendStats), every tenant with back-pressure
+    _rate("kvmeter_stream_stall_cut_requests_total", ("tier", "tenant")),
+    _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),
