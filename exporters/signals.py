@@ -38,6 +38,9 @@ interval since the previous sample on the injected clock's monotonic reading):
   ``kvmeter_goodput_tokens_per_second`` (``tier``, ``type`` = input / output; goodput = requests
   that ended ok inside their SLO, as ``kvmeter_goodput_tokens_total``), ``kvmeter_goodput_ratio``
   (``tier``);
+* streams, labels ``tier``, ``tenant`` (every tenant), from :class:`StreamSendStats` over the
+  interval, for tenants whose streams met back-pressure: ``kvmeter_stream_stall_cut_requests_per_second``
+  (streams cut for a stalled reader) and ``kvmeter_stream_send_blocked_seconds_per_second``;
 * GPUs, label ``gpu`` — latest :class:`GpuSample`: ``kvmeter_gpu_memory_used_bytes``,
   ``kvmeter_gpu_memory_total_bytes``, ``kvmeter_gpu_utilization_ratio``,
   ``kvmeter_gpu_sm_active_ratio``, ``kvmeter_gpu_tensor_active_ratio``,
@@ -80,7 +83,7 @@ from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.exporters.prometheus.names import rate_series, series
 from kvmeter.ledger.records import SignalSample
 from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, QuotaStoreState,
-                           RemoteEngineStats, RequestCompletion, SchedulerStats)
+                           RemoteEngineStats, RequestCompletion, SchedulerStats, StreamSendStats)
 
 __all__ = ["SignalSampler", "SignalRecorder", "SignalSamplerConfig"]
 
@@ -113,6 +116,8 @@ _REQUEST_RATE = rate_series("kvmeter_requests_total")
 _THROUGHPUT = rate_series("kvmeter_throughput_tokens_total")
 _GOODPUT = rate_series("kvmeter_goodput_tokens_total")
 _GOODPUT_RATIO = series("kvmeter_goodput_ratio")
+_STALL_CUT_RATE = rate_series("kvmeter_stream_stall_cut_requests_total")
+_SEND_BLOCKED_RATE = rate_series("kvmeter_stream_send_blocked_seconds_total")
 _GPU_FIELDS = ((series("kvmeter_gpu_memory_used_bytes"), "memory_used_bytes"),
                (series("kvmeter_gpu_memory_total_bytes"), "memory_total_bytes"),
                (series("kvmeter_gpu_utilization_ratio"), "utilization_gpu_ratio"),
@@ -204,6 +209,9 @@ class SignalSampler:
         self._remote: dict[str, tuple[float, RemoteEngineStats]] = {}
         self._scheduler: SchedulerStats | None = None
         self._tiers: dict[str, _TierWindow] = {}
+        # (tier, tenant) → [streams cut for a stalled reader, seconds sends blocked] since the last sample
+        self._streams: dict[tuple[str, str], list[float]] = {}
+        self._streaming_tenants: set[tuple[str, str]] = set()
         self._gpus: dict[int, tuple[float, GpuSample]] = {}
         self._ledger: LedgerStats | None = None
         self._stores: dict[str, QuotaStoreState] = {}
@@ -217,6 +225,7 @@ class SignalSampler:
             bus.subscribe(RemoteEngineStats, self._on_remote),
             bus.subscribe(SchedulerStats, self._on_scheduler),
             bus.subscribe(RequestCompletion, self._on_completion),
+            bus.subscribe(StreamSendStats, self._on_stream),
             bus.subscribe(GpuSample, self._on_gpu),
             bus.subscribe(LedgerStats, self._on_ledger),
             bus.subscribe(QuotaStoreState, self._on_store),
@@ -264,6 +273,14 @@ class SignalSampler:
                 w.good_input += c.tokens.input_tokens
                 w.good_output += c.tokens.output_tokens
 
+    def _on_stream(self, s: StreamSendStats) -> None:
+        if not (s.stall_cut or s.send_blocked_s > 0):
+            return  # a stream its client read at once: nothing to chart
+        with self._lock:
+            w = self._streams.setdefault((s.attribution.tier or "unknown", s.attribution.tenant_id), [0.0, 0.0])
+            w[0] += 1 if s.stall_cut else 0
+            w[1] += s.send_blocked_s
+
     def _on_gpu(self, s: GpuSample) -> None:
         with self._lock:
             self._gpus[s.index] = (self._clock.monotonic(), s)
@@ -293,6 +310,7 @@ class SignalSampler:
             remote = dict(self._remote)
             sched = self._scheduler
             tiers, self._tiers = self._tiers, {}
+            streams, self._streams = self._streams, {}
             gpus = dict(self._gpus)
             ledger = self._ledger
             stores = dict(self._stores)
@@ -318,6 +336,7 @@ class SignalSampler:
         if sched is not None:
             self._scheduler_rows(add, sched)
         self._tier_rows(add, tiers, elapsed)
+        self._stream_rows(add, streams, elapsed)
         for seen, g in gpus.values():
             if now - seen <= stale:
                 self._gpu_rows(add, g)
@@ -392,6 +411,18 @@ class SignalSampler:
             if w.output > 0:
                 add(_GOODPUT_RATIO, w.good_output / w.output, {"tier": tier})
         self._busy_tiers = set(tiers)
+
+    def _stream_rows(self, add, streams: dict[tuple[str, str], list[float]], elapsed: float) -> None:
+        """Per tenant (every tenant, unbounded): stall cuts and seconds blocked sending, per second;
+        a tenant with back-pressure in the interval, plus one row of zeros after."""
+        if elapsed <= 0:
+            return
+        for tier, tenant in set(streams) | self._streaming_tenants:
+            cuts, blocked = streams.get((tier, tenant), (0.0, 0.0))
+            labels = {"tier": tier, "tenant": tenant}
+            add(_STALL_CUT_RATE, cuts / elapsed, labels)
+            add(_SEND_BLOCKED_RATE, blocked / elapsed, labels)
+        self._streaming_tenants = set(streams)
 
     def _gpu_rows(self, add, g: GpuSample) -> None:
         gpu = {"gpu": str(g.index)}

@@ -68,7 +68,8 @@ _OUTCOMES = ("ok", "aborted", "error")
 
 #: Why an attempt's engine work reached no client (the one list; the tier policy, the gateway,
 #: the ledger and the invoice use it): the client left (``client_abandoned``: disconnected or gave
-#: up, before or after its first token), the server failed it (``server_failure``: an engine or
+#: up, before or after its first token, or stopped reading its stream and was cut after
+#: ``stream_stall_timeout_s``), the server failed it (``server_failure``: an engine or
 #: upstream error, an internal error), the server stopped under it (``shutdown``), or it was
 #: dropped at its deadline after it had been dispatched (``deadline``: reserved, no attempt carries
 #: it yet — the scheduler drops only requests still queued, which did no engine work and get no

@@ -101,6 +101,11 @@ class ServerSettings(_Section):
         max_body_bytes: largest request body (bytes; 413 above it).
         body_read_timeout_s: longest a request body may take to arrive (seconds, > 0; 408
             ``request_timeout`` after it, so a client that stalls mid-body cannot hold a request).
+        stream_stall_timeout_s: a streamed answer whose client reads nothing for this long (one
+            send blocked on its connection; seconds) is cut: the engine request is aborted (its KV
+            freed) and the attempt billed as a client disconnect (``aborted``,
+            ``client_abandoned``); counted per tenant in ``kvmeter_stream_stall_cut_requests_total``. 0 or
+            null: never cut (a stalled reader then holds its request's KV until it disconnects).
         log_level: uvicorn's and kvmeter's log level.
         workers: gateway processes on this one port (>= 1; ``kvmeter serve --workers N``). Above 1
             the engine must be shared (``remote`` or ``instant``), the quota store too (``redis://``)
@@ -112,6 +117,7 @@ class ServerSettings(_Section):
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     body_read_timeout_s: float = Field(default=30.0, gt=0)
+    stream_stall_timeout_s: float | None = Field(default=30.0, ge=0)
     log_level: str = "info"
     workers: int = Field(default=1, ge=1)
 

@@ -247,7 +247,8 @@ class ServeRuntime:
             engine=self.engine, authenticator=self.directory, quota=self.quota,
             scheduler=self.scheduler, recorder=self.recorder, bus=self.bus, clock=clock,
             settings=GatewaySettings(max_body_bytes=config.server.max_body_bytes,
-                                     body_read_timeout_s=config.server.body_read_timeout_s),
+                                     body_read_timeout_s=config.server.body_read_timeout_s,
+                                     stream_stall_timeout_s=config.server.stream_stall_timeout_s),
             tier_policy=self._tier_policy, idempotency=self.idempotency, openai=self.openai,
             agents=self.agents)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "TTFT_SECONDS", "ITL_SECONDS", "E2E_SECONDS", "QUEUE_SECONDS", "PHASE_SECONDS",
-    "BATCH_REQUESTS", "STEP_TOKENS", "APPROVAL_WAIT_SECONDS",
+    "BATCH_REQUESTS", "STEP_TOKENS", "APPROVAL_WAIT_SECONDS", "STREAM_SECONDS",
 ]
 
 TTFT_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -37,3 +37,5 @@ STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 3
 #: a person deciding an approval: seconds to a day
 APPROVAL_WAIT_SECONDS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
                          28800.0, 86400.0)
+#: a streamed answer's duration; few boundaries, as the histogram carries a (bounded) tenant label
+STREAM_SECONDS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)

@@ -24,6 +24,7 @@ from .remote import RemoteEngineMetrics
 from .requests import RequestMetrics
 from .scheduler import SchedulerMetrics
 from .selfcheck import SelfCheckMetrics
+from .streams import StreamMetrics
 from .tenants import TenantLabels
 
 __all__ = ["PrometheusExporter", "install_prometheus", "default_sources"]
@@ -36,7 +37,7 @@ def default_sources(ctx: SourceContext) -> list[MetricSource]:
     GPU, scheduler, quota (with retries and tenancy reloads), agent runs, ledger, reconciliation,
     self-checks."""
     engine = EngineMetrics(ctx)
-    return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), AdmissionMetrics(ctx),
+    return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), StreamMetrics(ctx), AdmissionMetrics(ctx),
             RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), AgentMetrics(ctx),
             LedgerMetrics(ctx), ReconciliationMetrics(ctx), SelfCheckMetrics(ctx)]
 

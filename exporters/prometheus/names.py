@@ -6,7 +6,7 @@ it), by the alert rules' tests (every metric a rule reads must be declared here)
 history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new producer.
 
 ``emitted=True`` metrics are produced today by a module of this package (one module per producer:
-:mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
+:mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.streams`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
 :mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
 :mod:`.selfcheck`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
@@ -135,6 +135,20 @@ METRICS: tuple[Metric, ...] = (
            "tokens of requests that finished ok inside their tier's SLO (input, output)", "gateway"),
     Metric("kvmeter_slo_requests_total", "counter", ("tier", "result"),
            "ended requests by SLO result (met, missed, unset)", "gateway"),
+    # ---- streamed answers (StreamSendStats, once a stream ended): streams.py
+    Metric("kvmeter_stream_stall_cut_requests_total", "counter", ("tier", "tenant"),
+           "streams cut because their client read nothing for stream_stall_timeout_s (engine request "
+           "aborted, billed as a client disconnect)", "gateway"),
+    Metric("kvmeter_stream_send_blocked_seconds_total", "counter", ("tier", "tenant"),
+           "seconds streams' sends waited for the client to read (back-pressure), seconds", "gateway"),
+    Metric("kvmeter_stream_send_blocked_bytes_total", "counter", ("tier", "tenant"),
+           "SSE bytes whose send waited in the gateway for the client to read, bytes", "gateway"),
+    Metric("kvmeter_stream_blocked_kv_token_seconds_total", "counter", ("tier", "tenant"),
+           "KV tokens held x seconds while a stream's send waited for the client (a lower bound), "
+           "token-seconds", "gateway"),
+    Metric("kvmeter_stream_duration_seconds", "histogram", ("tier", "tenant"),
+           "a streamed answer's first send to its last send or cut, seconds", "gateway",
+           buckets=B.STREAM_SECONDS),
     # ---- admission (AdmissionDecision)
     Metric("kvmeter_admission_admitted_requests_total", "counter", ("tier", "tenant"), "requests admitted", "gateway"),
     Metric("kvmeter_admission_rejected_requests_total", "counter", ("tier", "tenant", "reason", "level", "dimension"),
@@ -225,7 +239,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_scheduler_pressure_level", "gauge", (),
            "overload control level: 0 normal, 1 elevated (batch paused, new free refused), 2 overload",
            "scheduler", multiprocess_mode="max"),
-    Metric("kvmeter_scheduler_shared_service_failures_total", "counter", (),
+    Metric("kvmeter_scheduler_shared_service_sync_errors_total", "counter", (),
            "failed syncs of the VTC counters shared between gateway processes through Redis "
            "(fairness is the process's own while they fail)", "scheduler"),
     # ---- gateway retries, quota, tenancy (quota and tenancy stats, AdmissionDecision): quota.py
@@ -434,6 +448,9 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     SignalSeries("kvmeter_goodput_ratio", ("tier",),
                  "output goodput / output throughput over the sample interval, 0-1 (in PromQL: the ratio "
                  "of the rates of kvmeter_goodput_tokens_total and kvmeter_throughput_tokens_total)"),
+    # ---- streamed answers (StreamSendStats), every tenant with back-pressure
+    _rate("kvmeter_stream_stall_cut_requests_total", ("tier", "tenant")),
+    _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),

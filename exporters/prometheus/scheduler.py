@@ -50,7 +50,7 @@ class SchedulerMetrics(MetricSource):
         self.gap = m("kvmeter_scheduler_max_service_gap_tokens")
         self.dropped = m("kvmeter_scheduler_dropped_requests_total")
         self.pressure = m("kvmeter_scheduler_pressure_level")
-        self.shared_failures = m("kvmeter_scheduler_shared_service_failures_total")
+        self.shared_failures = m("kvmeter_scheduler_shared_service_sync_errors_total")
         self._gauges = (self.depth, self.depth_tokens, self.oldest, self.active_kv)
         self._service_last: dict[str, float] = {}
         self._working: set[str] = set()  # tenants with active work in the last snapshot

@@ -15,7 +15,7 @@ One module per producer:
 * :mod:`.remote` — :class:`RemoteEngineStats` with :class:`HistogramSnapshot` and
   :class:`CounterAnomaly` (a vLLM server kvmeter scrapes but does not host);
 * :mod:`.gateway` — :class:`RequestCompletion` (with its :class:`RequestPhase` s), :class:`AdmissionDecision`,
-  :class:`RequestRefused` and the refusal label sets;
+  :class:`RequestRefused` and the refusal label sets, :class:`StreamSendStats` (a stream's sends);
 * :mod:`.quota` — :class:`ReservationDrift`, :class:`QuotaStoreState`,
   :class:`IdempotencyAttempt`, :class:`ToolCallReported`;
 * :mod:`.tenancy` — :class:`ConfigReloaded`;
@@ -35,7 +35,7 @@ from kvmeter.stats.agents import (APPROVAL_EVENTS, RISK_CLASSES, RUN_STOP_REASON
                                   TOOL_CALL_SOURCES, AgentRunStopped, ApprovalEvent, ToolCallDecided)
 from kvmeter.stats.engine import EngineLoad, EngineRequestStats, EngineStepShares, EngineStepStats, TenantStepShare
 from kvmeter.stats.gateway import (REFUSAL_CODES, REFUSAL_ENDPOINTS, TRACE_CONTEXT_HEADERS, AdmissionDecision,
-                                   RequestCompletion, RequestPhase, RequestRefused)
+                                   RequestCompletion, RequestPhase, RequestRefused, StreamSendStats)
 from kvmeter.stats.gpu import (CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuProcessSample, GpuSample, MigSample,
                                XidEvent, clock_event_reason_names)
 from kvmeter.stats.ledger import (INGEST_STATUSES, RECONCILIATION_VIEWS, RUN_RESULTS, LedgerStats,
@@ -53,7 +53,7 @@ __all__ = [
     "RemoteEngineStats", "HistogramSnapshot", "CounterAnomaly",
     # gateway
     "RequestCompletion", "RequestPhase", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS",
-    "TRACE_CONTEXT_HEADERS",
+    "TRACE_CONTEXT_HEADERS", "StreamSendStats",
     # quota
     "ReservationDrift", "QuotaStoreState", "IdempotencyAttempt", "ToolCallReported",
     # tenancy

@@ -1,5 +1,6 @@
 """Stats of the gateway: every admitted request when it ends, every admission decision (the
-quota's and the scheduler's, at the front door), and every refusal before admission.
+quota's and the scheduler's, at the front door), every refusal before admission, and the sends of
+every streamed answer once it has ended.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from kvmeter.attribution import Attribution
 from kvmeter.tokens import TokenCounts
 
 __all__ = ["RequestCompletion", "RequestPhase", "TRACE_CONTEXT_HEADERS", "AdmissionDecision", "RequestRefused",
-           "REFUSAL_CODES", "REFUSAL_ENDPOINTS"]
+           "REFUSAL_CODES", "REFUSAL_ENDPOINTS", "StreamSendStats"]
 
 #: Every error code the gateway answers a refusal with (its own, and the tenancy, idempotency and
 #: quota codes it passes on from the tool-call route). A fixed set, so an exporter can use it as a
@@ -105,6 +106,39 @@ class RequestCompletion:
     response_id: str = ""
     finish_reasons: tuple[str, ...] = ()
     trace_headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSendStats:
+    """How one streamed (SSE) answer of an admitted request went out to its client, published once
+    the stream has ended (completed, left by the client, or cut) — after its
+    :class:`RequestCompletion`, which the usage event's durability precedes
+    (``kvmeter.serving.gateway.stall`` defines each quantity).
+
+    Attributes:
+        attribution: the request's.
+        duration_s: the stream's first send (its headers) → the end of its last send or its cut,
+            seconds (the gateway's monotonic clock).
+        sent_bytes: body bytes the client's connection accepted.
+        send_blocked_s: seconds sends waited for the client to read (back-pressure).
+        blocked_bytes: body bytes of the sends that waited.
+        blocked_kv_token_s: KV tokens the request held × seconds its sends waited (token-seconds; a
+            lower bound: the engine may generate while a send waits).
+        longest_block_s: the longest single wait, seconds.
+        stall_cut: the stream was cut because one send waited ``stream_stall_timeout_s`` (the
+            request was aborted in the engine and billed as a client disconnect).
+        wall_ts: wall-clock epoch seconds at the end.
+    """
+
+    attribution: Attribution
+    duration_s: float = 0.0
+    sent_bytes: int = 0
+    send_blocked_s: float = 0.0
+    blocked_bytes: int = 0
+    blocked_kv_token_s: float = 0.0
+    longest_block_s: float = 0.0
+    stall_cut: bool = False
+    wall_ts: float = 0.0
 
 
 @dataclass(slots=True)

@@ -16,7 +16,9 @@ The steps, in order, and what each can answer:
    then the run's repeated-prompt stop on the rendered prompt's digest (admitted calls count;
    a stop releases the reservation) .................................... 409
 6. ask the scheduler (early rejection, then wait for dispatch) ........ 429 + Retry-After
-7. run on the engine, streaming or not; a client that goes away aborts the engine request
+7. run on the engine, streaming or not; a client that goes away aborts the engine request, and so
+   does a stream's client that stops reading for ``stream_stall_timeout_s`` (the stream is cut:
+   :mod:`kvmeter.serving.gateway.stall`; billed as a client that went away)
 8. meter: one usage event per attempt (under its logical request's event id; one that did not
    end ``ok`` with its undelivered cause and its tier's billing of it), durable in the ledger's
    spool *before* the response completes (for a stream: before the usage chunk and ``[DONE]``)
@@ -77,6 +79,7 @@ from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.ledger.records import AttemptRecord, AttemptStatus
 from kvmeter.serving.gateway.replays import fingerprint, replay_response
+from kvmeter.serving.gateway.stall import SendGuard
 from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
 from kvmeter.serving.quota.idempotency import (MAX_KEY_CHARS, IdempotencyManager,
@@ -118,17 +121,27 @@ class GatewaySettings:
             engine (client gone, error) waits for the engine's own account of the work it did
             (:meth:`Engine.final_stats <kvmeter.serving.engines.base.Engine.final_stats>`;
             seconds, ≥ 0; vLLM gives it with its next step).
+        stream_stall_timeout_s: a streamed answer whose client has read nothing for this long
+            (one send blocked on the client's connection; seconds, > 0) is cut: the engine request
+            is aborted, freeing its KV, and the attempt is billed as a client disconnect
+            (:mod:`kvmeter.serving.gateway.stall`). ``None`` or 0: never cut.
     Raises:
-        ValueError: for ``max_body_bytes`` < 1, ``body_read_timeout_s`` ≤ 0 or
-            ``engine_account_wait_s`` < 0.
+        ValueError: for ``max_body_bytes`` < 1, ``body_read_timeout_s`` ≤ 0,
+            ``engine_account_wait_s`` < 0 or ``stream_stall_timeout_s`` < 0.
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     body_read_timeout_s: float | None = 30.0
     tokenize_in_thread_chars: int = 16_384
     engine_account_wait_s: float = 2.0
+    stream_stall_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
+        if self.stream_stall_timeout_s is not None:
+            if not self.stream_stall_timeout_s >= 0:
+                raise ValueError(f"stream_stall_timeout_s must be >= 0 (or None), got {self.stream_stall_timeout_s}")
+            if self.stream_stall_timeout_s == 0:
+                self.stream_stall_timeout_s = None
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not self.engine_account_wait_s >= 0:
@@ -226,17 +239,18 @@ class _Seen:
 def _undelivered_cause(adm: Admitted, outcome: str) -> str:
     """Why an admitted attempt that did not end ``ok`` reached no client, as the gateway can tell:
     ``client_abandoned`` when the client disconnected (the disconnect watcher or the stream's
-    response saw it), ``shutdown`` when the task finishing it is being cancelled and the client did
-    not leave (uvicorn cancels the requests still running at the end of its graceful shutdown; a
-    stream cut that way used to be recorded as the client's abort), else ``client_abandoned`` for
-    ``aborted`` and ``server_failure`` for ``error``. ``deadline`` (a dispatched request dropped
-    at its deadline) is never decided here, and no caller gives it today: the scheduler drops only
-    queued requests, before the engine sees them (their attempt is ``rejected``, reason
-    ``deadline``; no usage row).
+    response saw it) or its stream was cut because it stopped reading (``stream_stall_timeout_s``:
+    the client abandoned the stream, billed as a disconnect), ``shutdown`` when the task
+    finishing it is being cancelled and the client did not leave (uvicorn cancels the requests
+    still running at the end of its graceful shutdown; a stream cut that way used to be recorded
+    as the client's abort), else ``client_abandoned`` for ``aborted`` and ``server_failure`` for
+    ``error``. ``deadline`` (a dispatched request dropped at its deadline) is never decided here,
+    and no caller gives it today: the scheduler drops only queued requests, before the engine
+    sees them (their attempt is ``rejected``, reason ``deadline``; no usage row).
 
     Call it outside a shielded cancel scope (it reads :meth:`asyncio.Task.cancelling`).
     """
-    if adm.client_left:
+    if adm.client_left or adm.stalled:
         return "client_abandoned"
     task = asyncio.current_task()
     if task is not None and task.cancelling() > 0:
@@ -277,14 +291,25 @@ class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator, so a client that disconnects
     aborts the engine request at once rather than whenever the generator is garbage-collected,
     then runs ``on_close``: closing a generator that never started does not run its ``finally``
-    (the client left before the first chunk was asked for), so the request is finalized there."""
+    (the client left before the first chunk was asked for), so the request is finalized there.
+
+    With a ``guard`` (:class:`~kvmeter.serving.gateway.stall.SendGuard`) every send is measured and
+    a client that stops reading is cut once one send has waited the guard's ``stall_s``:
+    ``on_stall`` runs, then the body is closed as after a disconnect (the engine request aborted,
+    its KV freed). The connection is then closed by the server (uvicorn logs that the application
+    returned without completing the response); what was already in its write buffer is all the
+    client can still read, and the answer has no ``[DONE]``.
+    """
 
     def __init__(self, content: AsyncGenerator[bytes, None], *, on_close: Callable[[], Awaitable[None]],
-                 on_disconnect: Callable[[], None] | None = None, **kwargs: Any) -> None:
+                 on_disconnect: Callable[[], None] | None = None, guard: SendGuard | None = None,
+                 on_stall: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._body = content  # Starlette's body_iterator, typed as the generator it is (it has aclose)
         self._on_close = on_close
         self._on_disconnect = on_disconnect
+        self._guard = guard
+        self._on_stall = on_stall
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         on_disconnect = self._on_disconnect
@@ -296,13 +321,28 @@ class ClosingStreamingResponse(StreamingResponse):
             return message
 
         try:
-            await super().__call__(scope, watched, send)
+            if self._guard is None:
+                await super().__call__(scope, watched, send)
+            else:
+                await self._guarded(self._guard, scope, watched, send)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
                     await self._body.aclose()
                 finally:
                     await self._on_close()
+
+    async def _guarded(self, guard: SendGuard, scope: Scope, receive: Receive, send: Send) -> None:
+        """The response through ``guard``'s measured send, cut by its watchdog on a stall."""
+        with anyio.CancelScope() as cut:
+            watchdog = asyncio.ensure_future(guard.watch(cut.cancel)) if guard.stall_s is not None else None
+            try:
+                await super().__call__(scope, receive, guard.wrap(send))
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
+        if guard.stalled and self._on_stall is not None:
+            self._on_stall()  # before the body closes: its finalization reads the cause
 
 
 @dataclass(slots=True)
@@ -348,6 +388,8 @@ class Admitted:
     before_finish: Callable[[], None] | None = None
     #: the client disconnected (seen by the disconnect watcher or the stream's response)
     client_left: bool = False
+    #: the stream was cut because its client stopped reading (``stream_stall_timeout_s``)
+    stalled: bool = False
     #: the protocol publishes the request's :class:`RequestCompletion` itself, once its answer's
     #: finish reasons are known (:meth:`CompletionEndpoint._publish_completion`); until then
     #: finalization keeps it in :attr:`completion`
@@ -448,13 +490,32 @@ class CompletionEndpoint:
 
     def streaming_response(self, body: AsyncGenerator[bytes, None], adm: Admitted, headers: dict[str, str],
                            on_close: Callable[[], Awaitable[None]] | None = None) -> Response:
-        """The SSE response of ``body``; closing it (the client left, or it ended) closes ``body``
-        and then runs ``on_close`` (default: finalize the request as aborted if it did not end)."""
+        """The SSE response of ``body``; closing it (the client left, it ended, or it was cut for a
+        stalled reader: ``GatewaySettings.stream_stall_timeout_s``) closes ``body`` and then runs
+        ``on_close`` (default: finalize the request as aborted if it did not end), then publishes
+        the stream's :class:`~kvmeter.stats.StreamSendStats`."""
+        gw = self.gw
+        meter = adm.meter
+        guard = SendGuard(gw.clock, gw.settings.stream_stall_timeout_s, held_kv_tokens=meter.kv_tokens_held)
+        close = on_close or (lambda: self._close_unfinished(adm))
+
         def left() -> None:
             adm.client_left = True
 
+        def stalled() -> None:
+            adm.stalled = True
+            log.warning("request %s (tenant %s): stream cut, its client read nothing for %.1f s "
+                        "(stream_stall_timeout_s); the engine request is aborted and billed as a disconnect",
+                        meter.identity.request_id, meter.identity.attribution.tenant_id, guard.stall_s)
+
+        async def closed() -> None:
+            try:
+                await close()
+            finally:  # after the completion: the stream's sends, as they went
+                gw.bus.publish(guard.stats(meter.identity.attribution, gw.clock.wall()))
+
         return ClosingStreamingResponse(
-            body, on_close=on_close or (lambda: self._close_unfinished(adm)), on_disconnect=left,
+            body, on_close=closed, on_disconnect=left, guard=guard, on_stall=stalled,
             media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
 
     async def _attempt(self, seen: "_Seen", request_id: str, err: ApiError | None, *,

@@ -150,6 +150,14 @@ class RequestMeter:
             self._last_kv_mono = None  # the engine frees the request's KV blocks at its last step
         return new
 
+    def kv_tokens_held(self) -> int:
+        """Tokens the request holds in the engine's KV cache now, as the gateway last saw them
+        (the same hold :attr:`kv_token_seconds` integrates): 0 before dispatch and once the engine
+        finished it; its reserved input tokens until its first output; then prompt + generated."""
+        if self._last_kv_mono is None:
+            return 0
+        return (self.input_tokens + self.output_tokens) if self.outputs_seen else self.reserved.input_tokens
+
     def engine_account(self, stats: EngineRequestStats | None) -> None:
         """The engine's own account of a request that ended early (``None``: it gave none).
 

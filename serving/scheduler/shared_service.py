@@ -37,7 +37,7 @@ default) keeps the unsent changes for the next one and leaves the counters as th
 never waits on Redis, fairness degrades to this process's own, one warning is logged when an
 outage starts and one line when it ends, and :attr:`SharedServiceSync.failures_total` counts the
 failed syncs (``SchedulerStats.shared_service_failures_total`` →
-``kvmeter_scheduler_shared_service_failures_total``). Nothing charged during the outage is lost:
+``kvmeter_scheduler_shared_service_sync_errors_total``). Nothing charged during the outage is lost:
 it is sent by the first sync that succeeds.
 
 Costs: one ``EVALSHA`` per interval with three arguments per tenant charged since the last sync,

@@ -288,7 +288,7 @@ def test_tenant_series_never_exceed_k_per_label_combination(bus, registry, clock
 def test_shared_service_failures_become_a_counter(bus, registry, clock):
     install(bus, registry, clock)
     bus.publish(snapshot([]))  # no sharing (None): the label-less counter stays at 0
-    assert series(registry, "kvmeter_scheduler_shared_service_failures_total") == {(): 0.0}
+    assert series(registry, "kvmeter_scheduler_shared_service_sync_errors_total") == {(): 0.0}
     bus.publish(snapshot([], shared_service_failures_total=3))
     bus.publish(snapshot([], shared_service_failures_total=5))
-    assert series(registry, "kvmeter_scheduler_shared_service_failures_total") == {(): 5.0}
+    assert series(registry, "kvmeter_scheduler_shared_service_sync_errors_total") == {(): 5.0}

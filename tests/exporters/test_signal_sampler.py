@@ -22,8 +22,8 @@ from kvmeter.exporters.signals import SignalRecorder, SignalSampler, SignalSampl
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
 from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState,
-                           RemoteEngineStats, RequestCompletion, SchedulerStats, TenantSchedulerStats,
-                           TenantStepShare)
+                           RemoteEngineStats, RequestCompletion, SchedulerStats, StreamSendStats,
+                           TenantSchedulerStats, TenantStepShare)
 from kvmeter.tokens import TokenCounts
 
 MIB = 1024 * 1024
@@ -187,6 +187,8 @@ def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus
                                          sm_active_ratio=0.5)]))
     bus.publish(LedgerStats(wall_ts=T0, spool_depth_events=2, spool_oldest_age_seconds=1.5))
     bus.publish(QuotaStoreState(store="redis", degraded=False))
+    bus.publish(StreamSendStats(attribution=Attribution(tenant_id="acme", tier="enterprise"), send_blocked_s=31.0,
+                                stall_cut=True))
     clock.advance(10)
     assert recorder.tick() > 0
     (rows,) = written
@@ -297,3 +299,22 @@ def test_config_from_env():
         SignalSamplerConfig.from_env({"KVMETER_SIGNALS_INTERVAL_S": "often"})
     with pytest.raises(ValueError, match="interval_s"):
         SignalSamplerConfig(interval_s=0)
+
+
+def test_stream_back_pressure_is_sampled_per_tenant_then_falls_to_zero_once(bus, clock):
+    written: list[list[SignalSample]] = []
+    sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
+    slow = Attribution(tenant_id="slow", tier="free")
+    bus.publish(StreamSendStats(attribution=slow, send_blocked_s=31.0, stall_cut=True))
+    bus.publish(StreamSendStats(attribution=slow, send_blocked_s=4.0))
+    bus.publish(StreamSendStats(attribution=Attribution(tenant_id="fine", tier="free")))  # read at once: no rows
+    for _ in range(3):
+        clock.advance(10)
+        recorder.tick()
+
+    def values(name: str) -> list[tuple[str, float]]:
+        return [(r.labels["tenant"], r.value) for rows in written for r in rows if r.name == name]
+
+    assert values("kvmeter_stream_stall_cut_requests_per_second") == [("slow", 0.1), ("slow", 0.0)]
+    assert values("kvmeter_stream_send_blocked_seconds_per_second") == [("slow", 3.5), ("slow", 0.0)]

@@ -5,7 +5,7 @@ and ``noisy.yml``, the Prometheus rules generated from them.
     python -m kvmeter.exporters.prometheus.rules.noisy --check    # exit 1 if noisy.yml is stale
     python -m kvmeter.exporters.prometheus.rules.noisy --cache-hit-ratio-below 0.1 --out my.yml
 
-Two shapes of issue 14 so far, each per tenant (bounded labels: top-K + ``other``; ``other`` is
+Three shapes of issue 14 so far, each per tenant (bounded labels: top-K + ``other``; ``other`` is
 recorded but never alerted on, it is many tenants):
 
 * **Prompt-cache hit ratio** = cached input tokens ÷ input tokens (both engine-true, every
@@ -21,7 +21,12 @@ recorded but never alerted on, it is many tenants):
   every time). The detector fires above :attr:`NoisyThresholds.retries_per_request_above` while
   the tenant retries at least :attr:`NoisyThresholds.retries_min_per_s` times per second.
 
-Prometheus evaluates both over :attr:`NoisyThresholds.window` and fires after
+* **Slow streaming clients** = streams cut because their client read nothing for
+  ``server.stream_stall_timeout_s`` (``kvmeter_stream_stall_cut_requests_total``; each cut aborted an
+  engine request that the reader had kept alive, holding KV). The detector fires while the tenant's
+  cuts run at least :attr:`NoisyThresholds.stall_cuts_min_per_s` per second.
+
+Prometheus evaluates them over :attr:`NoisyThresholds.window` and fires after
 :attr:`NoisyThresholds.for_`; the dashboards' "Noisy neighbours" page applies the same predicates
 (:meth:`NoisyThresholds.cache_hit_low`, :meth:`NoisyThresholds.retrying`) to the ledger's totals
 over the page's window (:class:`~kvmeter.ledger.noisy_queries.NoisyQueries`). The two counts of
@@ -57,6 +62,8 @@ class NoisyThresholds:
         retries_per_request_above: the retry detector fires above this many retries per keyed
             logical request (≥ 0).
         retries_min_per_s: ... only while the tenant retries at least this often, per second (≥ 0).
+        stall_cuts_min_per_s: the slow-client detector fires while the tenant's streams are cut for
+            a stalled reader at least this often, per second (≥ 0; 0.005/s is 4.5 cuts in 15 min).
         window: the rate window of the recording rules (a Prometheus duration: ``15m``).
         for_: how long a condition holds before the alert fires (a Prometheus duration).
     Raises:
@@ -67,13 +74,15 @@ class NoisyThresholds:
     cache_min_input_tokens_per_s: float = 500.0
     retries_per_request_above: float = 0.5
     retries_min_per_s: float = 0.1
+    stall_cuts_min_per_s: float = 0.005
     window: str = "15m"
     for_: str = "10m"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.cache_hit_ratio_below <= 1.0:
             raise ValueError(f"cache_hit_ratio_below must be in (0, 1], got {self.cache_hit_ratio_below}")
-        for name in ("cache_min_input_tokens_per_s", "retries_per_request_above", "retries_min_per_s"):
+        for name in ("cache_min_input_tokens_per_s", "retries_per_request_above", "retries_min_per_s",
+                     "stall_cuts_min_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("window", "for_"):
@@ -116,12 +125,13 @@ THRESHOLDS = NoisyThresholds()
 
 def records(t: NoisyThresholds = THRESHOLDS) -> dict[str, str]:
     """The recorded series' names at ``t.window``: ``input_rate``, ``cache_hit_ratio``,
-    ``retry_rate``, ``retries_per_request``."""
+    ``retry_rate``, ``retries_per_request``, ``stall_cut_rate``."""
     w = t.window
     return {"input_rate": f"kvmeter:tenant_input_tokens:rate{w}",
             "cache_hit_ratio": f"kvmeter:tenant_prompt_cache_hit:ratio_rate{w}",
             "retry_rate": f"kvmeter:tenant_retries:rate{w}",
-            "retries_per_request": f"kvmeter:tenant_retries_per_logical_request:ratio_rate{w}"}
+            "retries_per_request": f"kvmeter:tenant_retries_per_logical_request:ratio_rate{w}",
+            "stall_cut_rate": f"kvmeter:tenant_stream_stall_cut_requests:rate{w}"}
 
 
 def _num(x: float) -> str:
@@ -143,6 +153,8 @@ def render(t: NoisyThresholds = THRESHOLDS) -> str:
          "expr": f"(\n  {cached_rate}\n  or 0 * {input_rate}\n)\n/ ({input_rate} > 0)"},
         {"record": r["retry_rate"], "expr": retries},
         {"record": r["retries_per_request"], "expr": f"{retries}\n/ ({keyed} > 0)"},
+        {"record": r["stall_cut_rate"],
+         "expr": f"sum by (tenant) (rate(kvmeter_stream_stall_cut_requests_total[{w}]))"},
         {"alert": "KvmeterTenantPromptCacheHitLow",
          "expr": (f'{r["cache_hit_ratio"]}{{tenant!="other"}} < {_num(t.cache_hit_ratio_below)}\n'
                   f'and on (tenant) {r["input_rate"]} >= {_num(t.cache_min_input_tokens_per_s)}'),
@@ -173,13 +185,29 @@ def render(t: NoisyThresholds = THRESHOLDS) -> str:
                  "A client or agent loop retrying on timeouts multiplies load when the system is slow; "
                  "check its Retry-After handling."),
          }},
+        {"alert": "KvmeterTenantSlowClientCuts",
+         "expr": f'{r["stall_cut_rate"]}{{tenant!="other"}} >= {_num(t.stall_cuts_min_per_s)}',
+         "for": t.for_,
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": ("Tenant {{ $labels.tenant }}'s streams are cut for slow clients "
+                         "{{ $value | printf \"%.3f\" }} times/s"),
+             "description": (
+                 f"Over {w}, the tenant's streamed answers were cut at least {_num(t.stall_cuts_min_per_s)} "
+                 "times/s because their client read nothing for server.stream_stall_timeout_s (thresholds: "
+                 "kvmeter.exporters.prometheus.rules.noisy). Each cut aborted an engine request the stalled "
+                 "reader kept alive, holding KV (billed as a disconnect); see "
+                 "kvmeter_stream_send_blocked_seconds_total for its back-pressure. Check the client's SSE "
+                 "reading loop."),
+         }},
     ]
     thresholds = ", ".join(f"{f.name.rstrip('_')}={getattr(t, f.name)}" for f in fields(t))
     header = (
         "# GENERATED by `python -m kvmeter.exporters.prometheus.rules.noisy` — do not edit by hand.\n"
         "# Noisy-neighbour detectors per tenant (issue 14): prompt-cache hit ratio (cached_input / input\n"
-        "# tokens, engine-true, every attempt) and retries per logical request (retries / logical\n"
-        "# requests sent with an Idempotency-Key). Each alert names the tenant and fires only while the\n"
+        "# tokens, engine-true, every attempt), retries per logical request (retries / logical\n"
+        "# requests sent with an Idempotency-Key) and streams cut for a stalled reader (slow clients,\n"
+        "# kvmeter_stream_stall_cut_requests_total). Each alert names the tenant and fires only while the\n"
         "# tenant is busy enough to matter; tenant \"other\" (the bounded-label bucket) is recorded,\n"
         "# never alerted on.\n"
         f"# Thresholds: {thresholds}\n")
