@@ -123,9 +123,12 @@ def alert_labels(api: httpx.Client, name: str) -> list[dict[str, str]]:
 
 def test_prometheus_scrapes_and_an_alert_fires(bus, exporter_target, prometheus_server):
     by_name = {p.name: p for p in rule_files()}
-    api = prometheus_server(exporter_target, [by_name["gpu.yml"], by_name["engine.yml"]])
-    assert {g["name"] for g in api.get("/api/v1/rules").json()["data"]["groups"]} == {
-        "kvmeter-gpu", "kvmeter-engine"}
+    files = [by_name["gpu.yml"], by_name["engine.yml"]]
+    api = prometheus_server(exporter_target, files)
+    # every group of both files loaded (engine.yml has the per-tenant step-share rules as a second group)
+    declared = {g["name"] for f in files for g in yaml.safe_load(f.read_text())["groups"]}
+    assert {"kvmeter-gpu", "kvmeter-engine", "kvmeter-engine-tenant-shares"} <= declared
+    assert {g["name"] for g in api.get("/api/v1/rules").json()["data"]["groups"]} == declared
 
     bus.publish(EngineStepStats(wall_ts=1.0, kv_watermark_ratio=0.96, kv_blocks_total=1000, num_running=40))
     bus.publish(GpuSample(wall_ts=1.0, index=0, name="NVIDIA H200", temperature_gpu_celsius=52.0))
