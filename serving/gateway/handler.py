@@ -66,6 +66,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvmeter.aio import cancel_and_wait
 from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
@@ -334,13 +335,14 @@ class ClosingStreamingResponse(StreamingResponse):
 
     async def _guarded(self, guard: SendGuard, scope: Scope, receive: Receive, send: Send) -> None:
         """The response through ``guard``'s measured send, cut by its watchdog on a stall."""
-        with anyio.CancelScope() as cut:
-            watchdog = asyncio.ensure_future(guard.watch(cut.cancel)) if guard.stall_s is not None else None
-            try:
+        cut = anyio.CancelScope()
+        watchdog = asyncio.ensure_future(guard.watch(cut.cancel)) if guard.stall_s is not None else None
+        try:
+            with cut:
                 await super().__call__(scope, receive, guard.wrap(send))
-            finally:
-                if watchdog is not None:
-                    watchdog.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):  # the watchdog ends before the body closes
+                await cancel_and_wait(watchdog)
         if guard.stalled and self._on_stall is not None:
             self._on_stall()  # before the body closes: its finalization reads the cause
 

@@ -116,6 +116,33 @@ async def test_the_response_cuts_a_stalled_reader_then_closes_the_stream_like_a_
     assert guard.stalled and len(sent) == 4 and sent[-1].get("more_body") is True  # no end of stream
 
 
+async def test_the_watchdog_has_finished_when_the_response_returns():
+    """A stream that ends normally leaves no watchdog task behind (it was cancelled *and* awaited)."""
+    clock, sleep = _manual()
+    guard = SendGuard(clock, 30.0, sleep=sleep)
+
+    async def stream():
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+
+    async def on_close() -> None:
+        return None
+
+    response = ClosingStreamingResponse(stream(), on_close=on_close, guard=guard, media_type="text/event-stream")
+    never = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        return None
+
+    async def receive() -> dict:
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    watchdogs = [t for t in asyncio.all_tasks() if "SendGuard.watch" in repr(t.get_coro())]
+    assert watchdogs == [] and not guard.stalled
+
+
 def test_the_stall_limit_is_configured_with_a_default_and_zero_turns_it_off():
     assert ServerSettings().stream_stall_timeout_s == 30.0 == GatewaySettings().stream_stall_timeout_s
     assert GatewaySettings(stream_stall_timeout_s=0).stream_stall_timeout_s is None
