@@ -11,12 +11,12 @@ import from ``tests/``, so this lives here (tests already import ``bench.parity`
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+from kvmeter.net import free_port
 
 __all__ = ["REDIS_BIN", "REDIS_CLI", "NO_REDIS", "free_port", "RedisServer", "RedisClusterServers"]
 
@@ -25,13 +25,6 @@ REDIS_BIN = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 #: Why a test that needs redis-server is skipped.
 NO_REDIS = "redis-server not on PATH (Debian: apt-get install -y redis-server)"
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from kvmeter.serving.replay.plan import DEMO_TENANTS
+from kvmeter.net import free_port
 
 __all__ = ["add_arguments", "run"]
 
@@ -64,15 +65,6 @@ def _write_serve_config(path: Path, policy: str) -> Path:
     path.write_text(yaml.safe_dump({"engine": dict(DEMO_ENGINE_SETTINGS), "scheduler": {
         "policy": policy, "options": dict(DEMO_SCHEDULER_OPTIONS[policy])}}))
     return path
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound and released; another process could take it first)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 900.0) -> float:

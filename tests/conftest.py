@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,19 +15,14 @@ from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
+from kvmeter.net import free_port as free_port  # re-exported: the tests import it from here
+
 if TYPE_CHECKING:
     from bench.redis_servers import RedisServer
 
 # vLLM's CPU build sizes its KV cache from this (GiB); 1 GiB ≈ 46k tokens for SmolLM2-135M.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

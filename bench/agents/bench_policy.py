@@ -157,7 +157,7 @@ def bench_gateway(n: int) -> dict:
     """CPU of a real ``kvmeter serve --engine instant`` per chat request and per tool-call report."""
     import httpx
 
-    from tests.conftest import free_port
+    from kvmeter.net import free_port
 
     text, tools = config_yaml()
     with tempfile.TemporaryDirectory() as tmp:

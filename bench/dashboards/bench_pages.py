@@ -28,7 +28,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.conftest.free_port
 from synth import DAY_START, build  # noqa: E402
 
 APP = Path(__file__).resolve().parents[2] / "dashboards" / "app.py"
@@ -88,7 +87,7 @@ class _Reader:
         from kvmeter.dashboards.routes import serve_routes
         from kvmeter.serving.config import load_serve_config
         from kvmeter.serving.runtime import ServeRuntime
-        from tests.conftest import free_port
+        from kvmeter.net import free_port
 
         self.port = free_port()
         config = load_serve_config(None, {("server", "port"): self.port,

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
 from kvmeter.serving.scheduler.shared_service import SharedServiceSync
+from kvmeter.net import free_port as _free_port
 
 __all__ = ["DEMAND", "Gateway", "TwoGatewayResult", "run_two_gateways", "run_two_processes"]
 
@@ -186,12 +186,6 @@ def run_two_processes(url: str | None, *, ticks: int = 2000, sync_every: int = 5
         for p in procs:
             p.wait(timeout=30)
     return _result([f["service"] for f in finals], sum(f["failed"] for f in finals))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from kvmeter.net import free_port
 
 __all__ = ["EngineSettings", "Server", "free_port", "start_vllm", "start_kvmeter", "PARITY_KEY",
            "tenants_yaml", "vllm_command", "wait_all_ready"]
@@ -54,13 +54,6 @@ def tenants_yaml() -> str:
         "            api_keys:\n"
         f"              parity-key: {{key: {PARITY_KEY}}}\n"
     )
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

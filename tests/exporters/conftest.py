@@ -3,13 +3,13 @@ folder comes from ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
+from kvmeter.net import free_port as _free_port
 
 
 @pytest.fixture
@@ -27,12 +27,6 @@ def bus():
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(start_wall=1_750_000_000.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ uvicorn server on loopback."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from decimal import Decimal
@@ -21,6 +20,7 @@ from kvmeter.ledger.http_client import LedgerHttpClient, ReadApiError
 from kvmeter.ledger.read_api import dumps, read_routes
 from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
 from kvmeter.tokens import TokenCounts
+from kvmeter.net import free_port as _free_port
 
 KEYS = {
     hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "ws1", "proj1", "acme-key1"),
@@ -146,12 +146,6 @@ def test_tenant_text_is_bound_not_spliced(app: Starlette) -> None:
     with TestClient(app) as client:
         response = _get(client, "summary", "sk-admin", tenant_id="acme' OR '1'='1")
         assert response.status_code == 200 and response.json() == []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_http_client_over_a_real_loopback_server(app: Starlette) -> None:
