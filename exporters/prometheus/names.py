@@ -121,6 +121,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_tokens_total", "counter", ("tier", "tenant", "type", "outcome"),
            "engine-true tokens by type (input, cached_input, output); cached_input is part of input",
            "gateway"),
+    Metric("kvmeter_prompt_reprefill_tokens_total", "counter", ("tenant", "model"),
+           "input tokens prefilled again although the same prefix was computed within the window and "
+           "the prefix cache did not serve them (prompt-cache thrash; part of input minus cached_input)",
+           "gateway"),
     Metric("kvmeter_request_ttft_seconds", "histogram", ("tier",),
            "gateway arrival to first token sent, seconds", "gateway", buckets=B.TTFT_SECONDS),
     Metric("kvmeter_request_itl_seconds", "histogram", ("tier",),
