@@ -455,6 +455,8 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     # ---- streamed answers (StreamSendStats), every tenant with back-pressure
     _rate("kvmeter_stream_stall_cut_requests_total", ("tier", "tenant")),
     _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
+    # ---- prompt-cache thrash (RequestCompletion.reprefill_input_tokens), every tenant that re-prefilled
+    _rate("kvmeter_prompt_reprefill_tokens_total", ("tenant", "model")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),
