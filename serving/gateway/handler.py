@@ -487,10 +487,7 @@ class CompletionEndpoint:
                 self._attempt(seen, request_id, None, status="admitted", adm=admitted))
             admitted.meter.dispatched()
             if self.gw.reprefill is not None and admitted.prepared.prompts:
-                try:
-                    admitted.meter.prefix_probe = self.gw.reprefill.probe(admitted.prepared.prompts)
-                except OverflowError:  # a token id past 64 bits: the signal skips the request
-                    log.warning("request %s: prompt not hashed for the re-prefill signal", request_id)
+                admitted.meter.prefix_probe = self.gw.reprefill.probe(admitted.prepared.prompts)
             return await self._run(request, admitted, headers)
         except BaseException as exc:
             # Cancelled (server shutdown: the client gets app.py's 503) or an unexpected error
