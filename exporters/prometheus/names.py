@@ -121,6 +121,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_tokens_total", "counter", ("tier", "tenant", "type", "outcome"),
            "engine-true tokens by type (input, cached_input, output); cached_input is part of input",
            "gateway"),
+    Metric("kvmeter_prompt_reprefill_tokens_total", "counter", ("tenant", "model"),
+           "input tokens prefilled again although the same prefix was computed within the window and "
+           "the prefix cache did not serve them (prompt-cache thrash; part of input minus cached_input)",
+           "gateway"),
     Metric("kvmeter_request_ttft_seconds", "histogram", ("tier",),
            "gateway arrival to first token sent, seconds", "gateway", buckets=B.TTFT_SECONDS),
     Metric("kvmeter_request_itl_seconds", "histogram", ("tier",),
@@ -451,6 +455,8 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     # ---- streamed answers (StreamSendStats), every tenant with back-pressure
     _rate("kvmeter_stream_stall_cut_requests_total", ("tier", "tenant")),
     _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
+    # ---- prompt-cache thrash (RequestCompletion.reprefill_input_tokens), every tenant that re-prefilled
+    _rate("kvmeter_prompt_reprefill_tokens_total", ("tenant", "model")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),
