@@ -231,7 +231,7 @@ class RemoteEndpoint(CompletionEndpoint):
         body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         engine = self.gw.engine
         if vreq.model and vreq.model != engine.model_name:  # vLLM's server: no name is the served model
-            raise model_not_found(vreq.model)
+            raise model_not_found(vreq.model, [engine.model_name])
         prompts = await self._prompt_ids(data)
         n = int(vreq.n or 1)
         fields = vreq.__dict__  # (reading max_tokens as an attribute warns it is deprecated)

@@ -82,6 +82,9 @@ async def test_the_policy_places_requests_that_share_a_prefix(serve, model_dir, 
                 or 0.0 for u in ups] == expected
         assert [reg.get_sample_value("kvmeter_replica_up", {"model": MODEL, "replica": u.url}) for u in ups] == [1] * 3
         assert len(s.billed(api_key_id="k1")) == 4
+        assert [m.id async for m in client.models.list()] == [MODEL]
+        with pytest.raises(openai.NotFoundError, match=f"does not exist. Valid aliases: {MODEL}."):
+            await client.completions.create(model="other-model", prompt=[1] * 20, max_tokens=3)
     finally:
         for u in ups:
             await u.stop()
