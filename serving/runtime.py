@@ -43,6 +43,7 @@ from kvmeter.serving.engines.pool import EnginePool
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
+from kvmeter.serving.gateway.replicas import replica_routes
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.openai_api.layer import OpenAIApi
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend, redis_client
@@ -306,6 +307,10 @@ class ServeRuntime:
         if health.model == self.engine.model_name and health.index < self.scheduler.core.num_engines:
             self.scheduler.set_engine_available(health.index, health.available)
 
+    def _outstanding(self, engine_idx: int) -> int:
+        """Requests dispatched to replica ``engine_idx`` and not ended (the replicas API)."""
+        return self.scheduler.core.engine_gates[engine_idx].outstanding
+
     def _tier_policy(self, tier: str) -> TierPolicy | None:
         """The gateway's tier policy: the live tenants config's (follows reloads)."""
         return self.directory.snapshot.tiers.get(tier)
@@ -417,7 +422,8 @@ class ServeRuntime:
                                             timezones=lambda: self.directory.snapshot.billing_timezones),
                                *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota, self.agents),
-                               *approval_routes(self.gateway, self.approvals)]
+                               *approval_routes(self.gateway, self.approvals),
+                               *replica_routes(self.gateway, self._outstanding)]
         return create_app(self.gateway, extra_routes=routes, metrics_app=metrics_asgi_app(self.registry),
                           on_startup=[self.start], on_shutdown=[self.stop], ready=lambda: self.ready)
 

@@ -241,8 +241,9 @@ METRICS: tuple[Metric, ...] = (
            "scheduler", multiprocess_mode="max"),
     # ---- engine pool (RoutingDecision from the scheduler's router, ReplicaHealth from the pool)
     Metric("kvmeter_router_decisions_requests_total", "counter", ("model", "policy", "outcome"),
-           "requests routed to a replica of an engine pool, by routing policy and outcome (prefix_hit, "
-           "prefix_miss, no_prefix, failover)", "scheduler"),
+           "routing decisions of an engine pool, by routing policy and outcome (prefix_hit, prefix_miss, "
+           "no_prefix; failover: a request moved off a replica that failed before answering, after its "
+           "first decision)", "scheduler"),
     Metric("kvmeter_replica_routed_requests_total", "counter", ("model", "replica"),
            "requests routed to the replica (failovers included)", "scheduler"),
     Metric("kvmeter_replica_up", "gauge", ("model", "replica"),

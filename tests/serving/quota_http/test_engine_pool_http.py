@@ -25,6 +25,7 @@ from tests.serving.quota_http.conftest import MODEL, tenants
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Whole
 
 KEY = "sk-test-pool-001"
+ADMIN = "sk-test-pool-admin"
 CFG = tenants(f"""
 acme:
   workspaces:
@@ -33,6 +34,7 @@ acme:
         p:
           api_keys:
             k1: {{key: {KEY}}}
+            ops: {{key: {ADMIN}, admin: true}}
 """)
 SYSTEM = [1000 + i for i in range(64)]  # a shared 64-token head: 4 prefix blocks
 
@@ -189,6 +191,38 @@ async def test_a_replica_that_dies_mid_stream_ends_the_request_with_a_clear_erro
     finally:
         await dying.stop()
         await spare.stop()
+
+
+async def test_an_operator_drains_a_replica_and_puts_it_back(serve, model_dir):
+    ups = await replicas(2)
+    try:
+        s, pool = await pool_stack(serve, model_dir, ups)
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        listed = (await s.client.get("/v1/replicas", headers=admin)).json()["data"]
+        assert [(r["replica"], r["available"], r["outstanding_requests"]) for r in listed] == \
+            [(ups[0].url, True, 0), (ups[1].url, True, 0)]
+        # not an admin key: refused, nothing drained
+        resp = await s.client.post("/v1/replicas/drain", headers={"authorization": f"Bearer {KEY}"},
+                                   json={"replica": ups[0].url})
+        assert resp.status_code == 403 and pool.available(0)
+        resp = await s.client.post("/v1/replicas/drain", headers=admin, json={"replica": ups[0].url})
+        assert resp.status_code == 200 and resp.json()["draining"] and not resp.json()["available"]
+        client = sdk(s)
+        for i in range(2):  # both idle: replica 0 would take them, but it drains
+            await client.completions.create(model=MODEL, prompt=[3 + i] * 84, max_tokens=3)
+        assert [len(u.bodies) for u in ups] == [0, 2]
+        assert s.runtime.registry.get_sample_value("kvmeter_replica_available",
+                                                   {"model": MODEL, "replica": ups[0].url}) == 0
+        assert s.runtime.registry.get_sample_value("kvmeter_replica_up", {"model": MODEL, "replica": ups[0].url}) == 1
+        resp = await s.client.post("/v1/replicas/drain", headers=admin, json={"replica": 0, "draining": False})
+        assert resp.json()["available"]
+        await client.completions.create(model=MODEL, prompt=[9] * 84, max_tokens=3)
+        assert [len(u.bodies) for u in ups] == [1, 2]
+        resp = await s.client.post("/v1/replicas/drain", headers=admin, json={"replica": "http://nowhere"})
+        assert resp.status_code == 404 and "no replica" in resp.json()["error"]["message"]
+    finally:
+        for u in ups:
+            await u.stop()
 
 
 def test_the_pool_config_is_checked():
