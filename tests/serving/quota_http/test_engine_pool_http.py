@@ -249,3 +249,57 @@ async def test_a_pool_that_no_replica_answers_does_not_start(model_dir):
         await pool.start()
     await pool.shutdown()
     await asyncio.sleep(0)
+
+
+async def test_each_replicas_scraped_kv_gates_it_and_a_failed_scrape_takes_it_out(serve, model_dir, clock):
+    from tests.serving.quota_http.test_remote_upstream_http import upstream_app, vllm_metrics
+
+    ports: list[set[int]] = [set(), set()]
+    pages = [{"page": vllm_metrics(0.95)}, {"page": vllm_metrics(0.30)}]  # replica 0 above kv_watermark_high
+    servers, tasks, urls = [], [], []
+    for i in range(2):
+        port = free_port()
+        servers.append(uvicorn.Server(uvicorn.Config(upstream_app(ports[i], pages[i]), host="127.0.0.1", port=port,
+                                                     log_level="warning")))
+        tasks.append(await start_uvicorn(servers[-1]))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        bus = StatsBus()
+        pool = EnginePool(urls, model_dir=model_dir, model_name=MODEL, bus=bus, clock=clock,
+                          scrape_interval_s=3600.0)  # scraped at start, then when the test says
+        s = await serve(CFG, engine=pool, bus=bus)
+        scheduler = s.runtime.scheduler
+        assert scheduler.snapshot().engines_kv_watermark == [0.95, 0.30]  # each replica's own gate
+        reg = s.runtime.registry
+
+        def routed() -> list[float]:  # (the upstream records client ports: one kept-alive connection each)
+            return [reg.get_sample_value("kvmeter_replica_routed_requests_total", {"model": MODEL, "replica": u})
+                    or 0.0 for u in urls]
+
+        async def complete(prompt: list[int]) -> None:
+            resp = await s.client.post("/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                                       json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+
+        await complete(SYSTEM)
+        assert routed() == [0, 1] and [len(p) for p in ports] == [0, 1]  # replica 0's KV is full: gate closed
+        # replica 0's page stops answering: down (no new requests), and its gauge says so
+        pages[0]["page"] = None
+        assert await pool.replicas[0].scrape() is None
+        assert not scheduler.core.engine_gates[0].available
+        assert reg.get_sample_value("kvmeter_replica_up", {"model": MODEL, "replica": urls[0]}) == 0
+        # back, nearly empty: a new prefix goes to the emptier replica 0, the known one stays on 1
+        pages[0]["page"] = vllm_metrics(0.10)
+        await pool.replicas[0].scrape()
+        assert pool.available(0) and scheduler.snapshot().engines_kv_watermark == [0.10, 0.30]
+        assert reg.get_sample_value("kvmeter_engine_kv_watermark_ratio",  # each replica's series: its URL
+                                    {"engine": f"{urls[0]}/metrics#0", "model": MODEL}) == 0.10
+        await complete(SYSTEM + [1] * 16)
+        assert routed() == [0, 2]  # 4 of 5 blocks on 1: the hit outweighs 0.2 less KV
+        await complete([5] * 64)
+        assert routed() == [1, 2] and [len(p) for p in ports] == [1, 1]
+        assert decisions(s, "prefix_aware", "prefix_hit") == 1 and decisions(s, "prefix_aware", "prefix_miss") == 2
+    finally:
+        for server, task in zip(servers, tasks, strict=True):
+            server.should_exit = True
+            await task
