@@ -93,7 +93,7 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         from kvmeter.serving.engines.remote import RemoteEngine
 
         if not eng.remote_url:
-            raise EngineError("engine.kind=remote needs engine.remote_url")
+            raise EngineError("engine.kind=remote needs engine.remote_url (or engine.replicas: an engine pool)")
         model_dir, name = resolve_model(eng.model)
         metrics_url = None if eng.remote_metrics_url.lower() == "off" else eng.remote_metrics_url
         return RemoteEngine(eng.remote_url, model_dir=model_dir, model_name=eng.remote_model or name,

@@ -230,6 +230,12 @@ def test_the_pool_config_is_checked():
                                    ("engine", "routing"): "least_kv"}, env={})
     assert cfg.engine.replicas == ["http://a:8000", "http://b"] and cfg.engine.routing == "least_kv"
     assert load_serve_config(None, {}, env={}).engine.routing == "prefix_aware"
+    from kvmeter.serving.runtime import build_engine
+
+    pool = build_engine(cfg, StatsBus())  # nothing reached until it starts
+    assert isinstance(pool, EnginePool) and pool.names == ("http://a:8000", "http://b")
+    assert [r.metrics_url for r in pool.replicas] == ["http://a:8000/metrics", "http://b/metrics"]
+    asyncio.run(pool.shutdown())
     for overrides, message in [
         ({("engine", "replicas"): ["http://a"]}, "needs engine.kind: remote"),
         ({("engine", "kind"): "remote", ("engine", "replicas"): ["http://a"], ("engine", "remote_url"): "http://a"},
