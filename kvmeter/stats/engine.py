@@ -198,6 +198,7 @@ class EngineLoad:
             every step (so the requests dispatched since are still in the engine's waiting queue);
             False for a periodic reading (a scrape), between which the scheduler counts the
             engine's waiting queue from its own dispatched requests without a first token.
+        replica: the reporting replica's index in its engine pool (0 for a single engine).
     """
 
     kv_watermark_ratio: float = 0.0
@@ -205,3 +206,4 @@ class EngineLoad:
     num_running: int = 0
     num_waiting: int = 0
     per_step: bool = True
+    replica: int = 0
