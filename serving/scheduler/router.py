@@ -33,7 +33,8 @@ had not), ``no_prefix`` (the prompt is shorter than one block, or its tokens are
 
 **Prefix blocks** (:func:`prefix_block_hashes`): the prompt's token ids cut into ``block_size``
 blocks (vLLM's KV block, 16 tokens by default), each block's hash chained on the previous one's,
-as vLLM's prefix cache hashes them (the hash of a block names the whole prefix up to it). Only full
+as vLLM's prefix cache hashes them (:func:`kvmeter.tokens.prefix_block_hashes`, shared with the
+re-prefill tracker) (the hash of a block names the whole prefix up to it). Only full
 blocks, at most ``max_blocks`` of them (the index is approximate: the first blocks carry the
 shared system prompt / conversation head that decides affinity).
 
@@ -45,14 +46,13 @@ a replica that died or restarted is forgotten at once (:meth:`PrefixIndex.forget
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence, get_args
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.stats import RoutingDecision
+from kvmeter.tokens import prefix_block_hashes as _prefix_block_hashes
 
 from .config import SchedulerConfig
 from .gating import EngineGate, free_kv, most_free_kv
@@ -69,29 +69,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
                         max_blocks: int = 64) -> tuple[int, ...]:
-    """The chained hashes of the prompt's full blocks: ``h_i = H(h_{i-1} ‖ block_i)`` (64-bit
-    BLAKE2b of the previous hash and the block's token ids), at most ``max_blocks``.
+    """The router's prefix blocks: :func:`kvmeter.tokens.prefix_block_hashes` (the one definition)
+    with the router's defaults — ``block_size`` 16 tokens, at most ``max_blocks`` 64 leading blocks.
 
-    Args:
-        token_ids: the prompt's token ids (after the chat template).
-        block_size: tokens per block (> 0).
-        max_blocks: most blocks hashed (≥ 0).
-    Returns:
-        One hash per full block, in order (empty below one block).
     Raises:
         ValueError: if ``block_size`` < 1 or ``max_blocks`` < 0.
     """
-    if block_size < 1 or max_blocks < 0:
-        raise ValueError(f"block_size must be ≥ 1 and max_blocks ≥ 0, got {block_size}, {max_blocks}")
-    n = min(len(token_ids) // block_size, max_blocks)
-    out: list[int] = []
-    prev = 0
-    for i in range(n):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        digest = hashlib.blake2b(struct.pack(f"<Q{block_size}q", prev, *block), digest_size=8).digest()
-        prev = int.from_bytes(digest, "little")
-        out.append(prev)
-    return tuple(out)
+    return _prefix_block_hashes(token_ids, block_size, max_blocks)
 
 
 class PrefixIndex:
