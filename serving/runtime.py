@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -35,6 +36,7 @@ from kvmeter.ledger.prices import load_price_list
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
+from kvmeter.ledger.step_records import default_replica
 from kvmeter.serving.config import ServeConfig
 from kvmeter.ledger.agent_records import AgentRecord
 from kvmeter.serving.agents import AgentRuns, ApprovalDesk, open_agent_store
@@ -51,7 +53,7 @@ from kvmeter.serving.scheduler.shared_service import SharedServiceSync
 from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
-from kvmeter.stats import EngineLoad, EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepShares, EngineStepStats
 
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
@@ -301,6 +303,9 @@ class ServeRuntime:
         ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
                                          clock=self.clock, prices=self.prices)
         self.recorder.ledger = ledger
+        # per-step engine work per tenant → the ledger's engine_steps (interference reads)
+        self._unsubscribe.append(self.bus.subscribe(EngineStepShares, functools.partial(
+            ledger.record_step_shares, model=self.engine.model_name, replica=default_replica(self.worker))))
         try:
             if self._owns_engine:
                 await self.engine.start()
