@@ -41,11 +41,13 @@ requests on a busy engine reads every step row of that span once per overlapping
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable, Protocol, Sequence
 
-from .window_queries import _END, _START, Buckets, TierSlo, WindowQueries, _tenant_filter
+from .window_queries import _END, _START, TierSlo, WindowQueries, _tenant_filter
 
-__all__ = ["InterferenceQueries", "OBJECTIVES", "anonymize", "INTERFERENCE_COLUMNS"]
+__all__ = ["InterferenceQueries", "OBJECTIVES", "anonymize", "INTERFERENCE_COLUMNS", "Span"]
 
 #: The objectives a request can miss, and the window each measures (module docstring).
 OBJECTIVES = ("ttft", "itl")
@@ -65,6 +67,23 @@ _WINDOW = {
             "toUnixTimestamp64Micro(arrival_ts) + toInt64(round(ttft_s * 1000000))",
             "toUnixTimestamp64Micro(finish_ts)"),
 }
+
+
+class Span(Protocol):
+    """What an interference read covers: ``[start, end)``, timezone-aware UTC datetimes (a
+    :class:`~kvmeter.ledger.period.Period` or a dashboard :class:`~kvmeter.dashboards.window.Window`)."""
+
+    @property
+    def start(self) -> datetime: ...
+    @property
+    def end(self) -> datetime: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Buckets:
+    start: datetime
+    end: datetime
+    step_s: int = 1
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -95,9 +114,9 @@ class InterferenceQueries(WindowQueries):
     (module docstring): :class:`~kvmeter.ledger.window_queries.WindowQueries`' client, parameters,
     row cleaning and errors, plus :meth:`interference`."""
 
-    def interference(self, window: Buckets, tenants: Sequence[str] | None = None,
+    def interference(self, window: Span, tenants: Sequence[str] | None = None,
                      slos: Sequence[TierSlo] = (), objective: str = "ttft") -> list[dict[str, Any]]:
-        """Per tenant with missed requests in ``[window.start, window.end)`` (``step_s`` unused) and
+        """Per tenant with missed requests in ``[window.start, window.end)`` and
         per neighbour tenant whose work filled their windows.
 
         Args:
@@ -121,7 +140,7 @@ class InterferenceQueries(WindowQueries):
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         miss, w_start, w_end = _WINDOW[objective]
         names = [name for name, _, _ in slos]
-        params = self._params(window, tenants, slo_tiers=names,
+        params = self._params(_Buckets(window.start, window.end), tenants, slo_tiers=names,
                               slo_ttft=[t if t is not None else math.inf for _, t, _ in slos],
                               slo_itl=[i if i is not None else math.inf for _, _, i in slos])
         ctes = f"""

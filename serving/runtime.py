@@ -390,7 +390,10 @@ class ServeRuntime:
         self._dashboard_routes = serve_routes(self)
         routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices,
                                             agent_runs=_LazyQueries(self.recorder, "agent_runs"),
-                                            timezones=lambda: self.directory.snapshot.billing_timezones),
+                                            timezones=lambda: self.directory.snapshot.billing_timezones,
+                                            interference=_LazyQueries(self.recorder, "interference"),
+                                            slos=lambda: [(t.name, t.ttft_slo_s, t.itl_slo_s)
+                                                          for t in self.directory.snapshot.tiers.values()]),
                                *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota, self.agents),
                                *approval_routes(self.gateway, self.approvals)]

@@ -1,17 +1,26 @@
 """Interference on a real chDB ledger: per-step engine work written through the ledger's spool
 (``record_step_shares`` → ``engine_steps``) and usage rows, read back as who filled the steps a
-tenant's missed requests waited through. Every expected number is worked out by hand below from
-the step rows of the test."""
+tenant's missed requests waited through — directly and through the read API on a real uvicorn
+server on loopback. Every expected number is worked out by hand below from the step rows of the
+test."""
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import httpx
 import pytest
+import uvicorn
 from ledgerkit import MODEL, T0, make_event
+from starlette.applications import Starlette
 
 from kvmeter.ledger.interference import anonymize
+from kvmeter.ledger.read_api import read_routes
+from kvmeter.net import free_port
+from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
 from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
 from kvmeter.stats import EngineStepShares, TenantStepShare
 
@@ -150,3 +159,60 @@ def test_a_bad_step_is_counted_never_raised(open_ledger):
     ledger = open_ledger()
     ledger.record_step_shares(EngineStepShares(wall_ts=1.0, tenants=(_t("acme", 1, 0, 1),)), model=MODEL, replica="r1")
     assert ledger._steps_invalid == 1
+
+
+# --------------------------------------------------------------------------- the read API, on loopback
+
+KEYS = {
+    hash_api_key("sk-acme"): Principal("acme", "paid_interactive", "ws1", "proj1", "acme-key1"),
+    hash_api_key("sk-admin"): Principal("ops", "enterprise", "", "", "ops-admin", admin=True),
+}
+
+
+def _authenticate(key: str | None) -> Principal:
+    principal = constant_time_lookup(KEYS, key) if key else None
+    if principal is None:
+        raise AuthError("unknown API key")
+    return principal
+
+
+@pytest.fixture
+def server(ledger):
+    app = Starlette(routes=read_routes(ledger.queries, _authenticate, interference=ledger.interference,
+                                       slos=lambda: SLOS))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:  # readiness wait, not timing logic
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1/usage/interference"
+    server.should_exit = True
+    thread.join(10)
+
+
+def _get(url: str, key: str, **params: str) -> httpx.Response:
+    return httpx.get(url, params={"period": "2026-11", **params}, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_read_api_a_tenant_sees_its_shares_with_the_others_anonymized(server):
+    rows = _get(server, "sk-acme").json()
+    assert [(r["tenant_id"], r["rank"], r["neighbour"], r["is_self"]) for r in rows] == [
+        ("acme", 1, "tenant-1", False), ("acme", 2, "acme", True), ("acme", 3, "tenant-2", False)]
+    assert rows[0]["prefill_tokens"] == 2000 and rows[0]["prefill_share"] == pytest.approx(2000 / 2074)
+    text = _get(server, "sk-acme").text + _get(server, "sk-acme", objective="itl").text
+    assert "globex" not in text and "initech" not in text and "hooli" not in text
+    # asking for another tenant is refused; the ITL read has no acme request that missed
+    assert _get(server, "sk-acme", tenant_id="initech").status_code == 403
+    assert _get(server, "sk-acme", objective="itl").json() == []
+
+
+def test_read_api_an_admin_sees_names_and_every_victim(server):
+    rows = _get(server, "sk-admin").json()
+    assert [r["neighbour"] for r in rows] == ["globex", "acme", "initech"]
+    itl = _get(server, "sk-admin", objective="itl").json()
+    assert {r["tenant_id"] for r in itl} == {"initech"} and "globex" in {r["neighbour"] for r in itl}
+    assert [r["neighbour"] for r in _get(server, "sk-admin", tenant_id="globex").json()] == []
+    bad = _get(server, "sk-admin", objective="e2e")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_parameter"
