@@ -105,7 +105,7 @@ def render(ctx: PageContext) -> None:
 # --------------------------------------------------------------------------- interference (issue 14, item 3)
 
 #: the quantities of an interference row, as the panel names them
-_SHARES = (("prefill tokens", "prefill_share"), ("decode tokens", "decode_share"), ("KV token-seconds", "kv_share"))
+_SHARES = (("prefill", "prefill_share"), ("decode", "decode_share"), ("KV", "kv_share"))
 _LONG = {"bar": pl.String, "tenant_id": pl.String, "objective": pl.String, "quantity": pl.String,
          "neighbour": pl.String, "share": pl.Float64}
 
@@ -113,7 +113,8 @@ _LONG = {"bar": pl.String, "tenant_id": pl.String, "objective": pl.String, "quan
 def interference_shares(rows: pl.DataFrame) -> pl.DataFrame:
     """The interference read's rows (:data:`~kvmeter.dashboards.schemas.INTERFERENCE`) as one row
     per (victim tenant, objective, quantity, neighbour) with its ``share`` (0–1), and ``bar``
-    (``"<tenant> · <objective> · <quantity>"``) to draw a stacked bar per victim and quantity.
+    (``"<tenant> · <objective> · <quantity>"``, quantity ``prefill`` / ``decode`` tokens or ``KV``
+    token-seconds) to draw a stacked bar per victim and quantity.
     Rows without a share (no attributed work) are left out; ``neighbour`` ``""`` (unattributed
     work) reads ``(unattributed)``."""
     out = []
@@ -142,8 +143,9 @@ def render_interference(ctx: PageContext) -> None:
     if long.height:
         chart(charts.bars(long, "bar", "share", title="Share of the steps between arrival and first token (TTFT) "
                           "or between first and last token (ITL), by tenant whose work it was",
-                          value_title="share of the steps' total", category_title="missed requests of · objective · "
-                          "quantity", color="neighbour", color_title="tenant", value_format=".0%", sort_desc=False))
+                          value_title="share of the steps' prefill tokens, decode tokens or KV token-seconds",
+                          category_title="missed requests of · objective · quantity", color="neighbour",
+                          color_title="tenant", value_format=".0%", sort_desc=False))
     st.caption("Recomputable from the ledger's engine_steps rows: each share is the tenant's sum over the steps "
                "of every missed request's window ÷ the sum over all tenants; a tenant's own row includes the "
                "missed requests' own prefill.")

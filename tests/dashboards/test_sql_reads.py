@@ -247,9 +247,9 @@ def test_the_noisy_pages_interference_bars_are_the_reads_shares(source):
     rows = ScopedSource(source, Viewer("acme", "enterprise", "acme-key")).read("interference", WINDOW)
     long = interference_shares(frame(rows, schemas.INTERFERENCE))
     bars = {(r["bar"], r["neighbour"]): r["share"] for r in long.iter_rows(named=True)}
-    assert bars[("acme · TTFT · prefill tokens", "tenant-1")] == 0.5
-    assert bars[("acme · TTFT · decode tokens", "tenant-1")] == 1.0
-    assert bars[("acme · ITL · prefill tokens", "tenant-1")] == 1.0
+    assert bars[("acme · TTFT · prefill", "tenant-1")] == 0.5
+    assert bars[("acme · TTFT · decode", "tenant-1")] == 1.0
+    assert bars[("acme · ITL · prefill", "tenant-1")] == 1.0
     # per bar the shares of every tenant sum to 1
     for bar in {b for b, _ in bars}:
         assert sum(v for (b, _), v in bars.items() if b == bar) == 1.0
