@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -35,6 +36,7 @@ from kvmeter.ledger.prices import load_price_list
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
+from kvmeter.ledger.step_records import default_replica
 from kvmeter.serving.config import ServeConfig
 from kvmeter.ledger.agent_records import AgentRecord
 from kvmeter.serving.agents import AgentRuns, ApprovalDesk, open_agent_store
@@ -55,7 +57,7 @@ from kvmeter.serving.scheduler.shared_service import SharedServiceSync
 from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
-from kvmeter.stats import EngineLoad, EngineStepStats, ReplicaHealth
+from kvmeter.stats import EngineLoad, EngineStepShares, EngineStepStats, ReplicaHealth
 
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
@@ -333,6 +335,9 @@ class ServeRuntime:
         ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
                                          clock=self.clock, prices=self.prices)
         self.recorder.ledger = ledger
+        # per-step engine work per tenant → the ledger's engine_steps (interference reads)
+        self._unsubscribe.append(self.bus.subscribe(EngineStepShares, functools.partial(
+            ledger.record_step_shares, model=self.engine.model_name, replica=default_replica(self.worker))))
         try:
             if self._owns_engine:
                 await self.engine.start()
@@ -425,7 +430,10 @@ class ServeRuntime:
         self._dashboard_routes = serve_routes(self)
         routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices,
                                             agent_runs=_LazyQueries(self.recorder, "agent_runs"),
-                                            timezones=lambda: self.directory.snapshot.billing_timezones),
+                                            timezones=lambda: self.directory.snapshot.billing_timezones,
+                                            interference=_LazyQueries(self.recorder, "interference"),
+                                            slos=lambda: [(t.name, t.ttft_slo_s, t.itl_slo_s)
+                                                          for t in self.directory.snapshot.tiers.values()]),
                                *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota, self.agents),
                                *approval_routes(self.gateway, self.approvals),
