@@ -10,7 +10,7 @@ history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new prod
 :mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
 :mod:`.selfcheck`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
-producer publishes the data on the bus (none today).
+producer publishes the data on the bus (``kvmeter_prompt_reprefill_tokens_total``).
 
 Flags without a unit word: ``kvmeter_*_up``, ``kvmeter_quota_store_degraded`` (0/1) and
 ``kvmeter_scheduler_pressure_level`` (0/1/2).
@@ -121,6 +121,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_tokens_total", "counter", ("tier", "tenant", "type", "outcome"),
            "engine-true tokens by type (input, cached_input, output); cached_input is part of input",
            "gateway"),
+    # reserved for the prompt-cache thrash detector (rules/noisy.py) until its producer publishes it
+    Metric("kvmeter_prompt_reprefill_tokens_total", "counter", ("tenant", "model"),
+           "input tokens prefilled again that an earlier request of the tenant had cached (a prefix "
+           "evicted before reuse), tokens", "gateway", emitted=False),
     Metric("kvmeter_request_ttft_seconds", "histogram", ("tier",),
            "gateway arrival to first token sent, seconds", "gateway", buckets=B.TTFT_SECONDS),
     Metric("kvmeter_request_itl_seconds", "histogram", ("tier",),
@@ -281,6 +285,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_agent_stopped_runs_total", "counter", ("tier", "tenant", "reason"),
            "agent runs stopped as a loop or retry storm, by reason (identical_tool_calls, tool_cycle, "
            "repeated_prompt)", "agents"),
+    # the noisy-neighbour agent-loop detector's calls per run (rules/noisy.py): model calls that
+    # carried an X-Agent-Run-Id, and the runs this process saw a first call of (a bounded memory of
+    # recent run ids: a run forgotten and seen again counts again, so calls per run errs low)
+    Metric("kvmeter_agent_run_model_calls_total", "counter", ("tier", "tenant"),
+           "model calls of agent runs (requests with an X-Agent-Run-Id) that ended, requests", "agents"),
+    Metric("kvmeter_agent_runs_seen_total", "counter", ("tier", "tenant"),
+           "agent runs whose first model call this process saw end, runs", "agents"),
     # ---- ledger (LedgerStats, after every writer round): ledger.py
     Metric("kvmeter_ledger_events_ingested_total", "counter", ("status",),
            "usage events ingested by status (new, duplicate, invalid, late)", "ledger"),
@@ -351,7 +362,7 @@ def emitted_names() -> list[str]:
 
 
 def reserved_names() -> list[str]:
-    """Names fixed for producers that do not publish yet (none today)."""
+    """Names fixed for producers that do not publish yet."""
     return [m.name for m in METRICS if not m.emitted]
 
 
