@@ -101,6 +101,7 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
                                           "[data-testid=stVegaLiteChart] svg").count(),
                     "spread": _spread(first.screenshot()) if page.locator("[data-testid=stVegaLiteChart]").count()
                     else 0.0,
+                    "text": page.inner_text("body") if name == "noisy" else "",
                 }
         finally:
             browser.close()
@@ -109,3 +110,10 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
         assert r["charts"] >= 1 and r["drawn"] >= 1, (name, r)
         assert r["spread"] > 5.0, (name, r)  # a blank chart area has a spread near 0
         assert (SHOTS / f"{name}.png").stat().st_size > 20_000
+    # Noisy neighbours: the ledger's two shapes and the signal history's engine-work shares, each
+    # detector named with the alert it mirrors (the chart titles are drawn in the canvas, not the DOM)
+    noisy = results["noisy"]
+    assert noisy["charts"] >= 3, noisy  # hit ratio (ledger) + prefill and decode shares (signals)
+    for alert in ("KvmeterTenantPromptCacheHitLow", "KvmeterTenantPrefillShareHigh", "KvmeterTenantDecodeShareHigh",
+                  "KvmeterTenantQueueShareHigh", "KvmeterTenantKvShareHigh"):
+        assert alert in noisy["text"], alert

@@ -49,8 +49,9 @@ stated again in PromQL by :func:`render` and applied to two ``/metrics`` scrapes
   sends at least :attr:`NoisyThresholds.cache_min_input_tokens_per_s`. Unlike a low hit ratio, this
   tells thrash from unique prompts.
 * **Agent loops** = model calls of agent runs ÷ runs first seen in the window, at least one
-  (``kvmeter_agent_run_model_calls_total`` ÷ ``kvmeter_agent_runs_seen_total``, :mod:`kvmeter.exporters.prometheus.agents`; a run
-  older than the window counts as one, so a run looping for hours fires), above
+  (``kvmeter_agent_run_model_calls_total`` ÷ ``kvmeter_agent_runs_seen_total``,
+  :mod:`kvmeter.exporters.prometheus.agents`; a run older than the window counts as one, so a run
+  looping for hours fires), above
   :attr:`NoisyThresholds.agent_calls_per_run_above` at :attr:`NoisyThresholds.agent_min_calls_per_s`
   calls/s or more.
 
