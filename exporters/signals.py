@@ -41,6 +41,9 @@ interval since the previous sample on the injected clock's monotonic reading):
 * streams, labels ``tier``, ``tenant`` (every tenant), from :class:`StreamSendStats` over the
   interval, for tenants whose streams met back-pressure: ``kvmeter_stream_stall_cut_requests_per_second``
   (streams cut for a stalled reader) and ``kvmeter_stream_send_blocked_seconds_per_second``;
+* prompt-cache thrash, labels ``tenant``, ``model`` (every tenant), from
+  :attr:`RequestCompletion.reprefill_input_tokens` over the interval, for tenants that re-prefilled:
+  ``kvmeter_prompt_reprefill_tokens_per_second``;
 * GPUs, label ``gpu`` — latest :class:`GpuSample`: ``kvmeter_gpu_memory_used_bytes``,
   ``kvmeter_gpu_memory_total_bytes``, ``kvmeter_gpu_utilization_ratio``,
   ``kvmeter_gpu_sm_active_ratio``, ``kvmeter_gpu_tensor_active_ratio``,
@@ -118,6 +121,7 @@ _GOODPUT = rate_series("kvmeter_goodput_tokens_total")
 _GOODPUT_RATIO = series("kvmeter_goodput_ratio")
 _STALL_CUT_RATE = rate_series("kvmeter_stream_stall_cut_requests_total")
 _SEND_BLOCKED_RATE = rate_series("kvmeter_stream_send_blocked_seconds_total")
+_REPREFILL_RATE = rate_series("kvmeter_prompt_reprefill_tokens_total")
 _GPU_FIELDS = ((series("kvmeter_gpu_memory_used_bytes"), "memory_used_bytes"),
                (series("kvmeter_gpu_memory_total_bytes"), "memory_total_bytes"),
                (series("kvmeter_gpu_utilization_ratio"), "utilization_gpu_ratio"),
@@ -212,6 +216,9 @@ class SignalSampler:
         # (tier, tenant) → [streams cut for a stalled reader, seconds sends blocked] since the last sample
         self._streams: dict[tuple[str, str], list[float]] = {}
         self._streaming_tenants: set[tuple[str, str]] = set()
+        # (tenant, model) → re-prefilled input tokens since the last sample
+        self._reprefill: dict[tuple[str, str], int] = {}
+        self._reprefilling: set[tuple[str, str]] = set()
         self._gpus: dict[int, tuple[float, GpuSample]] = {}
         self._ledger: LedgerStats | None = None
         self._stores: dict[str, QuotaStoreState] = {}
@@ -272,6 +279,9 @@ class SignalSampler:
             if outcome == "ok" and c.slo_met is not False:  # as kvmeter_goodput_tokens_total
                 w.good_input += c.tokens.input_tokens
                 w.good_output += c.tokens.output_tokens
+            if c.reprefill_input_tokens > 0:
+                key = (c.attribution.tenant_id, c.attribution.model or "unknown")
+                self._reprefill[key] = self._reprefill.get(key, 0) + c.reprefill_input_tokens
 
     def _on_stream(self, s: StreamSendStats) -> None:
         if not (s.stall_cut or s.send_blocked_s > 0):
@@ -311,6 +321,7 @@ class SignalSampler:
             sched = self._scheduler
             tiers, self._tiers = self._tiers, {}
             streams, self._streams = self._streams, {}
+            reprefill, self._reprefill = self._reprefill, {}
             gpus = dict(self._gpus)
             ledger = self._ledger
             stores = dict(self._stores)
@@ -337,6 +348,10 @@ class SignalSampler:
             self._scheduler_rows(add, sched)
         self._tier_rows(add, tiers, elapsed)
         self._stream_rows(add, streams, elapsed)
+        if elapsed > 0:  # a tenant that re-prefilled: its rate, then one row of 0
+            for tenant, model in set(reprefill) | self._reprefilling:
+                add(_REPREFILL_RATE, reprefill.get((tenant, model), 0) / elapsed, {"tenant": tenant, "model": model})
+            self._reprefilling = set(reprefill)
         for seen, g in gpus.values():
             if now - seen <= stale:
                 self._gpu_rows(add, g)

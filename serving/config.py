@@ -106,6 +106,11 @@ class ServerSettings(_Section):
             freed) and the attempt billed as a client disconnect (``aborted``,
             ``client_abandoned``); counted per tenant in ``kvmeter_stream_stall_cut_requests_total``. 0 or
             null: never cut (a stalled reader then holds its request's KV until it disconnects).
+        reprefill_window_s: the prompt-cache thrash signal's window (seconds; 0 or null: off): a
+            request's prompt blocks the engine computed this recently, but did not serve from its
+            prefix cache, count in ``kvmeter_prompt_reprefill_tokens_total``
+            (:mod:`kvmeter.serving.gateway.reprefill`; on engines that report prefix-cache hits).
+        reprefill_max_blocks: most prompt blocks the signal remembers (an LRU; ≈ 150 bytes each).
         log_level: uvicorn's and kvmeter's log level.
         workers: gateway processes on this one port (>= 1; ``kvmeter serve --workers N``). Above 1
             the engine must be shared (``remote`` or ``instant``), the quota store too (``redis://``)
@@ -118,6 +123,8 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     stream_stall_timeout_s: float | None = Field(default=30.0, ge=0)
+    reprefill_window_s: float | None = Field(default=300.0, ge=0)
+    reprefill_max_blocks: int = Field(default=262_144, gt=0)
     log_level: str = "info"
     workers: int = Field(default=1, ge=1)
 

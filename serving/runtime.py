@@ -42,6 +42,7 @@ from kvmeter.serving.engines.base import Engine, EngineError
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
+from kvmeter.serving.gateway.reprefill import PrefixReuse
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.openai_api.layer import OpenAIApi
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend, redis_client
@@ -315,6 +316,11 @@ class ServeRuntime:
                     await self.engine.shutdown()
                 ledger.close()
                 raise
+        block = self.engine.prefix_cache_block_size_tokens
+        window = self.config.server.reprefill_window_s
+        if block and window:  # the prompt-cache thrash signal, in whole blocks of the engine's cache
+            self.gateway.reprefill = PrefixReuse(block, window_s=window, clock=self.clock,
+                                                 max_blocks=self.config.server.reprefill_max_blocks)
         await self.scheduler.start()
         self.quota_backend.start()  # lease renewal of the shared quota store's holds
         load = self.engine.load()

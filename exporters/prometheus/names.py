@@ -10,7 +10,7 @@ history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new prod
 :mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
 :mod:`.selfcheck`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
-producer publishes the data on the bus (``kvmeter_prompt_reprefill_tokens_total``).
+producer publishes the data on the bus (none today).
 
 Flags without a unit word: ``kvmeter_*_up``, ``kvmeter_quota_store_degraded`` (0/1) and
 ``kvmeter_scheduler_pressure_level`` (0/1/2).
@@ -121,10 +121,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_tokens_total", "counter", ("tier", "tenant", "type", "outcome"),
            "engine-true tokens by type (input, cached_input, output); cached_input is part of input",
            "gateway"),
-    # reserved for the prompt-cache thrash detector (rules/noisy.py) until its producer publishes it
     Metric("kvmeter_prompt_reprefill_tokens_total", "counter", ("tenant", "model"),
-           "input tokens prefilled again that an earlier request of the tenant had cached (a prefix "
-           "evicted before reuse), tokens", "gateway", emitted=False),
+           "input tokens prefilled again although the same prefix was computed within the window and "
+           "the prefix cache did not serve them (prompt-cache thrash; part of input minus cached_input)",
+           "gateway"),
     Metric("kvmeter_request_ttft_seconds", "histogram", ("tier",),
            "gateway arrival to first token sent, seconds", "gateway", buckets=B.TTFT_SECONDS),
     Metric("kvmeter_request_itl_seconds", "histogram", ("tier",),
@@ -362,7 +362,7 @@ def emitted_names() -> list[str]:
 
 
 def reserved_names() -> list[str]:
-    """Names fixed for producers that do not publish yet."""
+    """Names fixed for producers that do not publish yet (none today)."""
     return [m.name for m in METRICS if not m.emitted]
 
 
@@ -462,6 +462,8 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     # ---- streamed answers (StreamSendStats), every tenant with back-pressure
     _rate("kvmeter_stream_stall_cut_requests_total", ("tier", "tenant")),
     _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
+    # ---- prompt-cache thrash (RequestCompletion.reprefill_input_tokens), every tenant that re-prefilled
+    _rate("kvmeter_prompt_reprefill_tokens_total", ("tenant", "model")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),

@@ -8,7 +8,9 @@ Definitions:
   cache — *part of* ``input``, never add the two), ``output`` (completion);
 * throughput counts the tokens of every request that ended, whatever the outcome;
 * goodput counts the tokens of requests that finished ``ok`` *and* met their tier's SLO
-  (``slo_met`` true, or no SLO set for the tier: ``slo_met`` None).
+  (``slo_met`` true, or no SLO set for the tier: ``slo_met`` None);
+* re-prefilled input tokens (``kvmeter_prompt_reprefill_tokens_total``, by tenant and model): the
+  prompt-cache thrash the gateway measured (:mod:`kvmeter.serving.gateway.reprefill`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RequestMetrics(MetricSource):
         self.throughput = m("kvmeter_throughput_tokens_total")
         self.goodput = m("kvmeter_goodput_tokens_total")
         self.slo = m("kvmeter_slo_requests_total")
+        self.reprefill = m("kvmeter_prompt_reprefill_tokens_total")
 
     def attach(self, bus: StatsBus):
         return [bus.subscribe(RequestCompletion, self.on_completion)]
@@ -68,3 +71,6 @@ class RequestMetrics(MetricSource):
                     self.goodput.labels(tier, kind).inc(count)
         result = "unset" if c.slo_met is None else ("met" if c.slo_met else "missed")
         self.slo.labels(tier, result).inc()
+        if c.reprefill_input_tokens > 0:
+            model = c.attribution.model or "unknown"
+            self.tenant_child(self.reprefill, 0, (tenant, model)).inc(c.reprefill_input_tokens)

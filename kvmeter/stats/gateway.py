@@ -90,6 +90,10 @@ class RequestCompletion:
             did not finish).
         trace_headers: the request's :data:`TRACE_CONTEXT_HEADERS` as received, ``(name, value)``
             pairs in order (lower-case names; a header sent twice appears twice); unvalidated.
+        reprefill_input_tokens: input tokens the engine prefilled again although the gateway saw
+            the same prefix computed within its window and the prefix cache did not serve them
+            (prompt-cache thrash, ≥ 0; part of ``tokens.input_tokens`` − cached; 0 where the
+            engine reports no prefix-cache hits): :mod:`kvmeter.serving.gateway.reprefill`.
     """
 
     attribution: Attribution
@@ -106,6 +110,7 @@ class RequestCompletion:
     response_id: str = ""
     finish_reasons: tuple[str, ...] = ()
     trace_headers: tuple[tuple[str, str], ...] = ()
+    reprefill_input_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,12 @@ class Engine(abc.ABC):
     #: computes elsewhere; the instant engine computes nothing). The self-checks count the model's
     #: parameters from it for their physical bounds (:mod:`kvmeter.serving.selfcheck.bounds`).
     weights_dir: Path | None = None
+    #: Tokens per block of the engine's prefix cache, when the engine reports each request's
+    #: prefix-cache hits (its outputs' ``num_cached_input_tokens``) in whole blocks of it: vLLM's
+    #: ``cache_config.block_size`` once started (with the prefix cache disabled too: every hit is
+    #: then 0). ``None`` (remote, instant, simulated): no such report, and the gateway's re-prefill
+    #: signal (:mod:`kvmeter.serving.gateway.reprefill`) is off.
+    prefix_cache_block_size_tokens: int | None = None
 
     @property
     @abc.abstractmethod

@@ -173,6 +173,7 @@ class VllmEngine(Engine):
         cache = llm.vllm_config.cache_config
         blocks = int(getattr(cache, "num_gpu_blocks", 0) or 0)
         self._load.kv_capacity_tokens = blocks * int(cache.block_size or 0)
+        self.prefix_cache_block_size_tokens = int(cache.block_size or 0) or None
         log.info("vLLM ready: %s, context %d tokens, KV capacity %d tokens", self.model_name,
                  self.max_model_len, self._load.kv_capacity_tokens)
 

@@ -80,6 +80,7 @@ from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
 from kvmeter.ledger.records import AttemptRecord, AttemptStatus
 from kvmeter.serving.gateway.replays import fingerprint, replay_response
+from kvmeter.serving.gateway.reprefill import PrefixReuse
 from kvmeter.serving.gateway.stall import SendGuard
 from kvmeter.serving.quota.base import QuotaGate, QuotaRejected, Reservation, UsageEstimate
 from kvmeter.serving.quota.gate import MAX_RUN_ID_CHARS
@@ -167,6 +168,11 @@ class Gateway:
     ``agents`` is the agent-run service (:class:`~kvmeter.serving.agents.AgentRuns`): with it, a
     request's declared tools, each model call of a run and the tool calls the model emits are
     checked (see the module docstring); ``None`` checks none of them.
+
+    ``reprefill`` remembers the prompt blocks the engine recently computed
+    (:class:`~kvmeter.serving.gateway.reprefill.PrefixReuse`): each request's prompts are probed
+    at dispatch and its re-prefilled input tokens go on its ``RequestCompletion``; ``None`` (an
+    engine that reports no prefix-cache hits) tracks nothing.
     """
 
     engine: Engine
@@ -181,6 +187,7 @@ class Gateway:
     idempotency: IdempotencyManager | None = None
     openai: Any = None
     agents: AgentRuns | None = None
+    reprefill: PrefixReuse | None = None
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
@@ -359,7 +366,8 @@ class Prepared:
         tool_names: the tools the request declares (``tools[].function.name``), for the tool
             policy.
         prompts: each engine input's prompt token ids (after the chat template), for the agent
-            run's repeated-prompt stop; empty where they are not known.
+            run's repeated-prompt stop and the gateway's re-prefill tracker
+            (:attr:`Gateway.reprefill`); empty where they are not known or neither needs them.
     """
 
     stream: bool
@@ -478,6 +486,8 @@ class CompletionEndpoint:
             admitted.attempt_write = asyncio.ensure_future(
                 self._attempt(seen, request_id, None, status="admitted", adm=admitted))
             admitted.meter.dispatched()
+            if self.gw.reprefill is not None and admitted.prepared.prompts:
+                admitted.meter.prefix_probe = self.gw.reprefill.probe(admitted.prepared.prompts)
             return await self._run(request, admitted, headers)
         except BaseException as exc:
             # Cancelled (server shutdown: the client gets app.py's 503) or an unexpected error

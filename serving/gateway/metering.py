@@ -18,7 +18,9 @@ first output then bills no tokens: the frontend cannot prove the prefill happene
 did not complete carries its cause (:data:`~kvmeter.events.UNDELIVERED_CAUSES`, decided by the
 gateway) and whether its tier bills that work (:meth:`RequestMeter.finish`). Reasoning
 tokens (a part of the output) are what the protocol's reasoning parser counted
-(:attr:`RequestMeter.reasoning_tokens`; 0 without one).
+(:attr:`RequestMeter.reasoning_tokens`; 0 without one). A request probed at dispatch for recently
+computed prefixes (:attr:`RequestMeter.prefix_probe`) settles the probe with those counts at the
+end: its re-prefilled input tokens (:mod:`kvmeter.serving.gateway.reprefill`) go on the completion.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvmeter.attribution import Attribution
 from kvmeter.clock import Clock
 from kvmeter.events import DEFAULT_UNDELIVERED_BILLING, Outcome, UsageEvent, event_id_for
 from kvmeter.serving.engines.base import EngineOutput
+from kvmeter.serving.gateway.reprefill import PrefixProbe
 from kvmeter.serving.tenancy.tiers import TierPolicy
 from kvmeter.stats import EngineRequestStats, RequestCompletion, RequestPhase
 from kvmeter.tokens import NO_TOKENS, TokenCounts
@@ -103,6 +106,9 @@ class RequestMeter:
         #: better than ``frontend`` (the remote proxy: ``estimate`` when no upstream usage covers
         #: the counts)
         self.token_source: str | None = None
+        #: the request's blocks and warm prefixes, probed at dispatch when the gateway tracks
+        #: prefix reuse (None: it does not); settled in :meth:`finish`
+        self.prefix_probe: PrefixProbe | None = None
         self._event_id: str | None = None
 
     def event_id(self) -> str:
@@ -240,7 +246,8 @@ class RequestMeter:
             slo_met=slo_met, wall_ts=now_wall, stream=ident.stream,
             phases=self._phases(queue_s, ttft, e2e, tokens.output_tokens), response_id=self.response_id,
             finish_reasons=tuple(r or reason for r in self.choice_finish_reasons) or (reason,),
-            trace_headers=self.trace_headers)
+            trace_headers=self.trace_headers,
+            reprefill_input_tokens=self.prefix_probe.settle(tokens) if self.prefix_probe is not None else 0)
         return event, completion_stats
 
     def _phases(self, queue_s: float | None, ttft: float | None, e2e: float,

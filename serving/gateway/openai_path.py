@@ -115,7 +115,8 @@ class OpenAIEndpoint(CompletionEndpoint):
         tools = getattr(vreq, "tools", None) if self.chat else None
         names = tuple(t.function.name for t in tools) if tools else ()
         prompts: tuple = ()
-        if run_id and self.gw.agents is not None:  # the repeated-prompt stop's input
+        if (run_id and self.gw.agents is not None) or self.gw.reprefill is not None:
+            # the repeated-prompt stop's input, and the re-prefill tracker's
             ids = [ei.get("prompt_token_ids") for ei in layer.engine_inputs(rendered, self.chat)]
             prompts = tuple(ids) if all(ids) else ()
         payload = _Payload(layer, vreq, rendered, plan)

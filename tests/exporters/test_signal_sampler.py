@@ -86,12 +86,13 @@ def sched(tenants, **kw) -> SchedulerStats:
     return SchedulerStats(tenants=list(tenants), **fields)
 
 
-def completion(tenant_id, tier, prompt, output, *, outcome="ok", slo_met=True) -> RequestCompletion:
+def completion(tenant_id, tier, prompt, output, *, outcome="ok", slo_met=True, reprefill=0) -> RequestCompletion:
     return RequestCompletion(
         attribution=Attribution(tenant_id, tier=tier, model="m"),
         tokens=TokenCounts(input_tokens=prompt, output_tokens=output),
         outcome=outcome,
         slo_met=slo_met,
+        reprefill_input_tokens=reprefill,
     )
 
 
@@ -176,7 +177,7 @@ def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus
     bus.publish(RemoteEngineStats(source="http://upstream:8000/metrics", model_name="m", engine="0", wall_ts=T0,
                                   kv_cache_usage_ratio=0.3, kv_blocks_total=1000, num_running=2.0, num_waiting=0.0))
     bus.publish(sched([tenant("acme", "enterprise", depth=1, kv=300, running=1, oldest=0.5)]))
-    bus.publish(completion("acme", "enterprise", 100, 20))
+    bus.publish(completion("acme", "enterprise", 100, 20, reprefill=64))
     bus.publish(EngineStepShares(wall_ts=T0, duration_s=0.1,
                                  tenants=(TenantStepShare("acme", "enterprise", 64, 1, 300, 2),)))
     bus.publish(GpuSample(wall_ts=T0, index=0, memory_used_bytes=10 * MIB, memory_total_bytes=80 * MIB,
@@ -318,3 +319,18 @@ def test_stream_back_pressure_is_sampled_per_tenant_then_falls_to_zero_once(bus,
 
     assert values("kvmeter_stream_stall_cut_requests_per_second") == [("slow", 0.1), ("slow", 0.0)]
     assert values("kvmeter_stream_send_blocked_seconds_per_second") == [("slow", 3.5), ("slow", 0.0)]
+
+
+def test_reprefill_is_sampled_per_tenant_and_model_then_falls_to_zero_once(bus, clock):
+    written: list[list[SignalSample]] = []
+    sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
+    bus.publish(completion("thrasher", "free", 1000, 5, reprefill=640))
+    bus.publish(completion("thrasher", "free", 1000, 5, reprefill=128))
+    bus.publish(completion("cached", "free", 1000, 5))  # no re-prefill: no rows
+    for _ in range(3):
+        clock.advance(10)
+        recorder.tick()
+    name = "kvmeter_prompt_reprefill_tokens_per_second"
+    got = [(r.labels, r.value) for rows in written for r in rows if r.name == name]
+    assert got == [({"tenant": "thrasher", "model": "m"}, 76.8), ({"tenant": "thrasher", "model": "m"}, 0.0)]

@@ -44,8 +44,8 @@ stated again in PromQL by :func:`render` and applied to two ``/metrics`` scrapes
   (``kvmeter_scheduler_queue_depth_requests``, mean over the window), above
   :attr:`NoisyThresholds.queue_share_above` while at least :attr:`NoisyThresholds.queue_min_requests` wait.
 * **Prompt-cache thrash** = input tokens prefilled again after their cached prefix was evicted
-  (``kvmeter_prompt_reprefill_tokens_total``, reserved in the metric table until its producer
-  publishes) ÷ input tokens, above :attr:`NoisyThresholds.reprefill_ratio_above` while the tenant
+  (``kvmeter_prompt_reprefill_tokens_total``, measured by :mod:`kvmeter.serving.gateway.reprefill`)
+  ÷ input tokens, above :attr:`NoisyThresholds.reprefill_ratio_above` while the tenant
   sends at least :attr:`NoisyThresholds.cache_min_input_tokens_per_s`. Unlike a low hit ratio, this
   tells thrash from unique prompts.
 * **Agent loops** = model calls of agent runs ÷ runs first seen in the window, at least one
