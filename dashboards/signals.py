@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvmeter.exporters.prometheus.names import rate_series, series
 
-__all__ = ["ENGINE", "ENGINE_TENANT", "SCHEDULER", "TENANT", "GATEWAY", "GPU", "MIG", "ALL"]
+__all__ = ["ENGINE", "ENGINE_TENANT", "PROMPT_CACHE", "SCHEDULER", "TENANT", "GATEWAY", "GPU", "MIG", "ALL"]
 
 #: Engine gauges, labels ``engine``, ``model``.
 ENGINE = {
@@ -31,6 +31,10 @@ ENGINE = {
 ENGINE_TENANT = {
     "prefill_rate": rate_series("kvmeter_engine_tenant_scheduled_prefill_tokens_total"),  # tokens / s
     "decode_rate": rate_series("kvmeter_engine_tenant_scheduled_decode_tokens_total"),    # tokens / s
+}
+#: The gateway's prompt-cache thrash measure, labels ``tenant``, ``model`` (tenants that re-prefilled).
+PROMPT_CACHE = {
+    "reprefill_rate": rate_series("kvmeter_prompt_reprefill_tokens_total"),  # tokens / s
 }
 #: Scheduler-wide gauges, no labels.
 SCHEDULER = {
@@ -70,5 +74,6 @@ MIG = {
     "memory_used": series("kvmeter_gpu_mig_memory_used_bytes"),
     "sm_active": series("kvmeter_gpu_mig_sm_active_ratio"),
 }
-ALL: tuple[str, ...] = tuple(n for group in (ENGINE, ENGINE_TENANT, SCHEDULER, TENANT, GATEWAY, GPU, MIG)
+ALL: tuple[str, ...] = tuple(n for group in (ENGINE, ENGINE_TENANT, PROMPT_CACHE, SCHEDULER, TENANT, GATEWAY,
+                                                      GPU, MIG)
                              for n in group.values())

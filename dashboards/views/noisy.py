@@ -7,14 +7,16 @@ and the state of each shape's detector over the window.
   share of the prefill and decode tokens the engines scheduled for a model
   (``KvmeterTenantPrefillShareHigh``, ``KvmeterTenantDecodeShareHigh``), of the requests waiting
   in the fair queues (``KvmeterTenantQueueShareHigh``) and of the active KV
-  (``KvmeterTenantKvShareHigh``, tenants.yml).
+  (``KvmeterTenantKvShareHigh``, tenants.yml); and, for every viewer (its own data), the share of
+  its input the gateway saw prefilled again after eviction (``KvmeterTenantPromptCacheThrash``:
+  ``kvmeter_prompt_reprefill_tokens_per_second`` ÷ the ledger's input tokens).
 
 Every detector applies the alerts' thresholds and predicates
 (:class:`kvmeter.exporters.prometheus.rules.noisy.NoisyThresholds`) to totals over the page's
 window instead of Prometheus' rate window: a rate signal's total is Σ bucket mean × bucket width; a
 level's (queue depth, KV held) is its mean over the window's buckets, and the KV detector reads the
-window's highest watermark (the alert: an instant's, held 10 minutes). Prompt-cache thrash and agent
-calls per run have no per-tenant history yet: their alerts alone watch them."""
+window's highest watermark (the alert: an instant's, held 10 minutes). Agent calls per run has no
+per-tenant history yet: its alert alone watches it."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS, NoisyThresholds
 
 from .. import charts, schemas
 from ..frames import top_n
-from ..signals import ENGINE, ENGINE_TENANT, TENANT
+from ..signals import ENGINE, ENGINE_TENANT, PROMPT_CACHE, TENANT
 from ..ui import PageContext
 from .common import chart, empty, pct
 
@@ -40,9 +42,11 @@ CAPTION = ("Each shape of noisy neighbour per tenant: from every attempt's engin
 #: detector names as the page shows them, and the alert each one mirrors
 CACHE, RETRIES = "prompt-cache hit ratio", "retries per logical request"
 PREFILL, DECODE, QUEUE, KV = "prefill share", "decode share", "queue share", "active-KV share"
+THRASH = "re-prefilled share of input"
 ALERTS = {CACHE: "KvmeterTenantPromptCacheHitLow", RETRIES: "KvmeterTenantRetriesHigh",
           PREFILL: "KvmeterTenantPrefillShareHigh", DECODE: "KvmeterTenantDecodeShareHigh",
-          QUEUE: "KvmeterTenantQueueShareHigh", KV: "KvmeterTenantKvShareHigh"}
+          QUEUE: "KvmeterTenantQueueShareHigh", KV: "KvmeterTenantKvShareHigh",
+          THRASH: "KvmeterTenantPromptCacheThrash"}
 TOP_TENANTS = 10
 
 _STATE = {"tenant_id": pl.String, "tier": pl.String, "detector": pl.String, "value": pl.Float64,
@@ -141,6 +145,27 @@ def signal_detector_states(prefill: pl.DataFrame, decode: pl.DataFrame, queue: p
     return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
 
 
+def thrash_states(noisy: pl.DataFrame, reprefill: pl.DataFrame, seconds: float, bucket_s: float,
+                  t: NoisyThresholds = THRESHOLDS) -> pl.DataFrame:
+    """The prompt-cache thrash detector's rows (:data:`THRASH`, in :func:`detector_states`' columns),
+    one per tenant of the ledger's ``noisy`` table: ``value`` = re-prefilled ÷ input tokens, where
+    re-prefilled tokens are Σ bucket mean × ``bucket_s`` of the
+    ``kvmeter_prompt_reprefill_tokens_per_second`` signal read by (``tenant``, ``model``) in
+    ``reprefill`` (missing buckets: none), input tokens the ledger's; ``rate_per_s`` = input tokens/s;
+    the state by :meth:`NoisyThresholds.thrash_score`."""
+    tokens: dict[str, float] = {}
+    if reprefill.height:
+        per = reprefill.group_by("tenant").agg((pl.col("value").sum() * bucket_s).alias("tokens"))
+        tokens = {r["tenant"]: r["tokens"] for r in per.iter_rows(named=True)}
+    rows = []
+    for r in noisy.iter_rows(named=True):
+        again, inputs = tokens.get(r["tenant_id"], 0.0), r["input_tokens"]
+        rows.append({"tenant_id": r["tenant_id"], "tier": r["tier"], "detector": THRASH,
+                     "value": again / inputs if inputs > 0 else None, "rate_per_s": inputs / seconds,
+                     "state": "quiet" if t.thrash_score(again, inputs, seconds) is None else "firing"})
+    return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
+
+
 def _share_chart(df: pl.DataFrame, key: str, value: str, by: tuple[str, ...], title: str, y_title: str, w) -> None:
     """A share-per-tenant time series, the top tenants by ``value`` and the rest folded."""
     shown = top_n(df, key, value, TOP_TENANTS, by=by)
@@ -233,9 +258,20 @@ def render(ctx: PageContext) -> None:
     else:
         st.caption("No tenant sent a request with an Idempotency-Key in this window: no retry can be recognised.")
 
+    if PROMPT_CACHE["reprefill_rate"] in ctx.signal_names():
+        thrash = thrash_states(noisy, ctx.gauge(PROMPT_CACHE["reprefill_rate"], ("tenant", "model"), "avg",
+                                                per_tenant=True), seconds, float(w.step_s), t)
+        states = pl.concat([states, thrash])
+        chart(charts.bars(thrash.drop_nulls("value").sort("value", descending=True).head(25), "tenant_id", "value",
+                          title=f"Re-prefilled share of input per tenant (detector: above "
+                                f"{t.reprefill_ratio_above:.0%} while sending ≥ {t.cache_min_input_tokens_per_s:g} "
+                                "input tokens/s)",
+                          value_title="re-prefilled ÷ input tokens", category_title="tenant", color="tier",
+                          color_title="tier", value_format=".0%"))
     more = _signal_states(ctx, seconds, t)
     if more is not None and more.height:
-        states = pl.concat([states, more]).sort(["state", "detector", "tenant_id"])
+        states = pl.concat([states, more])
+    states = states.sort(["state", "detector", "tenant_id"])
     st.markdown("**Detectors** — the alerts' thresholds on this window's totals "
                 f"({', '.join(f'{d}: `{a}`' for d, a in ALERTS.items())} in Prometheus, over "
                 f"{t.window}, firing after {t.for_})")
@@ -243,7 +279,8 @@ def render(ctx: PageContext) -> None:
         "tenant_id": "tenant", "value": st.column_config.NumberColumn("value", format="%.3f"),
         "rate_per_s": st.column_config.NumberColumn(
             "rate or level", format="%.3f",
-            help="input tokens/s (hit ratio), retries/s (retries), the model's tokens/s (prefill, decode shares), "
+            help="input tokens/s (hit ratio, re-prefilled share), retries/s (retries), the model's tokens/s "
+                 "(prefill, decode shares), "
                  "requests waiting (queue share), the tenant's KV tokens held (KV share)")})
     st.dataframe(noisy, hide_index=True, width="stretch", column_config={
         "tenant_id": "tenant",

@@ -214,6 +214,7 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
             tokens=TokenCounts(input_tokens=10, output_tokens=5),
             outcome="ok",
             slo_met=True,
+            reprefill_input_tokens=4,
         )
     )
     clock.advance(1.0)

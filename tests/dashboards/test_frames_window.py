@@ -207,3 +207,24 @@ def test_signal_history_detectors_apply_the_rules_predicates_to_the_window():
     # the KV detector needs a full cache: at a 0.7 watermark nobody fires
     calm = signal_detector_states(prefill.clear(), decode.clear(), queue.clear(), kv, 0.7, 600.0, 60.0)
     assert set(calm.get_column("state")) == {"quiet"}
+
+
+def test_prompt_cache_thrash_on_the_page_is_the_rules_predicate():
+    from kvmeter.dashboards.schemas import NOISY_NEIGHBOURS
+    from kvmeter.dashboards.views.noisy import THRASH, thrash_states
+
+    t0 = datetime(2026, 12, 4, 12, tzinfo=timezone.utc)
+    # 600 s in 60 s buckets; churn re-prefills 400 tokens/s on two models (300 + 100) in half the buckets
+    reprefill = pl.DataFrame([{"ts": t0 + timedelta(seconds=60 * i), "tenant": "churn", "model": m, "value": v}
+                              for i in range(5) for m, v in (("m1", 300.0), ("m2", 100.0))])
+    row = {"logical_requests": 10, "keyed_logical_requests": 0, "attempts": 10, "retries": 0,
+           "retries_per_logical_request": None, "cached_input_tokens": 0, "prompt_cache_hit_ratio": 0.0}
+    noisy = frame([{**row, "tenant_id": "churn", "tier": "free", "input_tokens": 600_000},   # 1,000/s; 0.2 again
+                   {**row, "tenant_id": "quiet", "tier": "free", "input_tokens": 60_000}], NOISY_NEIGHBOURS)
+    # 5 buckets × 60 s × 400 tokens/s = 120,000 re-prefilled of 600,000: 0.2, under the 0.3 threshold
+    states = thrash_states(noisy, reprefill, 600.0, 60.0)
+    got = {r["tenant_id"]: (r["state"], r["value"]) for r in states.iter_rows(named=True)}
+    assert got == {"churn": ("quiet", pytest.approx(0.2)), "quiet": ("quiet", 0.0)}
+    assert set(states.get_column("detector")) == {THRASH}
+    doubled = reprefill.with_columns(pl.col("value") * 2)  # 0.4: above
+    assert thrash_states(noisy, doubled, 600.0, 60.0).row(0, named=True)["state"] == "firing"
