@@ -34,7 +34,9 @@ engine core reading its input queue, idle time) are not counted.
 
 **Frontend** (:func:`tenant_shares`): the rows of one step grouped by the attribution of each
 request (engine ids mapped back with :func:`~kvmeter.collectors.vllm_hooks.external_request_id`'s
-rule, passed in), into :class:`~kvmeter.stats.EngineStepShares`.
+rule, passed in), into :class:`~kvmeter.stats.EngineStepShares`, each tenant's entry naming its
+requests that had prefill tokens in the step (kvmeter ids; the ledger's ``engine_steps`` table
+stores them, :mod:`kvmeter.ledger.step_records`).
 """
 
 from __future__ import annotations
@@ -94,15 +96,21 @@ def tenant_shares(step: Mapping[str, Any], *, wall_ts: float, engine_idx: int,
         external_id: engine request id → kvmeter's.
     """
     totals: dict[tuple[str, str], list[int]] = {}
+    prefilling: dict[tuple[str, str], list[str]] = {}
     for request_id, prefill, decode, kv in step["rows"]:
-        who = attribution_of(external_id(str(request_id))) or UNATTRIBUTED
-        acc = totals.setdefault((who.tenant_id, who.tier), [0, 0, 0, 0])
+        rid = external_id(str(request_id))
+        who = attribution_of(rid) or UNATTRIBUTED
+        key = (who.tenant_id, who.tier)
+        acc = totals.setdefault(key, [0, 0, 0, 0])
         acc[0] += int(prefill)
         acc[1] += int(decode)
         acc[2] += int(kv)
         acc[3] += 1
+        if int(prefill) > 0:
+            prefilling.setdefault(key, []).append(rid)
     return EngineStepShares(
         wall_ts=wall_ts, engine_idx=engine_idx, duration_s=max(0.0, float(step["dur"])),
         tenants=tuple(TenantStepShare(tenant_id=tenant, tier=tier, prefill_tokens=p, decode_tokens=d,
-                                      kv_tokens=kv, requests=r)
+                                      kv_tokens=kv, requests=r,
+                                      prefill_request_ids=tuple(sorted(prefilling.get((tenant, tier), ()))))
                       for (tenant, tier), (p, d, kv, r) in sorted(totals.items())))

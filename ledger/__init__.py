@@ -10,7 +10,9 @@ period and :mod:`.window_queries` per time bucket (the dashboards' reads), both 
 assembly); :mod:`.reconcile` compares the engine, gateway and ledger views; :mod:`.read_api`
 serves it over HTTP and :mod:`.http_client` reads it from another process; :mod:`.cli` is
 ``kvmeter billing``. Agent runs: :mod:`.agent_records` (tool-call decisions, approval events, run
-stops) and :mod:`.agent_runs` (the per-run rollup and its reads).
+stops) and :mod:`.agent_runs` (the per-run rollup and its reads). Interference (who filled the
+engine steps of requests that missed their objective): :mod:`.step_records` (per-step engine work
+→ ``engine_steps``) and :mod:`.interference` (the read).
 """
 
 from .agent_records import ApprovalRecord, RunStopRecord, ToolCallRecord
@@ -18,6 +20,7 @@ from .agent_runs import AgentRunQueries
 from .config import LedgerConfig
 from .errors import (ConfigError, InvalidRecord, LedgerError, LedgerLocked, LedgerUnavailable, MigrationError,
                      PeriodError, PriceListError, SpoolWriteError, UnpricedModel)
+from .interference import InterferenceQueries
 from .ledger import Ledger
 from .period import Period, parse_period
 from .prices import PriceList, load_price_list
@@ -37,6 +40,7 @@ __all__ = [
     "ApprovalRecord",
     "RunStopRecord",
     "AgentRunQueries",
+    "InterferenceQueries",
     "Period",
     "parse_period",
     "PriceList",

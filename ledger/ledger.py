@@ -6,6 +6,7 @@ Lifecycle::
     await ledger.record(usage_event)               # returns once the event is fsynced
     await ledger.record_attempt(attempt)           # every HTTP attempt, same durability
     await ledger.record_agent(tool_call_record)    # agent-run records (kvmeter.ledger.agent_records)
+    ledger.record_step_shares(shares, model=m, replica=r)  # per-step engine work (never blocks)
     ledger.queries.usage_summary(period, tenant)   # reads (also served by read_api)
     ledger.agent_runs.runs(period, tenants)        # the per-run rollup (kvmeter.ledger.agent_runs)
     ledger.flush()                                 # drain everything spooled so far
@@ -29,7 +30,7 @@ from clickhouse_connect.driver.client import Client
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.events import UsageEvent
-from kvmeter.stats import INGEST_STATUSES, EngineRequestStats, LedgerStats
+from kvmeter.stats import INGEST_STATUSES, EngineRequestStats, EngineStepShares, LedgerStats
 
 from .agent_records import AGENT_STREAMS, AgentRecord, encode_agent_record
 from .agent_runs import AgentRunQueries
@@ -37,6 +38,7 @@ from .config import LedgerConfig
 from .connection import ClientFactory, ClientHolder, connect, describe_error
 from .drain import Writer
 from .errors import InvalidRecord, LedgerError, LedgerUnavailable
+from .interference import InterferenceQueries
 from .prices import PriceList, load_price_list
 from .queries import LedgerQueries
 from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adjustment, AttemptRecord,
@@ -44,6 +46,7 @@ from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adju
 from .rollups import refresh_rollups
 from .schema import migrate
 from .spool import CommitTicket, Spool
+from .step_records import STEP_STREAM, encode_step_shares
 
 __all__ = ["Ledger", "sync_prices"]
 
@@ -81,6 +84,7 @@ class Ledger:
     Attributes:
         queries: :class:`~kvmeter.ledger.queries.LedgerQueries` over this ledger's database.
         agent_runs: :class:`~kvmeter.ledger.agent_runs.AgentRunQueries` (the per-run rollup).
+        interference: :class:`~kvmeter.ledger.interference.InterferenceQueries` (who hurt whom).
         config: the effective :class:`LedgerConfig`.
         prices: the price list in use.
     """
@@ -91,6 +95,7 @@ class Ledger:
         self.prices = prices
         self.queries = LedgerQueries(query_holder, prices)
         self.agent_runs = AgentRunQueries(query_holder, prices)
+        self.interference = InterferenceQueries(query_holder)
         self._spool = spool
         self._writer = writer
         self._query_holder = query_holder
@@ -99,6 +104,8 @@ class Ledger:
         self._usage = spool.streams[USAGE_STREAM.name]
         self._attempts = spool.streams[ATTEMPT_STREAM.name]
         self._engine = spool.streams[ENGINE_STREAM.name]
+        self._steps = spool.streams[STEP_STREAM.name]
+        self._steps_invalid = 0
         self._ingested = dict.fromkeys(INGEST_STATUSES, 0)
         self._recent: set[tuple[str, str, str]] = set()
         self._recent_old: set[tuple[str, str, str]] = set()
@@ -154,8 +161,8 @@ class Ledger:
             migrate(client, config.cluster)
             sync_prices(client, prices)
 
-        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS, clock=clock, segment_bytes=config.segment_bytes,
-                      fsync=config.fsync)
+        spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS + (STEP_STREAM,), clock=clock,
+                      segment_bytes=config.segment_bytes, fsync=config.fsync)
         try:
             writer_holder = ClientHolder(factory, prepare)
             query_holder = ClientHolder(factory, lambda client: migrate(client, config.cluster))
@@ -259,6 +266,26 @@ class Ledger:
             log.warning("ledger: engine stats not stored: %s", exc)
             return
         self._engine.submit(line)
+
+    def record_step_shares(self, shares: EngineStepShares, *, model: str, replica: str) -> None:
+        """Spool one engine step's per-tenant work for the ``engine_steps`` table
+        (:mod:`kvmeter.ledger.step_records`). Called on the engine's output loop for every step, so
+        it only encodes and queues (the spool's committer fsyncs in groups, the drain inserts in
+        batches) and never raises: a step that cannot be encoded, or a closed spool, is counted
+        and logged.
+
+        Args:
+            shares: one step (:class:`~kvmeter.stats.EngineStepShares`).
+            model: the served model's name; replica: the serve process's name.
+        """
+        try:
+            lines = encode_step_shares(shares, model=model, replica=replica)
+            if lines:
+                self._steps.submit_many(lines)
+        except LedgerError as exc:  # InvalidRecord, SpoolWriteError
+            self._steps_invalid += 1
+            if self._steps_invalid in (1, 10, 100) or self._steps_invalid % 1000 == 0:
+                log.warning("ledger: engine step not stored (%d so far): %s", self._steps_invalid, exc)
 
     def write_signals(self, samples: Iterable[SignalSample]) -> None:
         """Queue signal samples for the ``signals`` table (best effort, not spooled: the

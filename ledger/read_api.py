@@ -25,6 +25,11 @@ tenant reads each tenant's lines in its own zone):
 ``/v1/usage/agent_runs``           :meth:`AgentRunQueries.runs <kvmeter.ledger.agent_runs.AgentRunQueries.runs>`
                                    (runs active in the period; ``agent_run_id``, ``order=cost|tokens|last_ts``,
                                    ``limit`` 1–1000): when the routes are given ``agent_runs``
+``/v1/usage/interference``         :meth:`~kvmeter.ledger.interference.InterferenceQueries.interference`
+                                   (``objective=ttft|itl``, default ``ttft``) under the tiers'
+                                   objectives: when the routes are given ``interference``; for a
+                                   tenant key the other tenants are anonymized
+                                   (:func:`~kvmeter.ledger.interference.anonymize`)
 ``/v1/usage/billing_config``       no ``period``: ``{"prices": the server's price list (file format,
                                    exact strings), "timezones": {tenant: zone}}`` (a tenant key:
                                    its own tenant only)
@@ -44,7 +49,7 @@ import json
 import logging
 from datetime import datetime
 from decimal import Decimal
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -56,9 +61,11 @@ from kvmeter.serving.tenancy import AuthError, Principal
 
 from .billing import build_invoice
 from .errors import LedgerError, LedgerUnavailable, PeriodError
+from .interference import anonymize
 from .period import parse_period
 from .prices import PriceList
 from .queries import UsageReader
+from .window_queries import TierSlo
 
 __all__ = ["read_routes", "dumps", "presented_key", "JsonResponse", "error_response", "answer_read"]
 
@@ -122,7 +129,8 @@ def presented_key(request: Request) -> str | None:
 
 def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Principal], *,
                 prices: PriceList | None = None, prefix: str = "/v1/usage", agent_runs: Any = None,
-                timezones: Callable[[], Mapping[str, str]] | None = None) -> list[Route]:
+                timezones: Callable[[], Mapping[str, str]] | None = None, interference: Any = None,
+                slos: Callable[[], Sequence[TierSlo]] | None = None) -> list[Route]:
     """Starlette routes of the read API.
 
     Args:
@@ -136,6 +144,11 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         timezones: returns the current tenant → billing time zone map (normally
             ``lambda: directory.snapshot.billing_timezones``, so a reload takes effect at once);
             None: every tenant is billed in UTC.
+        interference: the interference reads
+            (:class:`~kvmeter.ledger.interference.InterferenceQueries`, normally
+            ``ledger.interference``) for ``/interference``; None: no such route.
+        slos: returns the tiers' objectives ``(tier, ttft_slo_s, itl_slo_s)`` (normally from the
+            live tenancy config's :class:`~kvmeter.serving.tenancy.TierPolicy`); None: no tier has one.
     Returns:
         Routes to add to the serve app (``routes=[..., *read_routes(...)]`` or ``app.router.routes``).
     """
@@ -223,4 +236,12 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
                                    limit=int(raw[:6]))
 
         routes.append(Route(f"{prefix}/agent_runs", scoped(runs), methods=["GET"]))
+    if interference is not None:
+        def interfered(request: Request, principal: Principal, period: Any, tenant: str | None) -> Any:
+            rows = interference.interference(period, None if tenant is None else [tenant],
+                                             slos=list(slos()) if slos is not None else [],
+                                             objective=request.query_params.get("objective", "ttft"))
+            return rows if principal.admin else anonymize(rows, principal.tenant_id)
+
+        routes.append(Route(f"{prefix}/interference", scoped(interfered), methods=["GET"]))
     return routes

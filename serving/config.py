@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvmeter.serving.engines.vllm_args import ServingFlags
 from kvmeter.serving.quota.leases import DEFAULT_LEASE_S
 from kvmeter.serving.scheduler.config import PLAIN_BASELINE
+from kvmeter.serving.scheduler.router import RoutingPolicy
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
 __all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "SelfCheckSettings",
@@ -151,6 +152,27 @@ class EngineSettings(_Section):
     remote_metrics_url: str = ""
     #: seconds between two scrapes of remote_metrics_url
     remote_scrape_interval_s: float = Field(default=1.0, gt=0)
+    #: an engine pool (engine.kind=remote): the replicas' base URLs, vLLM servers of one model,
+    #: each scraped at <url>/metrics, under the one fair scheduler (kvmeter.serving.engines.pool);
+    #: instead of remote_url
+    replicas: list[str] = Field(default_factory=list)
+    #: how the pool picks a replica for a request (kvmeter.serving.scheduler.router)
+    routing: RoutingPolicy = "prefix_aware"
+    #: seconds between two probes (GET /v1/models) of a replica marked down
+    replica_probe_interval_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _pool(self) -> "EngineSettings":
+        if self.replicas:
+            if self.kind != "remote":
+                raise ValueError("engine.replicas needs engine.kind: remote")
+            if self.remote_url:
+                raise ValueError("set engine.remote_url or engine.replicas, not both")
+            if self.remote_metrics_url.lower() not in ("", "off"):
+                raise ValueError("with engine.replicas, engine.remote_metrics_url is '' (each <url>/metrics) or off")
+            if len(set(self.replicas)) != len(self.replicas):
+                raise ValueError("engine.replicas lists a URL twice")
+        return self
 
 
 class SchedulerSettings(_Section):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -35,24 +36,28 @@ from kvmeter.ledger.prices import load_price_list
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.ledger.reconciler import Reconciler
 from kvmeter.ledger.records import AttemptRecord
+from kvmeter.ledger.step_records import default_replica
 from kvmeter.serving.config import ServeConfig
 from kvmeter.ledger.agent_records import AgentRecord
 from kvmeter.serving.agents import AgentRuns, ApprovalDesk, open_agent_store
 from kvmeter.serving.engines.base import Engine, EngineError
+from kvmeter.serving.engines.pool import EnginePool
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
 from kvmeter.serving.gateway.reprefill import PrefixReuse
+from kvmeter.serving.gateway.replicas import replica_routes
 from kvmeter.serving.gateway.tools import tool_call_routes
 from kvmeter.serving.openai_api.layer import OpenAIApi
 from kvmeter.serving.quota import HierarchicalQuota, open_quota_backend, redis_client
 from kvmeter.serving.quota.backends import scheme_of
 from kvmeter.serving.scheduler import FairScheduler, SchedulerConfig
+from kvmeter.serving.scheduler.router import Router
 from kvmeter.serving.scheduler.shared_service import SharedServiceSync
 from kvmeter.serving.selfcheck.bounds import PhysicalBounds, count_parameters
 from kvmeter.serving.selfcheck.monitor import SelfCheckMonitor
 from kvmeter.serving.tenancy import TenantDirectory, TierPolicy
-from kvmeter.stats import EngineLoad, EngineStepStats
+from kvmeter.stats import EngineLoad, EngineStepShares, EngineStepStats, ReplicaHealth
 
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
@@ -79,11 +84,19 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
     from kvmeter.model import resolve_model
 
     eng = config.engine
+    if eng.kind == "remote" and eng.replicas:
+        from kvmeter.serving.engines.pool import EnginePool
+
+        model_dir, name = resolve_model(eng.model)
+        return EnginePool(eng.replicas, model_dir=model_dir, model_name=eng.remote_model or name,
+                          max_model_len=eng.max_model_len, scrape=eng.remote_metrics_url.lower() != "off",
+                          scrape_interval_s=eng.remote_scrape_interval_s,
+                          probe_interval_s=eng.replica_probe_interval_s, bus=bus, clock=clock)
     if eng.kind == "remote":
         from kvmeter.serving.engines.remote import RemoteEngine
 
         if not eng.remote_url:
-            raise EngineError("engine.kind=remote needs engine.remote_url")
+            raise EngineError("engine.kind=remote needs engine.remote_url (or engine.replicas: an engine pool)")
         model_dir, name = resolve_model(eng.model)
         metrics_url = None if eng.remote_metrics_url.lower() == "off" else eng.remote_metrics_url
         return RemoteEngine(eng.remote_url, model_dir=model_dir, model_name=eng.remote_model or name,
@@ -236,11 +249,19 @@ class ServeRuntime:
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
         # VTC counters shared with the pool's other gateway processes on a Redis quota store
         self.shared_service = shared_service_for(config)
+        # an engine pool: one scheduler gate per replica, the router picks among the open ones
+        pool = self.engine if isinstance(self.engine, EnginePool) else None
+        self.router = None if pool is None else Router(
+            config.engine.routing, clock=clock, model=pool.model_name, replica_names=pool.names,
+            on_decision=self.bus.publish)
         self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus,
-                                       shared_service=self.shared_service)
-        # engine load → KV gating: the hosted engines' step stats, the remote engine's scraped load
+                                       shared_service=self.shared_service, num_engines=len(pool) if pool else 1,
+                                       router=self.router)
+        # engine load → KV gating: the hosted engines' step stats, the remote engines' scraped loads
+        # (a pool's replica's to its own gate), a pool's replica health → its gate open or closed
         self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
-                             self.bus.subscribe(EngineLoad, self.scheduler.on_engine_load)]
+                             self.bus.subscribe(EngineLoad, self._on_engine_load),
+                             self.bus.subscribe(ReplicaHealth, self._on_replica_health)]
         # vLLM's OpenAI serving layer for an in-process engine (its arguments checked here, before
         # the engine loads; the layer itself is built once the engine has started)
         self.openai = OpenAIApi(self.engine, config.openai.flags()) if OpenAIApi.supports(self.engine) else None
@@ -281,6 +302,18 @@ class ServeRuntime:
         self._dashboard_routes: DashboardRoutes | None = None
 
     # -- parts ------------------------------------------------------------------------------------
+    def _on_engine_load(self, load: EngineLoad) -> None:
+        if load.replica < self.scheduler.core.num_engines:
+            self.scheduler.on_engine_load(load, load.replica)
+
+    def _on_replica_health(self, health: ReplicaHealth) -> None:
+        if health.model == self.engine.model_name and health.index < self.scheduler.core.num_engines:
+            self.scheduler.set_engine_available(health.index, health.available)
+
+    def _outstanding(self, engine_idx: int) -> int:
+        """Requests dispatched to replica ``engine_idx`` and not ended (the replicas API)."""
+        return self.scheduler.core.engine_gates[engine_idx].outstanding
+
     def _tier_policy(self, tier: str) -> TierPolicy | None:
         """The gateway's tier policy: the live tenants config's (follows reloads)."""
         return self.directory.snapshot.tiers.get(tier)
@@ -302,6 +335,9 @@ class ServeRuntime:
         ledger = await asyncio.to_thread(Ledger.open, self.ledger_config(), bus=self.bus,
                                          clock=self.clock, prices=self.prices)
         self.recorder.ledger = ledger
+        # per-step engine work per tenant → the ledger's engine_steps (interference reads)
+        self._unsubscribe.append(self.bus.subscribe(EngineStepShares, functools.partial(
+            ledger.record_step_shares, model=self.engine.model_name, replica=default_replica(self.worker))))
         try:
             if self._owns_engine:
                 await self.engine.start()
@@ -323,18 +359,21 @@ class ServeRuntime:
                                                  max_blocks=self.config.server.reprefill_max_blocks)
         await self.scheduler.start()
         self.quota_backend.start()  # lease renewal of the shared quota store's holds
-        load = self.engine.load()
-        if load.kv_capacity_tokens > 0 or not load.per_step:
-            # Only an engine that measures its KV cache keeps reporting its load: vLLM after every
-            # step (its step stats), the remote engine after every scrape of its upstream's
-            # /metrics (an EngineLoad on the bus; this is its load at start, published before the
-            # scheduler listened when the engine was started by the caller). One empty per-step
-            # report from an engine that never reports again (instant, a remote upstream that is
-            # not scraped) would make the scheduler count every dispatch as still waiting in the
-            # engine, and stall all traffic after max_engine_waiting requests; without reports it
-            # counts dispatched requests that have no first token yet instead, as it does between
-            # a remote engine's scrapes.
-            self.scheduler.on_engine_load(load)
+        # Only an engine that measures its KV cache keeps reporting its load: vLLM after every
+        # step (its step stats), the remote engine after every scrape of its upstream's
+        # /metrics (an EngineLoad on the bus; this is its load at start, published before the
+        # scheduler listened when the engine was started by the caller). One empty per-step
+        # report from an engine that never reports again (instant, a remote upstream that is
+        # not scraped) would make the scheduler count every dispatch as still waiting in the
+        # engine, and stall all traffic after max_engine_waiting requests; without reports it
+        # counts dispatched requests that have no first token yet instead, as it does between
+        # a remote engine's scrapes.
+        loads = self.engine.loads() if isinstance(self.engine, EnginePool) else [self.engine.load()]
+        for load in loads:  # (each replica's, for an engine pool)
+            if load.kv_capacity_tokens > 0 or not load.per_step:
+                self.scheduler.on_engine_load(load, load.replica)
+        if isinstance(self.engine, EnginePool):  # each replica's health (published before we listened when
+            self.engine.publish_health()          # the caller started the pool): gates and kvmeter_replica_up
         await asyncio.to_thread(self.gpu.start)
         if self.worker in (None, 0):  # once per fleet: slot 0 (a replacement takes a dead one's slot)
             self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
@@ -391,10 +430,14 @@ class ServeRuntime:
         self._dashboard_routes = serve_routes(self)
         routes: list[Route] = [*read_routes(queries, self.directory.authenticate, prices=self.prices,
                                             agent_runs=_LazyQueries(self.recorder, "agent_runs"),
-                                            timezones=lambda: self.directory.snapshot.billing_timezones),
+                                            timezones=lambda: self.directory.snapshot.billing_timezones,
+                                            interference=_LazyQueries(self.recorder, "interference"),
+                                            slos=lambda: [(t.name, t.ttft_slo_s, t.itl_slo_s)
+                                                          for t in self.directory.snapshot.tiers.values()]),
                                *self._dashboard_routes.routes,
                                *tool_call_routes(self.gateway, self.quota, self.agents),
-                               *approval_routes(self.gateway, self.approvals)]
+                               *approval_routes(self.gateway, self.approvals),
+                               *replica_routes(self.gateway, self._outstanding)]
         return create_app(self.gateway, extra_routes=routes, metrics_app=metrics_asgi_app(self.registry),
                           on_startup=[self.start], on_shutdown=[self.stop], ready=lambda: self.ready)
 

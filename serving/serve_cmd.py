@@ -5,6 +5,7 @@ Examples::
     kvmeter serve                                   # SmolLM2-135M on vLLM (CPU), embedded ledger
     kvmeter serve --config deploy/kvmeter/kvmeter.yaml
     kvmeter serve --engine remote --remote-url http://gpu-node:8000 --model /models/llama
+    kvmeter serve --engine remote --replica http://gpu-a:8000 --replica http://gpu-b:8000 --model /models/llama
     kvmeter serve --model /models/qwen2.5-7b --tool-call-parser hermes --vllm-arg=--max-logprobs=50
     kvmeter serve --workers 4 --engine remote --remote-url http://gpu-node:8000 \
         --quota-store redis://redis:6379/0 --ledger-dsn http://kvmeter:pw@clickhouse:8123/kvmeter
@@ -50,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-metrics-url",
                         help="the upstream's vLLM /metrics, scraped for KV gating "
                              "(default <remote-url>/metrics; off: none)")
+    parser.add_argument("--replica", action="append", metavar="URL",
+                        help="a replica of an engine pool (engine=remote; repeat for each; instead of --remote-url)")
+    parser.add_argument("--routing", choices=["prefix_aware", "least_kv", "round_robin"],
+                        help="how an engine pool picks a replica (default prefix_aware)")
     parser.add_argument("--tenants", help="principals/quota YAML (default: the demo tenants)")
     parser.add_argument("--quota-store", help="memory://, redis://host:port/db or rediss://... (TLS)")
     parser.add_argument("--scheduler", choices=["vtc", "fcfs"], help="scheduling policy")
@@ -134,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         ("engine", "kv_cache_space_gib"): args.kv_cache_gib,
         ("engine", "max_num_seqs"): args.max_num_seqs, ("engine", "remote_url"): args.remote_url,
         ("engine", "remote_metrics_url"): args.remote_metrics_url,
+        ("engine", "replicas"): args.replica, ("engine", "routing"): args.routing,
         ("tenants",): args.tenants, ("quota_store",): args.quota_store,
         ("scheduler", "policy"): args.scheduler, ("ledger_dsn",): args.ledger_dsn,
         ("spool_dir",): args.spool_dir, ("prices",): args.prices,

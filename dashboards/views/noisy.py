@@ -16,7 +16,10 @@ Every detector applies the alerts' thresholds and predicates
 window instead of Prometheus' rate window: a rate signal's total is Σ bucket mean × bucket width; a
 level's (queue depth, KV held) is its mean over the window's buckets, and the KV detector reads the
 window's highest watermark (the alert: an instant's, held 10 minutes). Agent calls per run has no
-per-tenant history yet: its alert alone watches it."""
+per-tenant history yet: its alert alone watches it.
+
+Below them, :func:`render_interference`: whose work filled the engine steps of requests that
+missed their objective (:mod:`kvmeter.ledger.interference`)."""
 
 from __future__ import annotations
 
@@ -71,8 +74,9 @@ def detector_states(noisy: pl.DataFrame, seconds: float, t: NoisyThresholds = TH
     return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
 
 
-_SHARES: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "model": pl.String, "tier": pl.String, "tenant": pl.String,
-           "rate": pl.Float64, "share": pl.Float64}
+_ENGINE_SHARES: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "model": pl.String, "tier": pl.String,
+                                  "tenant": pl.String,
+                                  "rate": pl.Float64, "share": pl.Float64}
 _LEVELS: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "tier": pl.String, "tenant": pl.String, "level": pl.Float64,
            "share": pl.Float64}
 
@@ -82,11 +86,11 @@ def engine_shares(rates: pl.DataFrame) -> pl.DataFrame:
     ``engine``, ``tier``, ``tenant``): ``rate`` (tokens/s, summed over engines) and ``share`` (0–1)
     of all tenants' rate for the model in the bucket (null when that is 0)."""
     if rates.height == 0:
-        return pl.DataFrame(schema=_SHARES)
+        return pl.DataFrame(schema=_ENGINE_SHARES)
     per = rates.group_by(["ts", "model", "tier", "tenant"]).agg(pl.col("value").sum().alias("rate"))
     total = pl.col("rate").sum().over(["ts", "model"])
     return (per.with_columns(pl.when(total > 0).then(pl.col("rate") / total).alias("share"))
-            .select(list(_SHARES)).sort(["ts", "model", "tenant"]))
+            .select(list(_ENGINE_SHARES)).sort(["ts", "model", "tenant"]))
 
 
 def level_shares(levels: pl.DataFrame) -> pl.DataFrame:
@@ -286,3 +290,57 @@ def render(ctx: PageContext) -> None:
         "tenant_id": "tenant",
         "prompt_cache_hit_ratio": st.column_config.NumberColumn("hit ratio", format="%.3f"),
         "retries_per_logical_request": st.column_config.NumberColumn("retries / logical request", format="%.3f")})
+    render_interference(ctx)
+
+
+# --------------------------------------------------------------------------- interference (issue 14, item 3)
+
+#: the quantities of an interference row, as the panel names them
+_SHARES = (("prefill", "prefill_share"), ("decode", "decode_share"), ("KV", "kv_share"))
+_LONG = {"bar": pl.String, "tenant_id": pl.String, "objective": pl.String, "quantity": pl.String,
+         "neighbour": pl.String, "share": pl.Float64}
+
+
+def interference_shares(rows: pl.DataFrame) -> pl.DataFrame:
+    """The interference read's rows (:data:`~kvmeter.dashboards.schemas.INTERFERENCE`) as one row
+    per (victim tenant, objective, quantity, neighbour) with its ``share`` (0–1), and ``bar``
+    (``"<tenant> · <objective> · <quantity>"``, quantity ``prefill`` / ``decode`` tokens or ``KV``
+    token-seconds) to draw a stacked bar per victim and quantity.
+    Rows without a share (no attributed work) are left out; ``neighbour`` ``""`` (unattributed
+    work) reads ``(unattributed)``."""
+    out = []
+    for r in rows.iter_rows(named=True):
+        for quantity, column in _SHARES:
+            if r[column] is None or r["neighbour"] is None:
+                continue
+            out.append({"bar": f"{r['tenant_id']} · {r['objective'].upper()} · {quantity}", "tenant_id": r["tenant_id"],
+                        "objective": r["objective"], "quantity": quantity,
+                        "neighbour": r["neighbour"] or "(unattributed)", "share": r[column]})
+    return pl.DataFrame(out, schema=_LONG)
+
+
+def render_interference(ctx: PageContext) -> None:
+    """Who filled the engine steps that tenants' SLO-missing requests waited through
+    (:mod:`kvmeter.ledger.interference`): per victim tenant and objective, each tenant's share of
+    the scheduled prefill and decode tokens and of the KV held; a tenant key sees the others as
+    ``tenant-1``, ``tenant-2``... ranked by share."""
+    st.subheader("Interference: whose work filled the steps of missed requests")
+    rows = ctx.read("interference", schemas.INTERFERENCE)
+    if rows.height == 0:
+        st.caption("No request missed its tier's TTFT or ITL objective in this window (or the engine's "
+                   "per-step records are not in the ledger).")
+        return
+    long = interference_shares(rows)
+    if long.height:
+        chart(charts.bars(long, "bar", "share", title="Share of the steps between arrival and first token (TTFT) "
+                          "or between first and last token (ITL), by tenant whose work it was",
+                          value_title="share of the steps' prefill tokens, decode tokens or KV token-seconds",
+                          category_title="missed requests of · objective · quantity", color="neighbour",
+                          color_title="tenant", value_format=".0%", sort_desc=False))
+    st.caption("Recomputable from the ledger's engine_steps rows: each share is the tenant's sum over the steps "
+               "of every missed request's window ÷ the sum over all tenants; a tenant's own row includes the "
+               "missed requests' own prefill.")
+    st.dataframe(rows, hide_index=True, width="stretch", column_config={
+        "tenant_id": "missed requests of", "neighbour": "work of",
+        **{c: st.column_config.NumberColumn(c.replace("_", " "), format="%.3f")
+           for c in ("prefill_share", "decode_share", "kv_share", "kv_token_seconds")}})

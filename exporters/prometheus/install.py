@@ -17,6 +17,7 @@ from .config import PrometheusConfig
 from .engine import EngineMetrics
 from .gpu import GpuMetrics
 from .ledger import LedgerMetrics
+from .pool import PoolMetrics
 from .quota import QuotaMetrics
 from .reconciliation import ReconciliationMetrics
 from .refusals import RefusalMetrics
@@ -34,12 +35,12 @@ SourceFactory = Callable[[SourceContext], MetricSource]
 
 def default_sources(ctx: SourceContext) -> list[MetricSource]:
     """Every source: engine (local + scraped), requests, admission, refusals before admission,
-    GPU, scheduler, quota (with retries and tenancy reloads), agent runs, ledger, reconciliation,
-    self-checks."""
+    GPU, scheduler, engine pool (router decisions, replica health), quota (with retries and tenancy
+    reloads), agent runs, ledger, reconciliation, self-checks."""
     engine = EngineMetrics(ctx)
     return [engine, RemoteEngineMetrics(ctx, engine), RequestMetrics(ctx), StreamMetrics(ctx), AdmissionMetrics(ctx),
-            RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), QuotaMetrics(ctx), AgentMetrics(ctx),
-            LedgerMetrics(ctx), ReconciliationMetrics(ctx), SelfCheckMetrics(ctx)]
+            RefusalMetrics(ctx), GpuMetrics(ctx), SchedulerMetrics(ctx), PoolMetrics(ctx), QuotaMetrics(ctx),
+            AgentMetrics(ctx), LedgerMetrics(ctx), ReconciliationMetrics(ctx), SelfCheckMetrics(ctx)]
 
 
 @dataclass

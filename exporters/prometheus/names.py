@@ -7,7 +7,7 @@ history (:data:`SIGNAL_SERIES`, derived from it) and by people wiring a new prod
 
 ``emitted=True`` metrics are produced today by a module of this package (one module per producer:
 :mod:`.engine`, :mod:`.remote`, :mod:`.requests`, :mod:`.streams`, :mod:`.admission`, :mod:`.refusals`, :mod:`.gpu`,
-:mod:`.scheduler`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
+:mod:`.scheduler`, :mod:`.pool`, :mod:`.quota`, :mod:`.agents`, :mod:`.ledger`, :mod:`.reconciliation`,
 :mod:`.selfcheck`). ``emitted=False`` ones
 would be **reserved**: names and labels fixed so that alert rules can use them before their
 producer publishes the data on the bus (none today).
@@ -243,6 +243,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_scheduler_pressure_level", "gauge", (),
            "overload control level: 0 normal, 1 elevated (batch paused, new free refused), 2 overload",
            "scheduler", multiprocess_mode="max"),
+    # ---- engine pool (RoutingDecision from the scheduler's router, ReplicaHealth from the pool)
+    Metric("kvmeter_router_decisions_requests_total", "counter", ("model", "policy", "outcome"),
+           "routing decisions of an engine pool, by routing policy and outcome (prefix_hit, prefix_miss, "
+           "no_prefix; failover: a request moved off a replica that failed before answering, after its "
+           "first decision)", "scheduler"),
+    Metric("kvmeter_replica_routed_requests_total", "counter", ("model", "replica"),
+           "requests routed to the replica (failovers included)", "scheduler"),
+    Metric("kvmeter_replica_up", "gauge", ("model", "replica"),
+           "1 while the replica answers (its /metrics scrape, its connections, its probe), else 0", "engine_pool"),
+    Metric("kvmeter_replica_available", "gauge", ("model", "replica"),
+           "1 while the replica takes new requests (up and not draining), else 0", "engine_pool"),
     Metric("kvmeter_scheduler_shared_service_sync_errors_total", "counter", (),
            "failed syncs of the VTC counters shared between gateway processes through Redis "
            "(fairness is the process's own while they fail)", "scheduler"),

@@ -14,6 +14,8 @@ One module per producer:
   publishes after every scrape; who each engine step worked for);
 * :mod:`.remote` — :class:`RemoteEngineStats` with :class:`HistogramSnapshot` and
   :class:`CounterAnomaly` (a vLLM server kvmeter scrapes but does not host);
+* :mod:`.pool` — :class:`RoutingDecision`, :class:`ReplicaHealth` (an engine pool's router and
+  replicas);
 * :mod:`.gateway` — :class:`RequestCompletion` (with its :class:`RequestPhase` s), :class:`AdmissionDecision`,
   :class:`RequestRefused` and the refusal label sets, :class:`StreamSendStats` (a stream's sends);
 * :mod:`.quota` — :class:`ReservationDrift`, :class:`QuotaStoreState`,
@@ -40,6 +42,7 @@ from kvmeter.stats.gpu import (CLOCK_EVENT_REASONS, GpuCollectorStatus, GpuProce
                                XidEvent, clock_event_reason_names)
 from kvmeter.stats.ledger import (INGEST_STATUSES, RECONCILIATION_VIEWS, RUN_RESULTS, LedgerStats,
                                   ReconciliationStats)
+from kvmeter.stats.pool import ROUTING_OUTCOMES, ReplicaHealth, RoutingDecision
 from kvmeter.stats.quota import IdempotencyAttempt, QuotaStoreState, ReservationDrift, ToolCallReported
 from kvmeter.stats.remote import CounterAnomaly, HistogramSnapshot, RemoteEngineStats
 from kvmeter.stats.selfcheck import VIOLATION_CHECKS, SelfCheckViolation
@@ -51,6 +54,8 @@ __all__ = [
     "EngineStepStats", "EngineRequestStats", "EngineLoad", "EngineStepShares", "TenantStepShare",
     # remote engine
     "RemoteEngineStats", "HistogramSnapshot", "CounterAnomaly",
+    # engine pool
+    "RoutingDecision", "ReplicaHealth", "ROUTING_OUTCOMES",
     # gateway
     "RequestCompletion", "RequestPhase", "AdmissionDecision", "RequestRefused", "REFUSAL_CODES", "REFUSAL_ENDPOINTS",
     "TRACE_CONTEXT_HEADERS", "StreamSendStats",

@@ -75,6 +75,10 @@ class TenantStepShare:
         kv_tokens: KV positions the tenant's running requests hold once the step has run (vLLM's
             ``num_computed_tokens`` summed; prefix-cache hits included).
         requests: the tenant's running requests in the step.
+        prefill_request_ids: kvmeter request ids of the tenant's requests with prefill tokens in
+            the step, sorted (a request's first token comes from the step that ends its prefill,
+            so every request that got one is named in at least one step; the ledger's
+            interference read finds a request's engine by it).
     """
 
     tenant_id: str
@@ -83,6 +87,7 @@ class TenantStepShare:
     decode_tokens: int
     kv_tokens: int
     requests: int
+    prefill_request_ids: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -198,6 +203,7 @@ class EngineLoad:
             every step (so the requests dispatched since are still in the engine's waiting queue);
             False for a periodic reading (a scrape), between which the scheduler counts the
             engine's waiting queue from its own dispatched requests without a first token.
+        replica: the reporting replica's index in its engine pool (0 for a single engine).
     """
 
     kv_watermark_ratio: float = 0.0
@@ -205,3 +211,4 @@ class EngineLoad:
     num_running: int = 0
     num_waiting: int = 0
     per_step: bool = True
+    replica: int = 0

@@ -36,6 +36,8 @@ REFUSAL_CODES = frozenset({
     "approval_expired", "tool_blocked", "tool_not_allowed",
     # routing (app.py)
     "not_found", "method_not_allowed",
+    # the engine pool's replicas API, a key that is not an admin's (serving/gateway/replicas.py)
+    "permission_denied",
 })
 
 #: The ``endpoint`` values of :class:`RequestRefused`.

@@ -44,7 +44,7 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import AsyncGenerator, Sequence
+from typing import AsyncGenerator, Callable, Sequence
 
 import httpx
 
@@ -116,6 +116,10 @@ class RemoteEngine(Engine):
         bus: where each scrape's :class:`RemoteEngineStats` and :class:`EngineLoad` go (None: the
             load is only kept for :meth:`load`).
         clock: decides when a scrape is due; the scraper's rates and timestamps.
+        replica: its index in an engine pool (:mod:`kvmeter.serving.engines.pool`): the
+            published loads carry it (0 alone).
+        on_scrape: told after each scrape whether it succeeded, and why not (an engine pool's
+            health: a replica whose page does not answer is down); None: nobody.
     Raises:
         ValueError: if ``scrape_interval_s`` is not positive.
     """
@@ -123,7 +127,8 @@ class RemoteEngine(Engine):
     def __init__(self, base_url: str, *, model_dir: str | Path, model_name: str,
                  max_model_len: int | None = None, api_key: str | None = None,
                  timeout_s: float = 600.0, metrics_url: str | None = "", scrape_interval_s: float = 1.0,
-                 bus: StatsBus | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+                 bus: StatsBus | None = None, clock: Clock = SYSTEM_CLOCK, replica: int = 0,
+                 on_scrape: Callable[[bool, str], None] | None = None) -> None:
         if not scrape_interval_s > 0:
             raise ValueError(f"scrape_interval_s must be > 0, got {scrape_interval_s!r}")
         self.base_url = base_url.rstrip("/")
@@ -136,7 +141,9 @@ class RemoteEngine(Engine):
                                          timeout=httpx.Timeout(timeout_s, connect=10.0),
                                          limits=httpx.Limits(max_connections=1024,
                                                              max_keepalive_connections=256))
-        self._load = EngineLoad()
+        self.replica = replica
+        self._on_scrape = on_scrape
+        self._load = EngineLoad(replica=replica)
         self.metrics_url = default_metrics_url(self.base_url) if metrics_url == "" else metrics_url
         self.scrape_interval_s = scrape_interval_s
         self._bus = bus
@@ -158,6 +165,11 @@ class RemoteEngine(Engine):
         if self._tokenizer is None:
             raise EngineError("engine not started")
         return self._tokenizer
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The connection pool to the upstream (its base URL set, its API key sent)."""
+        return self._client
 
     @property
     def scraping(self) -> bool:
@@ -222,7 +234,11 @@ class RemoteEngine(Engine):
                     self._not_vllm(f"{self.metrics_url} answered 404")
                 else:
                     self._failed(exc, now)
+                    if self._on_scrape is not None:
+                        self._on_scrape(False, f"{self.metrics_url}: {exc}")
                 return None
+            if self._on_scrape is not None:
+                self._on_scrape(True, "")
             load = upstream_load(stats, self.model_name)
             if load is None and self._last_ok is None:
                 self._not_vllm(f"{self.metrics_url} holds no vLLM engine series")
@@ -237,6 +253,7 @@ class RemoteEngine(Engine):
                     bus.publish(s)
             if load is None:
                 return None
+            load.replica = self.replica
             self._load = load
             if bus is not None:
                 bus.publish(load)
@@ -258,7 +275,8 @@ class RemoteEngine(Engine):
         stale = self._last_ok is None or now - self._last_ok >= STALE_INTERVALS * self.scrape_interval_s
         if stale and not self._stale_reported and (self._load.kv_capacity_tokens or self._load.kv_watermark_ratio):
             # a watermark this old would gate on a state long gone: report no KV reading instead
-            self._load = EngineLoad(0.0, 0, self._load.num_running, self._load.num_waiting, per_step=False)
+            self._load = EngineLoad(0.0, 0, self._load.num_running, self._load.num_waiting, per_step=False,
+                                    replica=self.replica)
             self._stale_reported = True
             if self._bus is not None:
                 self._bus.publish(self._load)

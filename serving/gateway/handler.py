@@ -368,6 +368,8 @@ class Prepared:
         prompts: each engine input's prompt token ids (after the chat template), for the agent
             run's repeated-prompt stop and the gateway's re-prefill tracker
             (:attr:`Gateway.reprefill`); empty where they are not known or neither needs them.
+        prefix_blocks: the first prompt's prefix block hashes, for an engine pool's router
+            (:attr:`~kvmeter.serving.scheduler.Job.prefix_blocks`); empty without a pool.
     """
 
     stream: bool
@@ -376,6 +378,7 @@ class Prepared:
     payload: Any = None
     tool_names: tuple[str, ...] = ()
     prompts: tuple[Sequence[int], ...] = ()
+    prefix_blocks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -665,7 +668,7 @@ class CompletionEndpoint:
         job = Job(request_id=meter.identity.request_id, attribution=attribution,
                   input_tokens=adm.prepared.input_tokens,
                   max_tokens=adm.prepared.output_tokens, arrival_s=meter.arrival_mono,
-                  deadline_s=deadline)
+                  deadline_s=deadline, prefix_blocks=adm.prepared.prefix_blocks)
         try:
             gw.scheduler.check_admission(job)
             grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)

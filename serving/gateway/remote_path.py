@@ -66,6 +66,7 @@ from starlette.responses import Response
 
 from kvmeter.errors import Refusal
 from kvmeter.serving.engines.base import EngineError, EngineOutput, Tokenizer
+from kvmeter.serving.engines.pool import EnginePool
 from kvmeter.serving.engines.remote import RemoteEngine
 from kvmeter.serving.gateway.emitted import EmittedToolCalls
 from kvmeter.serving.gateway.errors import ApiError, error_response
@@ -75,6 +76,7 @@ from kvmeter.serving.gateway.upstream import DONE, UNKNOWN, AnswerReader, Client
 from kvmeter.serving.openai_api.errors import invalid_body, model_not_found
 from kvmeter.serving.openai_api.layer import request_kind, validate_request
 from kvmeter.serving.quota.idempotency import StoredResponse
+from kvmeter.serving.scheduler.router import prefix_block_hashes
 from kvmeter.serving.tenancy import Principal
 
 __all__ = ["RemoteEndpoint", "chat_prompt_ids"]
@@ -229,7 +231,7 @@ class RemoteEndpoint(CompletionEndpoint):
         body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         engine = self.gw.engine
         if vreq.model and vreq.model != engine.model_name:  # vLLM's server: no name is the served model
-            raise model_not_found(vreq.model)
+            raise model_not_found(vreq.model, [engine.model_name])
         prompts = await self._prompt_ids(data)
         n = int(vreq.n or 1)
         fields = vreq.__dict__  # (reading max_tokens as an attribute warns it is deprecated)
@@ -246,8 +248,10 @@ class RemoteEndpoint(CompletionEndpoint):
         agents = self.gw.agents
         if names and agents is not None and agents.can_withhold(principal):
             payload.emitted = EmittedToolCalls(agents, principal, run_id)
+        blocks = prefix_block_hashes(prompts[0]) if isinstance(engine, EnginePool) and prompts else ()
         return Prepared(stream=stream, input_tokens=input_tokens, output_tokens=n * sum(ceilings), payload=payload,
-                        tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else ())
+                        tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else (),
+                        prefix_blocks=blocks)
 
     def _ceiling(self, asked: int | None, prompt_tokens: int, context_limit: int | None) -> int:
         """One prompt's output ceiling: ``max_tokens`` up to what the window leaves (the upstream
@@ -307,9 +311,8 @@ class RemoteEndpoint(CompletionEndpoint):
                         "x-request-id": request.headers.get("x-request-id") or adm.meter.identity.request_id,
                         # the tier's engine priority, the scheduler's grant (see the module docstring)
                         self.priority_header: str(adm.grant.priority if adm.grant is not None else 0)}
-        engine = cast(RemoteEngine, self.gw.engine)  # the app serves this path for the remote engine only
         try:
-            resp = await self._until_disconnect(request, engine.open(self.path, payload.body, send_headers), adm)
+            resp = await self._until_disconnect(request, self._open(adm, payload.body, send_headers), adm)
         except ClientGone:
             await self._finalize(adm, "aborted", status_code=499, finish_reason="abort")
             await self._settle_idempotency(adm, None)
@@ -331,6 +334,34 @@ class RemoteEndpoint(CompletionEndpoint):
             events = self._relay(adm, resp, reader, view, out_headers)
             return self.streaming_response(events, adm, out_headers, on_close)
         return await self._complete(request, adm, resp, reader, out_headers)
+
+    async def _open(self, adm: Admitted, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """Send the request upstream: to the remote engine, or to the replica of an engine pool
+        that the scheduler's grant names — and, when that replica cannot be reached (nothing was
+        done there), to another one the scheduler moves the grant to (``failover``), until one
+        answers or none is left (:mod:`kvmeter.serving.engines.pool`)."""
+        engine = self.gw.engine
+        if not isinstance(engine, EnginePool):
+            # the app serves this path for the remote engines only
+            return await cast(RemoteEngine, engine).open(self.path, body, headers)
+        grant = adm.grant
+        while True:
+            replica = grant.engine_idx if grant is not None else 0
+            try:
+                return await engine.open(self.path, body, headers, replica=replica)
+            except EngineError as exc:
+                moved = self.gw.scheduler.reroute(grant) if exc.retryable and grant is not None else None
+                if moved is None:
+                    raise
+                log.warning("request %s: %s; failing over to %s", adm.meter.identity.request_id, exc,
+                            engine.names[moved])
+
+    def _replica_name(self, adm: Admitted) -> str:
+        """The engine pool's replica the request runs on (its URL), or "" without a pool."""
+        engine = self.gw.engine
+        if isinstance(engine, EnginePool) and adm.grant is not None:
+            return engine.names[adm.grant.engine_idx]
+        return ""
 
     def _progress(self, adm: Admitted, reader: AnswerReader, finished: bool = False) -> None:
         """The meter (and the scheduler's charge) follow the reader's counts (until the event is built)."""
@@ -435,6 +466,10 @@ class RemoteEndpoint(CompletionEndpoint):
                         return
         except httpx.HTTPError as exc:
             broke = f"the upstream's stream broke off ({type(exc).__name__}: {exc})"
+            replica = self._replica_name(adm)
+            if replica:  # a replica of a pool whose connection broke: down until it answers again
+                broke = f"replica {replica}: {broke}"
+                cast(EnginePool, self.gw.engine).mark_down(replica, broke)
         if broke is None:
             broke = "the upstream's stream ended before [DONE]"
         log.error("request %s: %s", adm.meter.identity.request_id, broke)

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
-from kvmeter.tokens import TokenCounts
+from kvmeter.tokens import TokenCounts, prefix_block_hashes
 
 __all__ = ["PrefixReuse", "PrefixProbe", "block_hashes", "DEFAULT_WINDOW_S", "DEFAULT_MAX_BLOCKS"]
 
@@ -68,24 +68,17 @@ DEFAULT_MAX_BLOCKS = 262_144
 
 
 def block_hashes(prompt: Sequence[int], block_size_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks of ``prompt``.
+    """Chained hashes of the full blocks of ``prompt``: :func:`kvmeter.tokens.prefix_block_hashes`
+    (the one definition, shared with the engine pool's router), as a list.
 
     Args:
         prompt: token ids.
         block_size_tokens: tokens per block (≥ 1).
     Returns:
-        ``len(prompt) // block_size_tokens`` hashes; hash ``i`` is ``hash((hash i - 1, block i's
-        token ids))`` (0 before the first), so equal hashes mean equal prefixes (up to a 64-bit
-        collision). Deterministic across processes (ints and tuples are not salted).
+        ``len(prompt) // block_size_tokens`` hashes; equal hashes mean equal prefixes (up to a
+        64-bit collision).
     """
-    size = block_size_tokens
-    ids = tuple(prompt)
-    out: list[int] = []
-    prev = 0
-    for start in range(0, len(ids) // size * size, size):
-        prev = hash((prev, ids[start:start + size]))
-        out.append(prev)
-    return out
+    return list(prefix_block_hashes(prompt, block_size_tokens))
 
 
 class PrefixReuse:

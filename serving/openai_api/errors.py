@@ -18,7 +18,7 @@ metrics and the attempt record; the client never sees it.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Sequence
 
 from kvmeter.errors import Refusal
 
@@ -131,9 +131,12 @@ def unsupported(message: str, param: str) -> OpenAIError:
     return OpenAIError(_vllm_body(message, "BadRequestError", 400, param), code="unsupported_parameter")
 
 
-def model_not_found(model: str) -> OpenAIError:
-    """vLLM's 404 for a model it does not serve (its ``OpenAIServingModels.check_model``)."""
+def model_not_found(model: str, served: Sequence[str] = ()) -> OpenAIError:
+    """vLLM's 404 for a model it does not serve (its ``OpenAIServingModels.check_model``), its
+    message naming the ``served`` models (what ``GET /v1/models`` lists) in vLLM's words when given."""
     from vllm.entrypoints.serve import create_error_response
 
-    return from_error_response(create_error_response(f"The model `{model}` does not exist.", "NotFoundError",
-                                                     HTTPStatus.NOT_FOUND, "model"))
+    message = f"The model `{model}` does not exist."
+    if served:
+        message += " Valid aliases: " + ", ".join(served) + "."
+    return from_error_response(create_error_response(message, "NotFoundError", HTTPStatus.NOT_FOUND, "model"))

@@ -39,6 +39,9 @@ class Job:
         max_tokens: output ceiling (bounds the KV the request can grow to).
         arrival_s: monotonic seconds at gateway arrival.
         deadline_s: monotonic seconds by which the first token is due, or ``None``.
+        prefix_blocks: the prompt's prefix block hashes
+            (:func:`~kvmeter.serving.scheduler.router.prefix_block_hashes`), for an engine pool's
+            prefix-aware routing; empty when unknown or not routed.
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class Job:
     max_tokens: int
     arrival_s: float
     deadline_s: float | None = None
+    prefix_blocks: tuple[int, ...] = ()
 
     @property
     def tenant_id(self) -> str:
@@ -121,6 +125,11 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def charge_output(self, grant: Grant, tokens: int) -> None:
         """Charge ``tokens`` (≥ 0) newly streamed output tokens to the grant's tenant."""
+
+    def reroute(self, grant: Grant) -> int | None:
+        """Move a dispatched request whose replica failed before answering to another replica of
+        the pool; returns the new replica's index, or None (no other replica: the default)."""
+        return None
 
     @abc.abstractmethod
     def release(self, grant: Grant) -> None:

@@ -80,10 +80,11 @@ from kvmeter.stats import EngineLoad, SchedulerStats
 from ._heap import LazyMinHeap
 from .base import CounterLog, Grant, Job, SchedulerRejected
 from .config import SchedulerConfig
-from .gating import EngineGate, latency_targets, pick_engine
+from .gating import EngineGate, latency_targets, most_free_kv, open_engines
 from .policy import OrderingPolicy, make_policy
 from .pressure import PressureController, oldest_protected_wait_ratio
 from .projection import DrainRateMeter, job_cost, projected_wait
+from .router import Route, Router
 from .snapshot import FairnessSampler, tenant_stats, tier_stats
 from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
 
@@ -107,14 +108,17 @@ class SchedulerCore:
             between gateway processes, :mod:`.shared_service`); None (the default, and the
             simulator's): the counters are this process's alone. Shared counters come back
             through :meth:`raise_counters`.
+        router: picks the replica among the open ones (:class:`~.router.Router`); None: the most
+            free KV (:func:`~.gating.pick_engine`, the simulator's choice).
     Raises:
         ValueError: on an unknown policy name or ``num_engines < 1``.
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
                  clock: Clock = SYSTEM_CLOCK, num_engines: int = 1,
-                 counter_log: CounterLog | None = None) -> None:
+                 counter_log: CounterLog | None = None, router: Router | None = None) -> None:
         self.config = config or SchedulerConfig()
+        self.router = router
         if isinstance(policy, str):
             policy = make_policy(policy, rpm_limit=self.config.rpm_limit,
                                  tenant_rpm_limits=self.config.tenant_rpm_limits)
@@ -530,8 +534,8 @@ class SchedulerCore:
         grants: list[Grant] = []
         cfg = self.config
         while self._queued_total and (max_grants is None or len(grants) < max_grants):
-            engine = pick_engine(self._engines, cfg)
-            if engine is None:
+            candidates = open_engines(self._engines, cfg)
+            if not candidates:
                 break
             tier = self._active_tiers.top()
             if tier is None:
@@ -551,6 +555,12 @@ class SchedulerCore:
                 t.n_queued = 0
                 continue
             job = qj.job
+            route = None
+            if self.router is not None:
+                route = self.router.choose(candidates, job.prefix_blocks, cfg, job.input_tokens)
+                engine = route.engine
+            else:
+                engine = most_free_kv(candidates) or candidates[0]
             if qj.deadline is not None and now + engine.first_token_lead_s() >= qj.deadline:
                 # (the deadline is the first token's: dispatching a request that cannot make it
                 # would spend the engine on a missed objective)
@@ -570,7 +580,58 @@ class SchedulerCore:
                 self._make_ineligible(t)
                 continue
             grants.append(self._start(qj, engine, now))
+            if route is not None and self.router is not None:
+                self.router.commit(route, job.prefix_blocks)
         return grants
+
+    def set_engine_available(self, engine_idx: int, available: bool) -> None:
+        """Open or close replica ``engine_idx`` to new requests (down or drained); its running
+        requests go on. A replica that comes back is forgotten by the router's prefix index when it
+        went down (its cache is gone).
+
+        Raises:
+            ValueError: for an engine index outside ``range(num_engines)``.
+        """
+        if not 0 <= engine_idx < len(self._engines):
+            raise ValueError(f"engine_idx {engine_idx} outside 0..{len(self._engines) - 1}")
+        e = self._engines[engine_idx]
+        if e.available and not available and self.router is not None:
+            self.router.index.forget(engine_idx)
+        e.available = available
+
+    def reroute(self, grant: Grant) -> int | None:
+        """Move a dispatched request that its replica failed before answering to another
+        available replica (an open one first, through the router: outcome ``failover``); its
+        engine accounting moves with it.
+
+        Returns:
+            The new replica's index, or None when no other replica is available (the grant stays).
+        """
+        g = self._running.get(grant.job.request_id)
+        if g is None:
+            return None
+        others = [e for e in self._engines if e.idx != g.engine_idx and e.available]
+        if not others:
+            return None
+        pool = [e for e in open_engines(others, self.config)] or others
+        if self.router is not None:
+            route = self.router.choose(pool, g.job.prefix_blocks, self.config, g.job.input_tokens)
+            route = Route(route.engine, "failover", route.matched_blocks)
+        else:
+            route = Route(most_free_kv(pool) or pool[0], "failover")
+        old, new = self._engines[g.engine_idx], route.engine
+        old.outstanding -= 1
+        new.outstanding += 1
+        new.since_report += 1
+        if not g.started:
+            old.unstarted -= 1
+            old.unstarted_tokens -= g.job.input_tokens
+            new.unstarted += 1
+            new.unstarted_tokens += g.job.input_tokens
+        g.engine_idx = grant.engine_idx = new.idx
+        if self.router is not None:
+            self.router.commit(route, g.job.prefix_blocks)
+        return new.idx
 
     def _over_budget(self, t: TenantState, need: int) -> bool:
         """Would dispatching a ``need``-token prompt put ``t`` over its KV or prefill budget?

@@ -39,6 +39,7 @@ from .base import Grant, Job, Scheduler
 from .config import SchedulerConfig
 from .core import SchedulerCore
 from .policy import OrderingPolicy
+from .router import Router
 from .shared_service import SharedServiceSync
 
 __all__ = ["FairScheduler"]
@@ -60,6 +61,7 @@ class FairScheduler(Scheduler):
         shared_service: share the VTC counters with the pool's other gateway processes through
             Redis (:mod:`.shared_service`; its sync task runs between :meth:`start` and
             :meth:`stop`); None: this process's counters alone.
+        router: an engine pool's replica choice (:class:`~.router.Router`); None: the most free KV.
     Raises:
         ValueError: on non-positive intervals (and as :class:`SchedulerCore`).
     """
@@ -67,11 +69,11 @@ class FairScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
                  clock: Clock = SYSTEM_CLOCK, bus: StatsBus | None = None, num_engines: int = 1,
                  stats_interval_s: float = 1.0, tick_interval_s: float = 0.1,
-                 shared_service: SharedServiceSync | None = None) -> None:
+                 shared_service: SharedServiceSync | None = None, router: Router | None = None) -> None:
         if not stats_interval_s > 0 or not tick_interval_s > 0:
             raise ValueError("stats_interval_s and tick_interval_s must be > 0")
         self.core = SchedulerCore(config, policy=policy, clock=clock, num_engines=num_engines,
-                                  counter_log=shared_service)
+                                  counter_log=shared_service, router=router)
         self.shared_service = shared_service
         self._clock = clock
         self._bus = bus
@@ -119,6 +121,16 @@ class FairScheduler(Scheduler):
         self._pump()
 
     # ---------------------------------------------------------------- engine load reports
+    def reroute(self, grant: Grant) -> int | None:
+        """See :meth:`SchedulerCore.reroute`: the replica the request moved to, or None."""
+        return self.core.reroute(grant)
+
+    def set_engine_available(self, engine_idx: int, available: bool) -> None:
+        """See :meth:`SchedulerCore.set_engine_available`; a replica that opens re-evaluates dispatch."""
+        self.core.set_engine_available(engine_idx, available)
+        if available:
+            self._pump()
+
     def on_engine_load(self, load: EngineLoad, engine_idx: int = 0) -> None:
         """Take an engine's load snapshot (e.g. from ``Engine.load()``) and re-evaluate dispatch."""
         try:

@@ -75,7 +75,8 @@ from kvmeter.stats import EngineLoad
 
 from .config import SchedulerConfig
 
-__all__ = ["EngineGate", "AdaptiveEngineLimit", "pick_engine", "latency_targets"]
+__all__ = ["EngineGate", "AdaptiveEngineLimit", "pick_engine", "open_engines", "free_kv", "most_free_kv",
+           "latency_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -311,10 +312,12 @@ class EngineGate:
             requests without an output token yet and their prompt tokens.
         reported: has the engine ever reported its load? ``since_report``: dispatched since.
         adaptive: the :class:`AdaptiveEngineLimit` (None when disabled by config).
+        available: may it take new requests? False while a replica of a pool is down or drained
+            (:meth:`~.core.SchedulerCore.set_engine_available`); what it runs goes on.
     """
 
     __slots__ = ("idx", "load", "outstanding", "unstarted", "unstarted_tokens", "reported",
-                 "since_report", "adaptive")
+                 "since_report", "adaptive", "available")
 
     def __init__(self, idx: int, config: SchedulerConfig) -> None:
         self.idx = idx
@@ -325,6 +328,7 @@ class EngineGate:
         self.reported = False
         self.since_report = 0
         self.adaptive = AdaptiveEngineLimit(config, idx) if config.adaptive_engine_limit else None
+        self.available = True
 
     def waiting_estimate(self) -> int:
         """Requests in the engine's own waiting queue: its last per-step report plus what was
@@ -354,15 +358,17 @@ class EngineGate:
         return config.max_engine_running if bound is None else min(config.max_engine_running, bound)
 
 
-def pick_engine(engines: Sequence[EngineGate], config: SchedulerConfig) -> EngineGate | None:
-    """The engine with the most free KV among those whose gates are open, or None.
+def open_engines(engines: Sequence[EngineGate], config: SchedulerConfig) -> list[EngineGate]:
+    """The engines whose gates are open now (available — not drained nor down —, below the
+    running cap and the adaptive limit, the waiting queue and the KV watermark), in index order.
 
     An engine stopped only by its adaptive limit is marked ``limited`` (the limit held back work:
     the evidence the control law needs before it grows the limit); call this only with work queued.
     """
-    best: EngineGate | None = None
-    best_free = -math.inf
+    out: list[EngineGate] = []
     for e in engines:
+        if not e.available:
+            continue
         if e.outstanding >= config.max_engine_running:
             continue
         if e.outstanding >= e.running_limit(config):
@@ -373,14 +379,32 @@ def pick_engine(engines: Sequence[EngineGate], config: SchedulerConfig) -> Engin
         if e.waiting_estimate() >= config.max_engine_waiting:
             continue
         if e.capacity:
-            used = e.projected_used()
-            if used >= config.kv_watermark_high * e.capacity:
+            if e.projected_used() >= config.kv_watermark_high * e.capacity:
                 continue
-            free = e.capacity - used
-        else:
-            if e.load.kv_watermark_ratio >= config.kv_watermark_high:
-                continue  # a watermark without a capacity (a scraped page without cache_config_info)
-            free = -e.outstanding
+        elif e.load.kv_watermark_ratio >= config.kv_watermark_high:
+            continue  # a watermark without a capacity (a scraped page without cache_config_info)
+        out.append(e)
+    return out
+
+
+def free_kv(e: EngineGate) -> float:
+    """An open engine's room, for the most-free-KV choice: free KV tokens (capacity − projected
+    use) when its capacity is known, else minus its outstanding requests (fewer is freer)."""
+    return e.capacity - e.projected_used() if e.capacity else -e.outstanding
+
+
+def most_free_kv(engines: Sequence[EngineGate]) -> EngineGate | None:
+    """Of ``engines``, the one with the most :func:`free_kv` (the lowest index on a tie), or None."""
+    best: EngineGate | None = None
+    best_free = -math.inf
+    for e in engines:
+        free = free_kv(e)
         if free > best_free:
             best, best_free = e, free
     return best
+
+
+def pick_engine(engines: Sequence[EngineGate], config: SchedulerConfig) -> EngineGate | None:
+    """The engine with the most free KV among those whose gates are open (:func:`open_engines`),
+    or None."""
+    return most_free_kv(open_engines(engines, config))

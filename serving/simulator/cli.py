@@ -4,6 +4,7 @@ Examples::
 
     kvmeter simulate --trace azure-conv --policy vtc --model llama-3.1-70b --gpu h200 --tp 4
     kvmeter simulate --trace mooncake --policy fcfs --replicas 2 --duration-s 600
+    kvmeter simulate --trace mooncake --replicas 4 --routing prefix_aware
     kvmeter simulate --trace my.csv --tenants column --out results/run1
 
 Tenants: ``servegen`` (default) splits the trace's requests over ServeGen clients (see
@@ -25,6 +26,7 @@ from pathlib import Path
 from kvmeter.cliargs import non_negative_int as _non_negative_int, positive_int as _positive_int
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.policy import POLICIES
+from kvmeter.serving.scheduler.router import ROUTING_POLICIES
 from kvmeter.traces import REQUEST_TRACES, TraceError, load_trace
 
 from .hardware import ACCELERATORS
@@ -101,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu", choices=sorted(ACCELERATORS), default="h200")
     e.add_argument("--tp", type=int, default=4, help="tensor-parallel degree per replica (default 4)")
     e.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    e.add_argument("--routing", choices=ROUTING_POLICIES, default=None,
+                   help="the replica choice, as serve's engine pool (default: the most free KV, no router)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     e.add_argument("--max-num-seqs", type=_positive_int, default=None)
     e.add_argument("--long-prefill-threshold", type=int, default=None,
@@ -188,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
                         long_prefill_token_threshold=args.long_prefill_threshold,
                         enable_prefix_caching=not args.no_prefix_caching,
                         compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
-                        step_overhead_s=args.step_overhead_s, max_model_len=args.max_model_len)
+                        step_overhead_s=args.step_overhead_s, max_model_len=args.max_model_len,
+                        routing=args.routing)
         simulation = Simulation(requests, policy=args.policy, scheduler_config=scfg, sim=sim,
                                 progress=not args.no_progress)
     except (ValueError, TraceError, FileNotFoundError, OSError) as err:

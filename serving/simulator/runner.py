@@ -33,6 +33,7 @@ from kvmeter.serving.scheduler.base import Grant, Job, SchedulerRejected
 from kvmeter.serving.scheduler.config import SchedulerConfig
 from kvmeter.serving.scheduler.core import SchedulerCore
 from kvmeter.serving.scheduler.policy import OrderingPolicy
+from kvmeter.serving.scheduler.router import Router
 from kvmeter.traces import TraceRequest
 
 from .costmodel import RooflineCostModel
@@ -66,6 +67,9 @@ class SimConfig:
         max_model_len: context window override (None: the model's).
         engine_scheduling: ``priority`` or ``fcfs`` inside the engine (None: ``priority`` for
             VTC, ``fcfs`` for the baselines — plain vLLM).
+        routing: the replica choice — an engine pool's router policy
+            (:mod:`kvmeter.serving.scheduler.router`: ``prefix_aware`` on the trace's hash blocks,
+            ``least_kv``, ``round_robin``); None: the most free KV without a router.
     """
 
     model: str = "llama-3.1-70b"
@@ -83,6 +87,7 @@ class SimConfig:
     memory_utilization: float | None = None
     max_model_len: int | None = None
     engine_scheduling: str | None = None
+    routing: str | None = None
 
 
 def build_cost_model(cfg: SimConfig) -> RooflineCostModel:
@@ -207,7 +212,9 @@ class Simulation:
         self.sim = sim or SimConfig()
         self.scfg = scheduler_config or SchedulerConfig()
         self.clock = ManualClock(start_monotonic=0.0)
-        self.core = SchedulerCore(self.scfg, policy=policy, clock=self.clock, num_engines=self.sim.replicas)
+        router = Router(self.sim.routing, clock=self.clock) if self.sim.routing else None
+        self.core = SchedulerCore(self.scfg, policy=policy, clock=self.clock, num_engines=self.sim.replicas,
+                                  router=router)
         self.cost = build_cost_model(self.sim)
         sched = self.sim.engine_scheduling or ("priority" if self.core.policy_name == "vtc" else "fcfs")
         self.replicas = [SimReplica(self.cost, idx=i, max_num_batched_tokens=self.sim.max_num_batched_tokens,
@@ -250,7 +257,8 @@ class Simulation:
         # the trace's own deadline, else the tier's rule: the one serve's gateway applies
         rec.deadline_s = tr.deadline_s if tr.deadline_s is not None else self.scfg.tier(rec.tier).deadline_s(now)
         job = Job(request_id=rid, attribution=Attribution(tenant_id=tenant, tier=rec.tier),
-                  input_tokens=tr.input_tokens, max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s)
+                  input_tokens=tr.input_tokens, max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s,
+                  prefix_blocks=tuple(tr.hash_ids or ()) if self.core.router is not None else ())
         core = self.core
         if core.queued_total == 0 or (core.policy.counter_ordered and core.tenant_queue_depth(tenant) == 0):
             # the queue turns non-empty (the drain-rate meter starts counting: output produced so

@@ -20,7 +20,7 @@ from kvmeter.serving.config import load_serve_config
 from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
 from kvmeter.serving.engines.instant import InstantEngine
 from kvmeter.serving.runtime import ServeRuntime
-from kvmeter.stats import GpuCollectorStatus
+from kvmeter.stats import EngineStepShares, GpuCollectorStatus, TenantStepShare
 
 MIB = 1024 * 1024
 T0 = 1_790_000_000.0
@@ -82,6 +82,27 @@ async def test_this_machine_gpu_or_not_serve_starts(tmp_path, tokenizer, caplog)
             assert not runtime.gpu.running and available == 0
             lines = [r.getMessage() for r in caplog.records if "GPU" in r.getMessage()]
             assert len(lines) == 1 and lines[0].startswith("no GPU: no_gpu"), lines
+    finally:
+        await runtime.stop()
+        await runtime.engine.shutdown()
+
+
+async def test_engine_step_shares_reach_the_ledgers_engine_steps(tmp_path, tokenizer, monkeypatch):
+    """The per-step, per-tenant rows the vLLM engine publishes go into ``engine_steps`` with the
+    served model and this process's replica name, and the read API serves the interference read."""
+    monkeypatch.setenv("KVMETER_REPLICA", "replica-a")
+    runtime = await runtime_for(tmp_path, tokenizer)
+    await runtime.start()
+    try:
+        runtime.bus.publish(EngineStepShares(wall_ts=T0, engine_idx=1, duration_s=0.25, tenants=(
+            TenantStepShare("acme", "paid_interactive", 64, 2, 300, 3, ("r-1",)),)))
+        ledger = runtime.recorder.ledger
+        assert ledger.flush(30.0)
+        assert ledger.query_client().query(
+            "SELECT replica, engine_idx, model, tenant_id, prefill_tokens, decode_tokens, kv_tokens, "
+            "prefill_request_ids FROM engine_steps").result_rows == [
+            ("replica-a", 1, MODEL, "acme", 64, 2, 300, ["r-1"])]
+        assert any(getattr(r, "path", "") == "/v1/usage/interference" for r in runtime.app().routes)
     finally:
         await runtime.stop()
         await runtime.engine.shutdown()

@@ -149,6 +149,8 @@ def test_shares_group_rows_by_tenant_and_tier():
             for t in shares.tenants] == [("", "", 0, 1, 10, 1), ("t1", "paid", 64, 1, 114, 2),
                                          ("t2", "free", 0, 1, 200, 1)]
     assert shares.scheduled_tokens == 67 and shares.duration_s == 0.5
+    # the requests in prefill this step, by kvmeter id (the interference read finds engines by them)
+    assert [t.prefill_request_ids for t in shares.tenants] == [(), ("kvm-a",), ()]
 
 
 def test_scheduled_tokens_reach_the_step_histogram(vllm_config):

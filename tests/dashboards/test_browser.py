@@ -101,6 +101,11 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
                                           "[data-testid=stVegaLiteChart] svg").count(),
                     "spread": _spread(first.screenshot()) if page.locator("[data-testid=stVegaLiteChart]").count()
                     else 0.0,
+                    # the noisy page's interference panel: its heading, then its bars or its "no missed
+                    # request" line (whether a request missed its TTFT depends on the machine's load)
+                    "interference": page.get_by_text("Interference: whose work filled the steps").count(),
+                    "interference_body": page.get_by_text("Share of the steps between arrival").count()
+                    + page.get_by_text("No request missed its tier's TTFT or ITL objective").count(),
                     "text": page.inner_text("body") if name == "noisy" else "",
                 }
         finally:
@@ -110,6 +115,7 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
         assert r["charts"] >= 1 and r["drawn"] >= 1, (name, r)
         assert r["spread"] > 5.0, (name, r)  # a blank chart area has a spread near 0
         assert (SHOTS / f"{name}.png").stat().st_size > 20_000
+    assert results["noisy"]["interference"] == 1 and results["noisy"]["interference_body"] >= 1, results["noisy"]
     # Noisy neighbours: the ledger's two shapes and the signal history's engine-work shares, each
     # detector named with the alert it mirrors (the chart titles are drawn in the canvas, not the DOM)
     noisy = results["noisy"]

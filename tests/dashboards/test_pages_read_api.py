@@ -155,6 +155,15 @@ def test_noisy_neighbours_counts_every_attempt_and_states_each_detector(reader, 
     assert set(states[states["detector"] == PREFILL]["tenant_id"]) <= set(table["tenant_id"])
     assert set(states["state"]) == {"quiet"}, states.to_string()
     assert any("No tenant sent a request with an Idempotency-Key" in c.value for c in at.caption)
+    # the interference panel: its rows (when a request missed its tier's objective on this machine's
+    # load) hold shares that sum to 1 per victim, objective and quantity; else it says none missed
+    assert any("Interference" in h.value for h in at.subheader)
+    frames = [df.value for df in at.dataframe if "prefill_share" in df.value.columns]
+    if frames:
+        for _, group in frames[0].dropna(subset=["prefill_share"]).groupby(["tenant_id", "objective"]):
+            assert abs(group["prefill_share"].sum() - 1.0) < 1e-9
+    else:
+        assert any("No request missed its tier's TTFT or ITL objective" in c.value for c in at.caption)
 
 
 def test_admin_tenant_filter_narrows_every_read(reader, dashboard_env):

@@ -20,6 +20,7 @@ from kvmeter.dashboards.source import ScopedSource
 from kvmeter.dashboards.sql import SqlSource
 from kvmeter.dashboards.viewer import TierInfo, Viewer
 from kvmeter.dashboards.window import Window
+from kvmeter.stats import EngineStepShares, TenantStepShare
 from kvmeter.tokens import TokenCounts
 
 T0 = datetime(2026, 11, 27, 2, 0, tzinfo=timezone.utc)
@@ -51,6 +52,23 @@ EVENTS = [
     event(5, "hobby", "free", at=62, prompt=40, out=10, ttft=0.3, outcome="aborted", reserved_out=50),
     # outside the window
     event(6, "acme", "enterprise", at=200, prompt=999, out=9, ttft=0.1),
+]
+
+
+
+def _step(at: float, *tenants: TenantStepShare) -> EngineStepShares:
+    return EngineStepShares(wall_ts=T0.timestamp() + at, duration_s=0.5, tenants=tenants)
+
+
+# engine steps (0.5 s each): acme-2 (TTFT 1.5 s > enterprise's 1 s) waited 5 → 6.5 s, acme-4 (mean
+# ITL 80 ms > 50 ms) streamed 61.2 → 63 s
+STEPS = [
+    _step(5.5, TenantStepShare("hobby", "free", 300, 0, 300, 1)),
+    _step(6.0, TenantStepShare("acme", "enterprise", 300, 0, 300, 1, ("acme-2",)),
+          TenantStepShare("hobby", "free", 0, 1, 301, 1)),
+    _step(61.1, TenantStepShare("acme", "enterprise", 200, 0, 200, 1, ("acme-4",))),
+    _step(62.0, TenantStepShare("acme", "enterprise", 0, 1, 201, 1),
+          TenantStepShare("hobby", "free", 40, 0, 40, 1, ("hobby-5",))),
 ]
 
 
@@ -89,6 +107,8 @@ def source(tmp_path: Path) -> Iterator[SqlSource]:
              for s in range(0, 120, 10)]
             + [SignalSample(ts + s, "kvmeter_tenant_active_kv_tokens", v, {"tier": t, "tenant": t_id})
                for s in (5, 65) for t, t_id, v in (("enterprise", "acme", 400.0), ("free", "hobby", 50.0))])
+        for step in STEPS:
+            ledger.record_step_shares(step, model="SmolLM2-135M-Instruct", replica="r1")
         assert ledger.flush(30)
         src = SqlSource(ClientHolder(lambda: connect(config)), ledger.prices, tiers=TIERS)
         yield src
@@ -200,3 +220,36 @@ def test_noisy_neighbours_through_the_sql_source_and_its_scope(source):
     assert [r["tenant_id"] for r in tenant.read("noisy_neighbours", WINDOW)] == ["acme"]
     with pytest.raises(ScopeError):
         tenant.read("noisy_neighbours", WINDOW, ["hobby"])
+
+
+def test_interference_through_the_sql_source_names_for_an_admin_anonymized_for_a_tenant(source):
+    admin = ScopedSource(source, Viewer("platform", "enterprise", "platform-admin", admin=True))
+    rows = by(admin.read("interference", WINDOW), "objective", "neighbour")
+    # TTFT of acme-2, steps 5.5 and 6.0: prefill hobby 300, acme 300 (its own); decode hobby 1
+    ttft_hobby, ttft_acme = rows[("ttft", "hobby")], rows[("ttft", "acme")]
+    assert (ttft_hobby["prefill_share"], ttft_hobby["decode_share"], ttft_acme["prefill_share"]) == (0.5, 1.0, 0.5)
+    assert ttft_hobby["kv_token_seconds"] == (300 + 301) * 0.5 and ttft_acme["decode_share"] == 0.0
+    # ITL of acme-4, step 62.0 (61.1 was its prefill, before its first token): prefill hobby 40, decode acme 1
+    itl_hobby, itl_acme = rows[("itl", "hobby")], rows[("itl", "acme")]
+    assert (itl_hobby["prefill_tokens"], itl_hobby["prefill_share"], itl_acme["decode_share"]) == (40, 1.0, 1.0)
+    assert {r["tenant_id"] for r in rows.values()} == {"acme"}
+    tenant = ScopedSource(source, Viewer("acme", "enterprise", "acme-key"))
+    seen = tenant.read("interference", WINDOW)
+    assert {r["neighbour"] for r in seen} == {"acme", "tenant-1"}
+    assert [r["prefill_share"] for r in seen if r["objective"] == "ttft"] == [0.5, 0.5]
+
+
+def test_the_noisy_pages_interference_bars_are_the_reads_shares(source):
+    from kvmeter.dashboards import schemas
+    from kvmeter.dashboards.frames import frame
+    from kvmeter.dashboards.views.noisy import interference_shares
+
+    rows = ScopedSource(source, Viewer("acme", "enterprise", "acme-key")).read("interference", WINDOW)
+    long = interference_shares(frame(rows, schemas.INTERFERENCE))
+    bars = {(r["bar"], r["neighbour"]): r["share"] for r in long.iter_rows(named=True)}
+    assert bars[("acme · TTFT · prefill", "tenant-1")] == 0.5
+    assert bars[("acme · TTFT · decode", "tenant-1")] == 1.0
+    assert bars[("acme · ITL · prefill", "tenant-1")] == 1.0
+    # per bar the shares of every tenant sum to 1
+    for bar in {b for b, _ in bars}:
+        assert sum(v for (b, _), v in bars.items() if b == bar) == 1.0

@@ -45,10 +45,12 @@ async def test_step_shares_recompute_the_engines_totals_per_tenant(vllm_engine):
     unsubscribe = [bus.subscribe(EngineStepShares, shares.append), bus.subscribe(EngineStepStats, steps.append)]
     try:
         shared = _ids(vllm_engine, 600)  # t1's two requests share a prefix: the second hits the cache
-        first = await _final_stats(vllm_engine, _request(shared + _ids(vllm_engine, 100), 6, "t1", "paid"))
-        second, other = await asyncio.gather(
-            _final_stats(vllm_engine, _request(shared + _ids(vllm_engine, 80), 9, "t1", "paid")),
-            _final_stats(vllm_engine, _request(_ids(vllm_engine, 300), 12, "t2", "free")))
+        requests = [_request(shared + _ids(vllm_engine, 100), 6, "t1", "paid"),
+                    _request(shared + _ids(vllm_engine, 80), 9, "t1", "paid"),
+                    _request(_ids(vllm_engine, 300), 12, "t2", "free")]
+        first = await _final_stats(vllm_engine, requests[0])
+        second, other = await asyncio.gather(_final_stats(vllm_engine, requests[1]),
+                                             _final_stats(vllm_engine, requests[2]))
     finally:
         for off in unsubscribe:
             off()
@@ -70,3 +72,8 @@ async def test_step_shares_recompute_the_engines_totals_per_tenant(vllm_engine):
     # vLLM's own count of generated tokens, per step, against the rows: decode + the first tokens
     assert sum(s.output_tokens for s in steps) == sum(e[1] for e in expected.values()) + 3
     assert sum(s.scheduled_tokens for s in steps) == sum(s.scheduled_tokens for s in shares)
+    # every request is named, by kvmeter's id, in its tenant's prefill ids of at least one step (the
+    # cache-hit one too: vLLM recomputes a prompt's last token) — the interference read finds a
+    # request's engine by it
+    named = {(t.tenant_id, rid) for s in shares for t in s.tenants for rid in t.prefill_request_ids}
+    assert named == {(r.attribution.tenant_id, r.request_id) for r in requests}

@@ -194,3 +194,17 @@ async def test_one_attribution_object_is_carried_from_admission_to_every_record(
     assert all(s.attribution is a for s in seen), seen
     assert event.reserved == attempt.reserved and event.tokens.output_tokens == 2
     assert resp.json()["usage"]["completion_tokens"] == event.tokens.output_tokens  # wire name on the wire only
+
+
+async def test_an_unknown_model_is_a_404_naming_the_served_models(instant_stack, iclient):
+    import openai
+
+    listed = (await iclient.get("/v1/models", headers=auth("acme"))).json()["data"]
+    assert [m["id"] for m in listed] == [instant_stack.model]
+    sdk = openai.AsyncOpenAI(base_url=f"{instant_stack.base_url}/v1", api_key=KEYS["acme"], max_retries=0)
+    with pytest.raises(openai.NotFoundError) as refused:
+        await sdk.chat.completions.create(model="no-such-model", messages=GOOD["messages"], max_tokens=2)
+    # (vLLM's own answer on the in-process path, which the remote path and an engine pool give too)
+    said = refused.value.body["message"]
+    assert said == f"The model `no-such-model` does not exist. Valid aliases: {instant_stack.model}."
+    assert refused.value.body["param"] == "model"

@@ -113,13 +113,13 @@ def clock() -> ManualClock:
 async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
                 ) -> AsyncIterator[Callable[..., Awaitable[QuotaStack]]]:
     """``await serve(tenants_yaml, engine=None, quota_store="memory://", scheduler_options={},
-    bus=None)`` starts one stack for the test (stopped, ledger closed, at teardown); a given
+    bus=None, routing=None)`` starts one stack for the test (stopped, ledger closed, at teardown); a given
     engine publishes its stats on the bus it was built with, so pass that bus too."""
     started: list[tuple[uvicorn.Server, asyncio.Task, httpx.AsyncClient, Engine]] = []
 
     async def start(tenants_yaml: str, *, engine: Engine | None = None, quota_store: str = "memory://",
                     scheduler_options: dict | None = None, max_model_len: int = 4096,
-                    bus: StatsBus | None = None) -> QuotaStack:
+                    bus: StatsBus | None = None, routing: str | None = None) -> QuotaStack:
         assert not started, "one stack per test (chDB: one path per process)"
         (tmp_path / "tenants.yaml").write_text(tenants_yaml)
         (tmp_path / "prices.yaml").write_text(PRICES_YAML)
@@ -129,6 +129,7 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
             ("tenants",): str(tmp_path / "tenants.yaml"), ("prices",): str(tmp_path / "prices.yaml"),
             ("quota_store",): quota_store, ("scheduler", "options"): scheduler_options or {},
             ("ledger_dsn",): f"chdb://{tmp_path}/chdb", ("spool_dir",): str(tmp_path / "spool"),
+            ("engine", "routing"): routing,
         }, env={})
         engine = engine or InstantEngine(tokenizer, MODEL, max_model_len=max_model_len)
         await engine.start()  # a given engine is not started by the runtime
