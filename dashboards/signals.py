@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvmeter.exporters.prometheus.names import rate_series, series
 
-__all__ = ["ENGINE", "SCHEDULER", "TENANT", "GATEWAY", "GPU", "MIG", "ALL"]
+__all__ = ["ENGINE", "ENGINE_TENANT", "PROMPT_CACHE", "SCHEDULER", "TENANT", "GATEWAY", "GPU", "MIG", "ALL"]
 
 #: Engine gauges, labels ``engine``, ``model``.
 ENGINE = {
@@ -26,6 +26,15 @@ ENGINE = {
     "waiting": series("kvmeter_engine_waiting_requests"),               # requests in the engine queue
     "output_rate": rate_series("kvmeter_engine_output_tokens_total"),
     "preemption_rate": rate_series("kvmeter_engine_preemptions_total"),
+}
+#: Per-tenant engine work rates (vLLM step shares), labels ``engine``, ``model``, ``tier``, ``tenant``.
+ENGINE_TENANT = {
+    "prefill_rate": rate_series("kvmeter_engine_tenant_scheduled_prefill_tokens_total"),  # tokens / s
+    "decode_rate": rate_series("kvmeter_engine_tenant_scheduled_decode_tokens_total"),    # tokens / s
+}
+#: The gateway's prompt-cache thrash measure, labels ``tenant``, ``model`` (tenants that re-prefilled).
+PROMPT_CACHE = {
+    "reprefill_rate": rate_series("kvmeter_prompt_reprefill_tokens_total"),  # tokens / s
 }
 #: Scheduler-wide gauges, no labels.
 SCHEDULER = {
@@ -65,4 +74,6 @@ MIG = {
     "memory_used": series("kvmeter_gpu_mig_memory_used_bytes"),
     "sm_active": series("kvmeter_gpu_mig_sm_active_ratio"),
 }
-ALL: tuple[str, ...] = tuple(n for group in (ENGINE, SCHEDULER, TENANT, GATEWAY, GPU, MIG) for n in group.values())
+ALL: tuple[str, ...] = tuple(n for group in (ENGINE, ENGINE_TENANT, PROMPT_CACHE, SCHEDULER, TENANT, GATEWAY,
+                                                      GPU, MIG)
+                             for n in group.values())

@@ -1,12 +1,29 @@
-"""Noisy neighbours: per tenant, the shapes of issue 14 the ledger can show — prompt-cache hit ratio
-and retries per logical request — and the state of each shape's detector over the window.
+"""Noisy neighbours: per tenant, the shapes of issue 14 the ledger and the signal history can show,
+and the state of each shape's detector over the window.
 
-The detectors are the Prometheus alerts' (``KvmeterTenantPromptCacheHitLow``,
-``KvmeterTenantRetriesHigh``): the same thresholds and predicates
-(:class:`kvmeter.exporters.prometheus.rules.noisy.NoisyThresholds`), applied here to the ledger's
-totals over the page's window instead of Prometheus' rate window."""
+* From the ledger (every attempt's engine work): prompt-cache hit ratio and retries per logical
+  request (``KvmeterTenantPromptCacheHitLow``, ``KvmeterTenantRetriesHigh``).
+* From the signal history (``signals`` table, admin keys: a share compares tenants): the tenant's
+  share of the prefill and decode tokens the engines scheduled for a model
+  (``KvmeterTenantPrefillShareHigh``, ``KvmeterTenantDecodeShareHigh``), of the requests waiting
+  in the fair queues (``KvmeterTenantQueueShareHigh``) and of the active KV
+  (``KvmeterTenantKvShareHigh``, tenants.yml); and, for every viewer (its own data), the share of
+  its input the gateway saw prefilled again after eviction (``KvmeterTenantPromptCacheThrash``:
+  ``kvmeter_prompt_reprefill_tokens_per_second`` ÷ the ledger's input tokens).
+
+Every detector applies the alerts' thresholds and predicates
+(:class:`kvmeter.exporters.prometheus.rules.noisy.NoisyThresholds`) to totals over the page's
+window instead of Prometheus' rate window: a rate signal's total is Σ bucket mean × bucket width; a
+level's (queue depth, KV held) is its mean over the window's buckets, and the KV detector reads the
+window's highest watermark (the alert: an instant's, held 10 minutes). Agent calls per run has no
+per-tenant history yet: its alert alone watches it.
+
+Below them, :func:`render_interference`: whose work filled the engine steps of requests that
+missed their objective (:mod:`kvmeter.ledger.interference`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import polars as pl
 import streamlit as st
@@ -14,16 +31,26 @@ import streamlit as st
 from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS, NoisyThresholds
 
 from .. import charts, schemas
+from ..frames import top_n
+from ..signals import ENGINE, ENGINE_TENANT, PROMPT_CACHE, TENANT
 from ..ui import PageContext
 from .common import chart, empty, pct
 
 TITLE = "Noisy neighbours"
-CAPTION = ("Each shape of noisy neighbour per tenant, from every attempt's engine work in the ledger (not the "
-           "bill): how much of its input the prefix cache served, and how often it retries a logical request.")
+CAPTION = ("Each shape of noisy neighbour per tenant: from every attempt's engine work in the ledger (not the "
+           "bill), how much of its input the prefix cache served and how often it retries a logical request; from "
+           "the signal history, its share of the engines' scheduled prefill and decode tokens, of the fair queues "
+           "and of the KV held.")
 
 #: detector names as the page shows them, and the alert each one mirrors
 CACHE, RETRIES = "prompt-cache hit ratio", "retries per logical request"
-ALERTS = {CACHE: "KvmeterTenantPromptCacheHitLow", RETRIES: "KvmeterTenantRetriesHigh"}
+PREFILL, DECODE, QUEUE, KV = "prefill share", "decode share", "queue share", "active-KV share"
+THRASH = "re-prefilled share of input"
+ALERTS = {CACHE: "KvmeterTenantPromptCacheHitLow", RETRIES: "KvmeterTenantRetriesHigh",
+          PREFILL: "KvmeterTenantPrefillShareHigh", DECODE: "KvmeterTenantDecodeShareHigh",
+          QUEUE: "KvmeterTenantQueueShareHigh", KV: "KvmeterTenantKvShareHigh",
+          THRASH: "KvmeterTenantPromptCacheThrash"}
+TOP_TENANTS = 10
 
 _STATE = {"tenant_id": pl.String, "tier": pl.String, "detector": pl.String, "value": pl.Float64,
           "rate_per_s": pl.Float64, "state": pl.String}
@@ -45,6 +72,152 @@ def detector_states(noisy: pl.DataFrame, seconds: float, t: NoisyThresholds = TH
                      "state": "firing" if t.retrying(r["retries"], r["keyed_logical_requests"], seconds)
                      else "quiet"})
     return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
+
+
+_ENGINE_SHARES: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "model": pl.String, "tier": pl.String,
+                                  "tenant": pl.String,
+                                  "rate": pl.Float64, "share": pl.Float64}
+_LEVELS: dict[str, Any] = {"ts": pl.Datetime("us", "UTC"), "tier": pl.String, "tenant": pl.String, "level": pl.Float64,
+           "share": pl.Float64}
+
+
+def engine_shares(rates: pl.DataFrame) -> pl.DataFrame:
+    """Per bucket, model and tenant, from a per-tenant engine rate signal read by (``model``,
+    ``engine``, ``tier``, ``tenant``): ``rate`` (tokens/s, summed over engines) and ``share`` (0–1)
+    of all tenants' rate for the model in the bucket (null when that is 0)."""
+    if rates.height == 0:
+        return pl.DataFrame(schema=_ENGINE_SHARES)
+    per = rates.group_by(["ts", "model", "tier", "tenant"]).agg(pl.col("value").sum().alias("rate"))
+    total = pl.col("rate").sum().over(["ts", "model"])
+    return (per.with_columns(pl.when(total > 0).then(pl.col("rate") / total).alias("share"))
+            .select(list(_ENGINE_SHARES)).sort(["ts", "model", "tenant"]))
+
+
+def level_shares(levels: pl.DataFrame) -> pl.DataFrame:
+    """Per bucket and tenant, from a per-tenant gauge read by (``tier``, ``tenant``): ``level`` (the
+    bucket's mean) and ``share`` (0–1) of all tenants' level in the bucket (null when that is 0)."""
+    if levels.height == 0:
+        return pl.DataFrame(schema=_LEVELS)
+    per = levels.group_by(["ts", "tier", "tenant"]).agg(pl.col("value").sum().alias("level"))
+    total = pl.col("level").sum().over("ts")
+    return (per.with_columns(pl.when(total > 0).then(pl.col("level") / total).alias("share"))
+            .select(list(_LEVELS)).sort(["ts", "tenant"]))
+
+
+def signal_detector_states(prefill: pl.DataFrame, decode: pl.DataFrame, queue: pl.DataFrame, kv: pl.DataFrame,
+                           kv_watermark_max: float, seconds: float, bucket_s: float,
+                           t: NoisyThresholds = THRESHOLDS) -> pl.DataFrame:
+    """The signal-history detectors' rows, in :func:`detector_states`' columns: per tenant
+    :data:`PREFILL` / :data:`DECODE` (``value``: its share of its busiest model's scheduled tokens,
+    ``rate_per_s``: that model's tokens/s), :data:`QUEUE` (share of the waiting requests, all
+    tenants' mean waiting), :data:`KV` (share of the active KV, its mean KV tokens held).
+
+    Args:
+        prefill, decode: :func:`engine_shares` frames; queue, kv: :func:`level_shares` frames.
+        kv_watermark_max: the highest KV watermark (0–1) of the window.
+        seconds: the window's length; bucket_s: its bucket width (both > 0).
+    """
+    rows: list[dict[str, object]] = []
+    for name, df, score in ((PREFILL, prefill, t.prefill_pressure_score), (DECODE, decode, t.decode_pressure_score)):
+        if df.height == 0:
+            continue
+        tokens = df.group_by(["model", "tier", "tenant"]).agg((pl.col("rate").sum() * bucket_s).alias("tokens"))
+        tokens = tokens.with_columns(pl.col("tokens").sum().over("model").alias("model_tokens"))
+        best: dict[str, tuple[float, dict[str, object]]] = {}  # a tenant's row of its highest-scoring model
+        for r in tokens.sort(["tenant", "model"]).iter_rows(named=True):
+            x = score(r["tokens"], r["model_tokens"], seconds)
+            row = {"tenant_id": r["tenant"], "tier": r["tier"], "detector": name,
+                   "value": r["tokens"] / r["model_tokens"] if r["model_tokens"] > 0 else None,
+                   "rate_per_s": r["model_tokens"] / seconds, "state": "quiet" if x is None else "firing"}
+            rank = -1.0 if x is None else x
+            if r["tenant"] not in best or rank > best[r["tenant"]][0]:
+                best[r["tenant"]] = (rank, row)
+        rows += [row for _, row in best.values()]
+    buckets = max(seconds / bucket_s, 1.0)
+    for name, df in ((QUEUE, queue), (KV, kv)):
+        if df.height == 0:
+            continue
+        means = df.group_by(["tier", "tenant"]).agg((pl.col("level").sum() / buckets).alias("mean"))
+        total = float(means.get_column("mean").sum())
+        for r in means.sort("tenant").iter_rows(named=True):
+            x = (t.queue_pressure_score(r["mean"], total) if name == QUEUE
+                 else t.kv_pressure_score(r["mean"], total, kv_watermark_max))
+            rows.append({"tenant_id": r["tenant"], "tier": r["tier"], "detector": name,
+                         "value": r["mean"] / total if total > 0 else None,
+                         "rate_per_s": total if name == QUEUE else r["mean"],
+                         "state": "quiet" if x is None else "firing"})
+    return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
+
+
+def thrash_states(noisy: pl.DataFrame, reprefill: pl.DataFrame, seconds: float, bucket_s: float,
+                  t: NoisyThresholds = THRESHOLDS) -> pl.DataFrame:
+    """The prompt-cache thrash detector's rows (:data:`THRASH`, in :func:`detector_states`' columns),
+    one per tenant of the ledger's ``noisy`` table: ``value`` = re-prefilled ÷ input tokens, where
+    re-prefilled tokens are Σ bucket mean × ``bucket_s`` of the
+    ``kvmeter_prompt_reprefill_tokens_per_second`` signal read by (``tenant``, ``model``) in
+    ``reprefill`` (missing buckets: none), input tokens the ledger's; ``rate_per_s`` = input tokens/s;
+    the state by :meth:`NoisyThresholds.thrash_score`."""
+    tokens: dict[str, float] = {}
+    if reprefill.height:
+        per = reprefill.group_by("tenant").agg((pl.col("value").sum() * bucket_s).alias("tokens"))
+        tokens = {r["tenant"]: r["tokens"] for r in per.iter_rows(named=True)}
+    rows = []
+    for r in noisy.iter_rows(named=True):
+        again, inputs = tokens.get(r["tenant_id"], 0.0), r["input_tokens"]
+        rows.append({"tenant_id": r["tenant_id"], "tier": r["tier"], "detector": THRASH,
+                     "value": again / inputs if inputs > 0 else None, "rate_per_s": inputs / seconds,
+                     "state": "quiet" if t.thrash_score(again, inputs, seconds) is None else "firing"})
+    return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
+
+
+def _share_chart(df: pl.DataFrame, key: str, value: str, by: tuple[str, ...], title: str, y_title: str, w) -> None:
+    """A share-per-tenant time series, the top tenants by ``value`` and the rest folded."""
+    shown = top_n(df, key, value, TOP_TENANTS, by=by)
+    total = pl.col(value).sum().over(list(by))
+    shown = shown.with_columns(pl.when(total > 0).then(pl.col(value) / total).alias("share"))
+    chart(charts.timeseries(shown, "share", title=title, y_title=y_title, window=w, color=key, color_title="tenant",
+                            y_format=".0%"))
+
+
+def _signal_states(ctx: PageContext, seconds: float, t: NoisyThresholds) -> pl.DataFrame | None:
+    """The signal-history panels (admins: a share compares tenants) and their detectors' rows."""
+    if not ctx.admin:
+        st.caption("Shares of engine work, of the queues and of the KV compare tenants: shown to admin keys only.")
+        return None
+    w, names = ctx.window, ctx.signal_names()
+    engine_by = ("model", "engine", "tier", "tenant")
+    prefill = (engine_shares(ctx.gauge(ENGINE_TENANT["prefill_rate"], engine_by, "avg"))
+               if ENGINE_TENANT["prefill_rate"] in names else engine_shares(pl.DataFrame()))
+    decode = (engine_shares(ctx.gauge(ENGINE_TENANT["decode_rate"], engine_by, "avg"))
+              if ENGINE_TENANT["decode_rate"] in names else engine_shares(pl.DataFrame()))
+    queue = (level_shares(ctx.gauge(TENANT["queue_depth"], ("tier", "tenant"), "avg"))
+             if TENANT["queue_depth"] in names else level_shares(pl.DataFrame()))
+    kv = (level_shares(ctx.gauge(TENANT["active_kv"], ("tier", "tenant"), "avg"))
+          if TENANT["active_kv"] in names else level_shares(pl.DataFrame()))
+    marks = ctx.gauge(ENGINE["kv_watermark"], (), "max") if ENGINE["kv_watermark"] in names else pl.DataFrame()
+    watermark = float(marks.get_column("value").max() or 0.0) if marks.height else 0.0  # type: ignore[arg-type]
+    for name, df, above, floor in ((PREFILL, prefill, t.prefill_share_above, t.prefill_min_tokens_per_s),
+                                   (DECODE, decode, t.decode_share_above, t.decode_min_tokens_per_s)):
+        kind = name.split()[0]
+        if df.height:
+            _share_chart(df, "tenant", "rate", ("ts", "model"),
+                         f"Share of scheduled {kind} tokens per tenant (detector: above {above:.0%} while the model "
+                         f"gets ≥ {floor:g} tokens/s)", f"share of {kind} tokens", w)
+        else:
+            st.caption(f"No `{ENGINE_TENANT[kind + '_rate']}` samples in this window: per-tenant engine work needs "
+                       "the in-process vLLM engine's step shares.")
+    if queue.height and queue.get_column("level").sum() > 0:
+        _share_chart(queue, "tenant", "level", ("ts",),
+                     f"Share of the fair queues per tenant (detector: above {t.queue_share_above:.0%} while ≥ "
+                     f"{t.queue_min_requests:g} wait)", "share of waiting requests", w)
+    if kv.height and kv.get_column("level").sum() > 0:
+        _share_chart(kv, "tenant", "level", ("ts",),
+                     f"Share of active KV per tenant (detector: above {t.kv_share_above:.0%} while the KV cache is "
+                     f"over {t.kv_watermark_above:.0%} full)", "share of KV tokens held", w)
+    states = signal_detector_states(prefill, decode, queue, kv, watermark, seconds, float(w.step_s), t)
+    if ctx.tenants is not None:
+        states = states.filter(pl.col("tenant_id").is_in(list(ctx.tenants)))
+    return states
 
 
 def render(ctx: PageContext) -> None:
@@ -89,12 +262,30 @@ def render(ctx: PageContext) -> None:
     else:
         st.caption("No tenant sent a request with an Idempotency-Key in this window: no retry can be recognised.")
 
+    if PROMPT_CACHE["reprefill_rate"] in ctx.signal_names():
+        thrash = thrash_states(noisy, ctx.gauge(PROMPT_CACHE["reprefill_rate"], ("tenant", "model"), "avg",
+                                                per_tenant=True), seconds, float(w.step_s), t)
+        states = pl.concat([states, thrash])
+        chart(charts.bars(thrash.drop_nulls("value").sort("value", descending=True).head(25), "tenant_id", "value",
+                          title=f"Re-prefilled share of input per tenant (detector: above "
+                                f"{t.reprefill_ratio_above:.0%} while sending ≥ {t.cache_min_input_tokens_per_s:g} "
+                                "input tokens/s)",
+                          value_title="re-prefilled ÷ input tokens", category_title="tenant", color="tier",
+                          color_title="tier", value_format=".0%"))
+    more = _signal_states(ctx, seconds, t)
+    if more is not None and more.height:
+        states = pl.concat([states, more])
+    states = states.sort(["state", "detector", "tenant_id"])
     st.markdown("**Detectors** — the alerts' thresholds on this window's totals "
                 f"({', '.join(f'{d}: `{a}`' for d, a in ALERTS.items())} in Prometheus, over "
                 f"{t.window}, firing after {t.for_})")
     st.dataframe(states, hide_index=True, width="stretch", column_config={
         "tenant_id": "tenant", "value": st.column_config.NumberColumn("value", format="%.3f"),
-        "rate_per_s": st.column_config.NumberColumn("input tokens/s or retries/s", format="%.3f")})
+        "rate_per_s": st.column_config.NumberColumn(
+            "rate or level", format="%.3f",
+            help="input tokens/s (hit ratio, re-prefilled share), retries/s (retries), the model's tokens/s "
+                 "(prefill, decode shares), "
+                 "requests waiting (queue share), the tenant's KV tokens held (KV share)")})
     st.dataframe(noisy, hide_index=True, width="stretch", column_config={
         "tenant_id": "tenant",
         "prompt_cache_hit_ratio": st.column_config.NumberColumn("hit ratio", format="%.3f"),

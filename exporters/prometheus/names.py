@@ -296,6 +296,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("kvmeter_agent_stopped_runs_total", "counter", ("tier", "tenant", "reason"),
            "agent runs stopped as a loop or retry storm, by reason (identical_tool_calls, tool_cycle, "
            "repeated_prompt)", "agents"),
+    # the noisy-neighbour agent-loop detector's calls per run (rules/noisy.py): model calls that
+    # carried an X-Agent-Run-Id, and the runs this process saw a first call of (a bounded memory of
+    # recent run ids: a run forgotten and seen again counts again, so calls per run errs low)
+    Metric("kvmeter_agent_run_model_calls_total", "counter", ("tier", "tenant"),
+           "model calls of agent runs (requests with an X-Agent-Run-Id) that ended, requests", "agents"),
+    Metric("kvmeter_agent_runs_seen_total", "counter", ("tier", "tenant"),
+           "agent runs whose first model call this process saw end, runs", "agents"),
     # ---- ledger (LedgerStats, after every writer round): ledger.py
     Metric("kvmeter_ledger_events_ingested_total", "counter", ("status",),
            "usage events ingested by status (new, duplicate, invalid, late)", "ledger"),

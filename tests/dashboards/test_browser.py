@@ -106,6 +106,7 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
                     "interference": page.get_by_text("Interference: whose work filled the steps").count(),
                     "interference_body": page.get_by_text("Share of the steps between arrival").count()
                     + page.get_by_text("No request missed its tier's TTFT or ITL objective").count(),
+                    "text": page.inner_text("body") if name == "noisy" else "",
                 }
         finally:
             browser.close()
@@ -115,3 +116,10 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
         assert r["spread"] > 5.0, (name, r)  # a blank chart area has a spread near 0
         assert (SHOTS / f"{name}.png").stat().st_size > 20_000
     assert results["noisy"]["interference"] == 1 and results["noisy"]["interference_body"] >= 1, results["noisy"]
+    # Noisy neighbours: the ledger's two shapes and the signal history's engine-work shares, each
+    # detector named with the alert it mirrors (the chart titles are drawn in the canvas, not the DOM)
+    noisy = results["noisy"]
+    assert noisy["charts"] >= 3, noisy  # hit ratio (ledger) + prefill and decode shares (signals)
+    for alert in ("KvmeterTenantPromptCacheHitLow", "KvmeterTenantPrefillShareHigh", "KvmeterTenantDecodeShareHigh",
+                  "KvmeterTenantQueueShareHigh", "KvmeterTenantKvShareHigh"):
+        assert alert in noisy["text"], alert

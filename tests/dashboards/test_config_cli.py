@@ -183,10 +183,12 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     from kvmeter.dashboards import signals
     from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
     from kvmeter.stats import (
+        EngineStepShares,
         EngineStepStats,
         RequestCompletion,
         SchedulerStats,
         TenantSchedulerStats,
+        TenantStepShare,
     )
 
     bus, clock = StatsBus(), ManualClock(start_wall=1_795_000_000.0)
@@ -200,6 +202,8 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
         written |= {row.name for row in sampler.sample()}  # both captures are GPU 0: one at a time
     bus.publish(EngineStepStats(wall_ts=clock.wall(), kv_watermark_ratio=0.4, kv_blocks_total=100, num_running=3,
                                 num_waiting=1, output_tokens=50, num_preempted=1))
+    bus.publish(EngineStepShares(wall_ts=clock.wall(), duration_s=0.1,
+                                 tenants=(TenantStepShare("acme", "enterprise", 64, 2, 300, 1),)))
     bus.publish(SchedulerStats(wall_ts=clock.wall(), policy="vtc", pressure_level=0, queued_total=1, running_total=3,
                                service_rate_per_s=10.0, jain_index=0.9, max_service_gap=5.0, service_gap=2.0,
                                tenants=[TenantSchedulerStats("acme", "enterprise", 1.0, 1, 10, 0.5, 0.2, 0.1, 3, 300,
@@ -210,6 +214,7 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
             tokens=TokenCounts(input_tokens=10, output_tokens=5),
             outcome="ok",
             slo_met=True,
+            reprefill_input_tokens=4,
         )
     )
     clock.advance(1.0)

@@ -165,3 +165,66 @@ def test_noisy_neighbour_detectors_fire_on_the_rules_thresholds():
     assert states.get_column("state").to_list()[:2] == ["firing", "firing"]  # firing rows first
     loop = states.filter((pl.col("tenant_id") == "loop") & (pl.col("detector") == RETRIES)).row(0, named=True)
     assert loop["value"] == 1.8 and loop["rate_per_s"] == pytest.approx(0.2)
+
+
+def test_signal_history_detectors_apply_the_rules_predicates_to_the_window():
+    from kvmeter.dashboards.views.noisy import (DECODE, KV, PREFILL, QUEUE, engine_shares, level_shares,
+                                                signal_detector_states)
+    from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS as t
+
+    t0 = datetime(2026, 12, 4, 12, tzinfo=timezone.utc)
+    ts = [t0 + timedelta(seconds=60 * i) for i in range(10)]  # a 600 s window of 60 s buckets
+    # prefill, model m1 (tokens/s per bucket): hog 3,000 on two engines (1,500 each), fair 500 → hog 6/7 of 3,500/s
+    # model m2: solo 100 tokens/s alone (share 1, not busy). decode: hog 60, fair 60 → 0.5, not above
+    engine = pl.DataFrame(
+        [{"ts": x, "model": "m1", "engine": e, "tier": "free", "tenant": "hog", "value": 1500.0}
+         for x in ts for e in ("0", "1")]
+        + [{"ts": x, "model": "m1", "engine": "0", "tier": "paid", "tenant": "fair", "value": 500.0} for x in ts]
+        + [{"ts": x, "model": "m2", "engine": "2", "tier": "free", "tenant": "solo", "value": 100.0} for x in ts])
+    prefill = engine_shares(engine)
+    assert prefill.filter((pl.col("tenant") == "hog") & (pl.col("ts") == t0)).row(0, named=True)["share"] == \
+        pytest.approx(6 / 7)
+    decode = engine_shares(engine.filter(pl.col("tenant") != "solo").with_columns(pl.lit(60.0).alias("value"))
+                           .unique(["ts", "tenant"]))
+    # queue: burst waits 30 in half the buckets (mean 15), calm 5 → 0.75 of a mean 20 waiting; KV: 0.9 of it is big's
+    queue = level_shares(pl.DataFrame(
+        [{"ts": x, "tier": "free", "tenant": "burst", "value": 30.0} for x in ts[:5]]
+        + [{"ts": x, "tier": "paid", "tenant": "calm", "value": 5.0} for x in ts]))
+    kv = level_shares(pl.DataFrame(
+        [{"ts": x, "tier": "free", "tenant": "big", "value": 9000.0} for x in ts]
+        + [{"ts": x, "tier": "paid", "tenant": "calm", "value": 1000.0} for x in ts]))
+    states = signal_detector_states(prefill, decode, queue, kv, 0.8, 600.0, 60.0)
+    got = {(r["tenant_id"], r["detector"]): r["state"] for r in states.iter_rows(named=True)}
+    assert got == {("hog", PREFILL): "firing", ("fair", PREFILL): "quiet", ("solo", PREFILL): "quiet",
+                   ("hog", DECODE): "quiet", ("fair", DECODE): "quiet",
+                   ("burst", QUEUE): "firing", ("calm", QUEUE): "quiet",
+                   ("big", KV): "firing", ("calm", KV): "quiet"}
+    row = {(r["tenant_id"], r["detector"]): r for r in states.iter_rows(named=True)}
+    assert row[("hog", PREFILL)]["value"] == pytest.approx(6 / 7) and row[("hog", PREFILL)]["rate_per_s"] == \
+        pytest.approx(3500.0)
+    assert row[("burst", QUEUE)]["value"] == pytest.approx(0.75) and row[("burst", QUEUE)]["rate_per_s"] == 20.0
+    assert t.queue_pressure_score(15.0, 20.0) is not None  # the same predicate, on the window's means
+    # the KV detector needs a full cache: at a 0.7 watermark nobody fires
+    calm = signal_detector_states(prefill.clear(), decode.clear(), queue.clear(), kv, 0.7, 600.0, 60.0)
+    assert set(calm.get_column("state")) == {"quiet"}
+
+
+def test_prompt_cache_thrash_on_the_page_is_the_rules_predicate():
+    from kvmeter.dashboards.schemas import NOISY_NEIGHBOURS
+    from kvmeter.dashboards.views.noisy import THRASH, thrash_states
+
+    t0 = datetime(2026, 12, 4, 12, tzinfo=timezone.utc)
+    # 600 s in 60 s buckets; churn re-prefills 400 tokens/s on two models (300 + 100) in half the buckets
+    reprefill = pl.DataFrame([{"ts": t0 + timedelta(seconds=60 * i), "tenant": "churn", "model": m, "value": v}
+                              for i in range(5) for m, v in (("m1", 300.0), ("m2", 100.0))])
+    row = {"logical_requests": 10, "keyed_logical_requests": 0, "attempts": 10, "retries": 0,
+           "retries_per_logical_request": None, "cached_input_tokens": 0, "prompt_cache_hit_ratio": 0.0}
+    noisy = frame([{**row, "tenant_id": "churn", "tier": "free", "input_tokens": 600_000},   # 1,000/s; 0.2 again
+                   {**row, "tenant_id": "quiet", "tier": "free", "input_tokens": 60_000}], NOISY_NEIGHBOURS)
+    # 5 buckets × 60 s × 400 tokens/s = 120,000 re-prefilled of 600,000: 0.2, under the 0.3 threshold
+    states = thrash_states(noisy, reprefill, 600.0, 60.0)
+    got = {r["tenant_id"]: (r["state"], r["value"]) for r in states.iter_rows(named=True)}
+    assert got == {"churn": ("quiet", pytest.approx(0.2)), "quiet": ("quiet", 0.0)}
+    assert set(states.get_column("detector")) == {THRASH}
+    doubled = reprefill.with_columns(pl.col("value") * 2)  # 0.4: above
+    assert thrash_states(noisy, doubled, 600.0, 60.0).row(0, named=True)["state"] == "firing"

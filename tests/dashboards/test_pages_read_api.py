@@ -13,6 +13,7 @@ from dashkit import KEYS, TENANTS
 from kvmeter.dashboards.errors import ScopeError, SignInError
 from kvmeter.dashboards.http_source import HttpSource
 from kvmeter.dashboards.source import ScopedSource
+from kvmeter.dashboards.views.noisy import CACHE, DECODE, KV, PREFILL, QUEUE, RETRIES, THRASH
 from kvmeter.dashboards.views.common import si
 from kvmeter.dashboards.window import Window
 
@@ -38,7 +39,8 @@ EXPECTED: dict[str, tuple[list[str], list[str]]] = {
                "Share of max_tokens"]),
     "noisy": (["Prompt-cache hit ratio", "Retries per logical request", "Tenants thrashing the cache",
                "Tenants retrying"],
-              ["Prompt-cache hit ratio per tenant"]),
+              ["Prompt-cache hit ratio per tenant", "Share of scheduled prefill tokens per tenant",
+               "Share of scheduled decode tokens per tenant"]),
     "agent_runs": (["Agent runs", "Loops stopped", "Approvals pending", "Most expensive run", "Tool calls refused"],
                    ["Most expensive runs", "Tool calls permitted by risk class", "Runs stopped by reason"]),
     "billing": (["Invoice total", "Invoice lines", "Tenants reconciled", "Tenants with drift"],
@@ -145,7 +147,13 @@ def test_noisy_neighbours_counts_every_attempt_and_states_each_detector(reader, 
         assert rows.loc[tenant, "input_tokens"] == replay.ok[tenant]["input_tokens"]
     assert (table["retries"] == 0).all() and (table["keyed_logical_requests"] == 0).all()
     states = next(df.value for df in at.dataframe if "state" in df.value.columns)
-    assert len(states) == 2 * len(table) and set(states["state"]) == {"quiet"}
+    ledger = states[states["detector"].isin([CACHE, RETRIES])]
+    assert len(ledger) == 2 * len(table)
+    # the signal history's detectors: one row per tenant with engine work (prefill, decode) and per
+    # tenant the scheduler sampled (queue, KV); a few requests over 5 minutes is no pressure
+    assert {PREFILL, DECODE, QUEUE, KV} <= set(states["detector"])
+    assert set(states[states["detector"] == PREFILL]["tenant_id"]) <= set(table["tenant_id"])
+    assert set(states["state"]) == {"quiet"}, states.to_string()
     assert any("No tenant sent a request with an Idempotency-Key" in c.value for c in at.caption)
     # the interference panel: its rows (when a request missed its tier's objective on this machine's
     # load) hold shares that sum to 1 per victim, objective and quantity; else it says none missed
@@ -200,6 +208,14 @@ def test_a_tenant_key_sees_only_its_own_tenant(reader, dashboard_env):
     gpu = run_page("gpu")
     assert_clean(gpu)
     assert not charts(gpu) and "admin key" in gpu.info[0].value
+    noisy = run_page("noisy")  # shares compare tenants: none for a tenant key, its own ledger rows only
+    assert_clean(noisy)
+    assert not any(c["title"].startswith(("Share of scheduled", "Share of the fair queues", "Share of active KV"))
+                   for c in charts(noisy))
+    assert any("admin keys only" in c.value for c in noisy.caption)
+    states = next(df.value for df in noisy.dataframe if "state" in df.value.columns)
+    assert set(states["tenant_id"]) == {"acme"} and {CACHE, RETRIES} <= set(states["detector"]) <= {
+        CACHE, RETRIES, THRASH}  # (the re-prefill signal is the tenant's own: shown when it re-prefilled)
 
 
 def ranking_table(at):

@@ -157,6 +157,40 @@ def test_the_dashboards_predicates_are_the_rules_conditions():
     assert not t.retrying(retries=5, keyed_requests=0, seconds=900)
 
 
+def test_the_new_shapes_predicates_are_the_rules_conditions():
+    t = noisy.THRESHOLDS  # shares > 0.5 of >= 1000 prefill / >= 100 decode tokens/s; queue > 0.5 of >= 10
+    assert t.prefill_pressure_score(750_000, 1_000_000, 900) == pytest.approx(0.5)       # 0.75 of 1,111/s
+    assert t.prefill_pressure_score(500_000, 1_000_000, 900) is None                      # 0.5: not above
+    assert t.prefill_pressure_score(800_000, 800_000, 900) is None                        # 889/s: not busy
+    assert t.decode_pressure_score(90_000, 100_000, 900) == pytest.approx(0.8)            # 0.9 of 111/s
+    assert t.decode_pressure_score(90_000, 0, 900) is None
+    assert t.kv_pressure_score(6_000, 10_000, 0.8) == pytest.approx(0.2)                  # 0.6 while 80% full
+    assert t.kv_pressure_score(6_000, 10_000, 0.7) is None                                # 70%: not above
+    assert t.queue_pressure_score(30, 40) == pytest.approx(0.5)
+    assert t.queue_pressure_score(6, 6) is None                                           # 6 waiting: too few
+    assert t.thrash_score(300_000, 600_000, 900) == pytest.approx(2 / 3)                  # 0.5 at 667/s
+    assert t.thrash_score(300_000, 400_000, 900) is None                                  # 444/s: quiet
+    assert t.agent_loop_score(900, 0, 900) == pytest.approx(17.0)                         # 900 calls, an old run
+    assert t.agent_loop_score(900, 90, 900) is None                                       # 10 per run
+    assert t.agent_loop_score(90, 0, 900) is None                                         # 0.1 calls/s: sparse
+    assert t.slow_client_score(9, 900) == pytest.approx(1.0)                              # 0.01/s, twice 0.005
+    assert t.cache_hit_low_score(600_000, 0, 900) == 1.0 and t.retries_score(180, 100, 900) == pytest.approx(2.6)
+
+
+def test_every_shape_has_one_detector_and_kv_pressure_is_the_tenants_rule():
+    assert noisy.SHAPES == tuple(d.shape for d in noisy.DETECTORS) and len(set(noisy.SHAPES)) == len(noisy.SHAPES)
+    alerts = {rule["alert"]: name for name, rule in _alerts() if "alert" in rule}
+    for d in noisy.DETECTORS:
+        assert alerts[d.alert] == d.rule_file, d
+    kv = next(d for d in noisy.DETECTORS if d.shape == "kv_pressure")
+    rendered = yaml.safe_load(noisy.render())["groups"][0]["rules"]
+    assert kv.rule_file == "tenants.yml"  # one definition, not two:
+    assert not any("kvmeter_tenant_active_kv_tokens" in r["expr"] or r.get("alert") == kv.alert for r in rendered)
+    assert noisy.tenants_kv_expr().split() == noisy.kv_share_expr().split()
+    # a KV threshold that tenants.yml does not state is refused, not silently left out
+    assert noisy.main(["--check", "--kv-share-above", "0.6"]) == 1
+
+
 def test_burn_rates_follow_the_sre_workbook():
     # Table 5-8: 2 % of a 30-day budget in 1 h (14.4x), 5 % in 6 h (6x), 10 % in 1 d (3x), 10 % in 3 d (1x)
     burns = {(long, short): burn for _, long, short, burn, _ in generate_slo.BURN_ALERTS}

@@ -38,3 +38,29 @@ def test_agent_metrics(bus, registry, clock):
              if s.name == "kvmeter_agent_stopped_runs_total"}
     assert sum(stops.values()) == 3
     assert {dict(k)["tenant"] for k in stops} <= {"acme", "globex", "other"}  # at most top-1 + other
+
+
+def test_model_calls_per_agent_run(bus, registry, clock, monkeypatch):
+    """Every completed model call with a run id counts a call, the first one of a run a run; the
+    memory of runs is bounded (a forgotten run counts again: calls per run errs low)."""
+    from kvmeter.exporters.prometheus import agents
+    from kvmeter.stats import RequestCompletion
+    from kvmeter.tokens import TokenCounts
+
+    monkeypatch.setattr(agents, "RUNS_REMEMBERED", 2)
+    install_prometheus(bus, registry, clock=clock, config=PrometheusConfig(top_k_tenants=5))
+
+    def call(tenant: str, run: str) -> None:
+        bus.publish(RequestCompletion(attribution=Attribution(tenant, tier="free", agent_run_id=run), outcome="ok",
+                                      tokens=TokenCounts(input_tokens=10, output_tokens=1)))
+
+    for run in ("r1", "r1", "r1", "r2", "", ""):  # two calls outside any run
+        call("acme", run)
+    call("globex", "r1")                          # another tenant's run of the same id is another run
+    assert value(registry, "kvmeter_agent_run_model_calls_total", tier="free", tenant="acme") == 4
+    assert value(registry, "kvmeter_agent_runs_seen_total", tier="free", tenant="acme") == 2
+    assert value(registry, "kvmeter_agent_runs_seen_total", tier="free", tenant="globex") == 1
+    call("acme", "r2")                            # remembered (most recent two: acme r2, globex r1)
+    assert value(registry, "kvmeter_agent_runs_seen_total", tier="free", tenant="acme") == 2
+    call("acme", "r1")                            # forgotten: counted again
+    assert value(registry, "kvmeter_agent_runs_seen_total", tier="free", tenant="acme") == 3
