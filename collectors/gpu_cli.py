@@ -6,7 +6,8 @@
     kvmeter gpu --require-gpu                    # exit 3 when no GPU (for scripts and CI)
 
 Exit status: 0 ok (also "no GPU" without ``--require-gpu``); 2 bad arguments (an unreadable or
-malformed capture: one ``kvmeter gpu: error: ...`` line); 3 no GPU with ``--require-gpu``.
+malformed capture, or a directory — the error lists its files: one ``kvmeter gpu: error: ...``
+line); 3 no GPU with ``--require-gpu``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from kvmeter.cliargs import non_negative_int as _non_negative_int
 
@@ -44,12 +46,38 @@ def _fmt(value: float | None, unit: str = "", scale: float = 1.0, digits: int = 
     return f"{value * scale:.{digits}f}{unit}"
 
 
+#: Most file names a ``--capture DIRECTORY`` error lists.
+_LISTED_FILES = 12
+
+
+def _directory_error(path: Path) -> str:
+    """The one-line error for ``--capture`` naming a directory: a file is expected; the files in it."""
+    try:
+        names = sorted(p.name for p in path.iterdir() if p.is_file())
+    except OSError as exc:
+        names, why = [], f" (cannot list it: {exc.strerror or exc})"
+    else:
+        why = ""
+    if names:
+        shown = ", ".join(names[:_LISTED_FILES])
+        more = f" and {len(names) - _LISTED_FILES} more" if len(names) > _LISTED_FILES else ""
+        held = f"; files in it: {shown}{more}"
+    else:
+        held = why or "; it holds no files"
+    return (f"is a directory, not a capture file: --capture takes one nvidia-smi capture "
+            f"(an nvidia_gpu_exporter .txt or an nvidia-smi -q -x .xml){held}")
+
+
 def run(args: argparse.Namespace) -> int:
     from .gpu import CaptureNvml, NvmlCollector  # imported only when the command runs
 
+    if args.capture and Path(args.capture).is_dir():
+        print(f"kvmeter gpu: error: --capture {args.capture}: {_directory_error(Path(args.capture))}",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         nvml = CaptureNvml.from_file(args.capture, args.phase) if args.capture else None
-    except OSError as exc:  # missing, a directory, unreadable
+    except OSError as exc:  # missing, unreadable
         print(f"kvmeter gpu: error: --capture {args.capture}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:  # CaptureFormatError: not an nvidia-smi capture

@@ -48,8 +48,9 @@ def format_money(amount: Decimal | int | str, places: int | None = 2, *, groupin
         amount: a :class:`~decimal.Decimal` (an ``int`` or a decimal string is read exactly;
             a ``float`` is refused: money is never a float).
         places: the display places (see :func:`money_places`); the result has at least this many
-            and more only when the exact value needs them. ``None``: the amount's own scale
-            (``Decimal("0E-8")`` → ``0.00000000``; what the read API's JSON sends).
+            and more only when the exact value needs them (the read API's JSON, the HTML and
+            the CLI all pass the price list's :func:`money_places`). ``None``: the amount's own
+            scale (``Decimal("0E-8")`` → ``0.00000000``).
         grouping: thousands separators (``1,234.50``), for people; off for machine text.
     Returns:
         e.g. ``0.00`` for ``Decimal("0E-18")``, ``0.000356`` for ``Decimal("0.000356000")``,

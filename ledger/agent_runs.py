@@ -39,7 +39,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from clickhouse_connect.driver.client import Client
 
-from kvmeter.money import format_money
+from kvmeter.money import format_money, money_places
 from kvmeter.tokens import TOKEN_FIELDS, TokenCounts
 
 from .connection import ClientHolder, QueryRunner
@@ -190,8 +190,8 @@ def _tenants(tenants: Sequence[str] | None) -> list[str] | None:
     return out
 
 
-def _money(value: Decimal | None) -> str | None:
-    return None if value is None else format_money(value, None)
+def _money(value: Decimal | None, places: int) -> str | None:
+    return None if value is None else format_money(value, places)
 
 
 class AgentRunQueries:
@@ -256,8 +256,9 @@ class AgentRunQueries:
         first, last = row.get("first_ts"), row.get("last_ts")
         out["duration_s"] = (last - first).total_seconds() if first and last and last >= first else 0.0
         out["refusals"] = int(row.get("refused_tool_calls", 0)) + int(row.get("refused_model_calls", 0))
-        out["subtotal"] = _money(subtotal)
-        out["cost"] = _money(cost)
+        places = money_places(self.prices)
+        out["subtotal"] = _money(subtotal, places)
+        out["cost"] = _money(cost, places)
         out["priced"] = cost is not None
         out["currency"] = self.prices.currency
         return out

@@ -56,7 +56,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmeter.billing_calendar import UTC, check_zone
-from kvmeter.money import format_money
+from kvmeter.money import format_money, money_places
 from kvmeter.serving.tenancy import AuthError, Principal
 
 from .billing import build_invoice
@@ -72,27 +72,40 @@ __all__ = ["read_routes", "dumps", "presented_key", "JsonResponse", "error_respo
 log = logging.getLogger(__name__)
 
 
-def _default(value: Any) -> Any:
-    if isinstance(value, Decimal):
-        # plain notation, scale kept: Decimal("0E-8") → "0.00000000", like "0.00013500" (str()
-        # would write ClickHouse's zero Decimal(18, 8) as "0E-8")
-        return format_money(value, None)
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+#: Display places of money in JSON when no price list says otherwise (ISO 4217's usual minor unit).
+DEFAULT_MONEY_PLACES = 2
 
 
-def dumps(data: Any) -> bytes:
-    """JSON with Decimals as exact strings in plain notation (never exponents) and datetimes as
-    ISO 8601."""
-    return json.dumps(data, default=_default, separators=(",", ":")).encode()
+def dumps(data: Any, places: int = DEFAULT_MONEY_PLACES) -> bytes:
+    """JSON with Decimals as exact strings written by :func:`kvmeter.money.format_money` (plain
+    notation, at least ``places`` display places, more only when the exact value needs them:
+    ``Decimal("0.000132000000000000")`` → ``"0.000132"``, ``Decimal("0E-8")`` → ``"0.00"``; the
+    column's scale is not shown) and datetimes as ISO 8601.
+
+    Raises:
+        TypeError: a value JSON cannot carry (not a str, number, bool, None, list, dict, Decimal or datetime).
+    """
+    def default(value: Any) -> Any:
+        if isinstance(value, Decimal):
+            return format_money(value, places)
+        if isinstance(value, datetime):
+            return value.isoformat()
+        raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+    return json.dumps(data, default=default, separators=(",", ":")).encode()
 
 
 class JsonResponse(JSONResponse):
-    """A JSON response rendered with :func:`dumps` (exact Decimals, ISO datetimes)."""
+    """A JSON response rendered with :func:`dumps` (exact Decimals at ``places`` display places,
+    ISO datetimes)."""
+
+    def __init__(self, content: Any, status_code: int = 200, *, places: int = DEFAULT_MONEY_PLACES,
+                 **kwargs: Any) -> None:
+        self.places = places
+        super().__init__(content, status_code, **kwargs)
 
     def render(self, content: Any) -> bytes:
-        return dumps(content)
+        return dumps(content, self.places)
 
 
 def error_response(status: int, message: str, code: str | None, param: str | None = None) -> Response:
@@ -102,13 +115,14 @@ def error_response(status: int, message: str, code: str | None, param: str | Non
     return JsonResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
-def answer_read(read: Callable[[], Any], where: str) -> Response:
-    """Run ``read`` and answer its result as JSON, or its failure as an error response:
+def answer_read(read: Callable[[], Any], where: str, places: int = DEFAULT_MONEY_PLACES) -> Response:
+    """Run ``read`` and answer its result as JSON (money at ``places`` display places, see
+    :func:`dumps`), or its failure as an error response:
     ``ValueError`` → 400 ``invalid_parameter``; :class:`LedgerUnavailable` → 503 (logged as a
     warning); any other :class:`LedgerError` → 500 (logged as an error). ``where`` names the API
     in the log line."""
     try:
-        return JsonResponse(read())
+        return JsonResponse(read(), places=places)
     except ValueError as exc:
         return error_response(400, str(exc), "invalid_parameter")
     except LedgerUnavailable as exc:
@@ -153,6 +167,7 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         Routes to add to the serve app (``routes=[..., *read_routes(...)]`` or ``app.router.routes``).
     """
     price_list = prices or getattr(queries, "prices", None)
+    places = money_places(price_list) if price_list is not None else DEFAULT_MONEY_PLACES
 
     def zones() -> Mapping[str, str]:
         return timezones() if timezones is not None else {}
@@ -184,7 +199,7 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
                 period = parse_period(request.query_params.get("period", ""), tz)
             except PeriodError as exc:  # names the period and the valid forms or range
                 return error_response(400, str(exc), "invalid_parameter", "period")
-            return answer_read(lambda: handler(request, principal, period, tenant), "read API")
+            return answer_read(lambda: handler(request, principal, period, tenant), "read API", places)
 
         return endpoint
 
@@ -210,7 +225,7 @@ def read_routes(queries: UsageReader, authenticate: Callable[[str | None], Princ
         known = dict(zones())
         shown = known if tenant is None else {tenant: known.get(tenant, UTC)}
         return JsonResponse({"prices": price_list.to_mapping() if price_list is not None else None,
-                             "timezones": shown})
+                             "timezones": shown}, places=places)
 
     simple = {
         "invoice_usage": lambda r, p, period, t: queries.invoice_usage(period, t),

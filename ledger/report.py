@@ -3,13 +3,14 @@
 CSV and Parquet carry the full frame (Decimal money stays exact: Parquet ``decimal(38, s)``,
 CSV decimal text in plain notation). The HTML page (Jinja2, autoescaped) shows the metadata, the
 per-tenant summary and the detail table, laid out for a person reading it in a browser: each
-label beside its value, tables no wider than the page (at most ~1,200 px: long identifiers wrap,
-numbers never do), numbers right-aligned in tabular figures, money written by
+label beside its value, tables no wider than the page (at most 1,200 px: long identifiers wrap,
+after ``_ - / . : @`` first, numbers never do), numbers right-aligned in tabular figures, money written by
 :func:`kvmeter.money.format_money` (never ``0E-18``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,6 +19,7 @@ from decimal import Decimal
 
 import polars as pl
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup, escape
 
 from kvmeter.money import format_money
 
@@ -44,9 +46,21 @@ class HtmlSection:
     bad_values: tuple[Any, ...] = field(default_factory=tuple)
 
 
+#: Where an identifier may break across lines on the page: after these characters (``paid_|interactive``,
+#: ``SmolLM2-|135M-|Instruct``), so a wide table narrows its text columns instead of its page overflowing.
+_BREAK_AFTER = re.compile(r"([_\-/.:@])")
+
+
+def _breakable(value: Any) -> Markup:
+    """``value`` HTML-escaped, with a ``<wbr>`` (a line-break opportunity) after each of :data:`_BREAK_AFTER`."""
+    return Markup(_BREAK_AFTER.sub(r"\1<wbr>", str(escape(value))))
+
+
 def _env() -> Environment:
-    return Environment(loader=PackageLoader("kvmeter.ledger", "templates"),
-                       autoescape=select_autoescape(["html", "jinja"]), keep_trailing_newline=True)
+    env = Environment(loader=PackageLoader("kvmeter.ledger", "templates"),
+                      autoescape=select_autoescape(["html", "jinja"]), keep_trailing_newline=True)
+    env.filters["breakable"] = _breakable
+    return env
 
 
 def _display(value: Any, money_places: int = 2) -> Any:

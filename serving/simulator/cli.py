@@ -11,7 +11,8 @@ Tenants: ``servegen`` (default) splits the trace's requests over ServeGen client
 :mod:`.tenants`); ``single`` puts everything on one tenant; ``column`` uses the trace's own
 ``tenant_id``/``tier`` columns. The report (per tier and per tenant: service share, TTFT/ITL
 percentiles, goodput, throughput, shed and rejected by reason, Jain's index, max service gap) is
-printed and written to ``<out>.json`` and ``<out>.csv``.
+printed and written to ``<out>.json`` and ``<out>.csv`` (default ``var/sim/kvmeter-sim-<trace>-<policy>``
+under the current directory: in a checkout, the git-ignored ``var/``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from .models import MODELS
 from .report import build_report, format_report, write_report
 from .runner import SimConfig, Simulation
 from .tenants import ServeGenTenantMap, load_servegen_rates
+
+#: Where the report goes without ``--out``, relative to the current directory (``var/`` is
+#: git-ignored in a checkout, as the demo's runs and the tests' screenshots are).
+DEFAULT_OUT_DIR = Path("var") / "sim"
 
 __all__ = ["add_arguments", "run"]
 
@@ -118,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="fraction of peak memory bandwidth for the whole step (plain roofline, as above)")
     e.add_argument("--step-overhead-s", type=float, default=None, help="fixed seconds per engine step")
     o = parser.add_argument_group("output")
-    o.add_argument("--out", default=None, help="output prefix (default kvmeter-sim-<trace>-<policy>)")
+    o.add_argument("--out", default=None,
+                   help=f"output prefix (default {DEFAULT_OUT_DIR}/kvmeter-sim-<trace>-<policy>, "
+                        "under the current directory)")
     o.add_argument("--top-tenants", type=_non_negative_int, default=10, help="tenants listed in the printed report")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -203,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(result, trace=str(args.trace), policy_label=label)
     print(format_report(report, top_tenants=args.top_tenants))
     trace_label = str(args.trace).replace("/", "_").replace(".", "_")
-    prefix = args.out or f"kvmeter-sim-{trace_label}-{label}"
+    prefix = args.out or str(DEFAULT_OUT_DIR / f"kvmeter-sim-{trace_label}-{label}")
     try:
         paths = write_report(report, prefix)
     except OSError as err:

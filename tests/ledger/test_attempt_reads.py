@@ -9,12 +9,14 @@ dashboards' window reads are engine load and count every attempt, as they say.
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 from ledgerkit import MODEL, PERIOD, make_event
 
 from kvmeter.dashboards.window import Window
 from kvmeter.ledger import Ledger, parse_period
 from kvmeter.ledger.window_queries import WindowQueries
+from kvmeter.money import format_money, money_places
 from kvmeter.tokens import TokenCounts
 
 TIER = "paid_interactive"
@@ -50,7 +52,10 @@ async def test_an_agent_runs_tokens_and_cost_count_a_retried_call_once(open_ledg
     [run] = ledger.agent_runs.runs(PERIOD, ["acme"])
     assert (run["input_tokens"], run["output_tokens"]) == BILLED  # was (800, 67): every attempt
     exact = ledger.prices.cost(MODEL, TIER, TokenCounts(input_tokens=BILLED[0], output_tokens=BILLED[1]))
-    assert run["subtotal"] == str(exact) and run["cost"] == str(ledger.prices.round(exact))
+    # money at the display places, more only where the exact value needs them (README "Billing")
+    places = money_places(ledger.prices)
+    assert run["subtotal"] == format_money(exact, places) and Decimal(run["subtotal"]) == exact
+    assert run["cost"] == format_money(ledger.prices.round(exact), places)
     # the run's bill is the usage summary's for the run
     [summary] = ledger.queries.usage_summary(PERIOD, "acme", group_by=("agent_run_id",))
     assert (summary["input_tokens"], summary["output_tokens"], summary["cost"]) == (*BILLED, exact)

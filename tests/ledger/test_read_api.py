@@ -4,6 +4,7 @@ uvicorn server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from decimal import Decimal
@@ -119,9 +120,17 @@ def test_the_edges_of_the_supported_range_are_served(app: Starlette) -> None:
         assert _get(client, "reconcile_views", "sk-admin", period="2299-12-31").status_code == 200
 
 
-def test_money_is_exact_and_in_plain_notation() -> None:
-    assert dumps({"cost": Decimal("0E-8"), "subtotal": Decimal("0.00013500"), "big": Decimal("1E+3")}) == \
-        b'{"cost":"0.00000000","subtotal":"0.00013500","big":"1000"}'
+def test_money_is_exact_in_plain_notation_at_the_display_places() -> None:
+    # README "Billing": the currency's display places, more only when the exact value needs them
+    # (once the column's scale: "0.00000000", "0.0001320000")
+    amounts = {"cost": Decimal("0E-8"), "subtotal": Decimal("0.0001320000"), "big": Decimal("1E+3"),
+               "line": Decimal("0.000356000000000000"), "rounded": Decimal("12.300000000000000000"),
+               "refund": Decimal("-0.50000000")}
+    text = dumps(amounts)
+    assert text == (b'{"cost":"0.00","subtotal":"0.000132","big":"1000.00","line":"0.000356",'
+                    b'"rounded":"12.30","refund":"-0.50"}')
+    assert {k: Decimal(v) for k, v in json.loads(text).items()} == amounts       # the exact values
+    assert dumps({"cost": Decimal("5E+3"), "sub": Decimal("0.25000")}, places=0) == b'{"cost":"5000","sub":"0.25"}'
 
 
 async def test_a_zero_cost_is_not_written_0e_8(open_ledger) -> None:
@@ -137,8 +146,9 @@ async def test_a_zero_cost_is_not_written_0e_8(open_ledger) -> None:
     assert response.status_code == 200, response.text
     assert "E-" not in response.text
     costs = {row["tenant_id"]: row["cost"] for row in response.json()}
-    # ClickHouse's Decimal(18, 8) scale on both: the same notation for zero and non-zero amounts
-    assert costs == {"zero": "0.00000000", "acme": "0.00001350"}
+    # the display places (USD: 2), more only where the exact value needs them; not ClickHouse's
+    # Decimal(18, 8) scale ("0.00000000", "0.00001350")
+    assert costs == {"zero": "0.00", "acme": "0.0000135"}
     assert Decimal(costs["zero"]) == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,20 @@ def test_the_fcfs_baseline_is_plain_fcfs_and_an_addition_is_named() -> None:
     cfg, label = cli.scheduler_config(_parse())               # kvmeter's own: every mechanism on
     assert label == "vtc" and cfg.overload_control and cfg.tenant_kv_budget_ratio == 0.5
     assert cfg.tenant_prefill_budget_tokens == 32_768 and cfg.adaptive_engine_limit
+
+
+def test_the_report_goes_to_var_sim_by_default_which_git_ignores(tmp_path: Path, monkeypatch, capsys) -> None:
+    # once kvmeter-sim-*.json / .csv in the current directory: the repository root, not ignored
+    monkeypatch.chdir(tmp_path)
+    args = _parse("--trace", "azure-conv", "--limit", "20", "--no-progress", "--tenants", "single",
+                  "--policy", "fcfs")
+    assert cli.run(args) == 0, capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["var"]
+    written = sorted(p.name for p in (tmp_path / "var" / "sim").iterdir())
+    assert written == ["kvmeter-sim-azure-conv-fcfs.csv", "kvmeter-sim-azure-conv-fcfs.json"], written
+    assert json.loads((tmp_path / "var" / "sim" / written[1]).read_text())["meta"]["policy"] == "fcfs"
+    repo = Path(__file__).resolve().parents[3]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout: .gitignore cannot be asked")
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"var/sim/{written[0]}"], cwd=repo)
+    assert ignored.returncode == 0, "var/sim/ is not git-ignored"
