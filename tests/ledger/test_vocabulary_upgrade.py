@@ -115,7 +115,7 @@ def test_a_spool_the_previous_version_wrote_drains_after_the_upgrade(config: Led
     before = ledger.stats().spool_depth_by_stream
     assert before == {"usage": sum(r["requests"] for r in EXPECTED["usage_summary"]),
                       "attempts": len(EXPECTED["attempts"]), "engine": len(EXPECTED["engine_requests"]),
-                      "tool_calls": 0, "approvals": 0, "run_stops": 0}
+                      "tool_calls": 0, "approvals": 0, "run_stops": 0, "steps": 0}
     assert ledger.flush(timeout_s=60)
     stats = ledger.stats()
     assert stats.spool_depth_events == 0 and stats.rejected_records_total == 0
