@@ -370,6 +370,9 @@ class Prepared:
             (:attr:`Gateway.reprefill`); empty where they are not known or neither needs them.
         prefix_blocks: the first prompt's prefix block hashes, for an engine pool's router
             (:attr:`~kvmeter.serving.scheduler.Job.prefix_blocks`); empty without a pool.
+        sequence: the longest single sequence (one prompt's tokens and its output ceiling), what
+            the quota's ``max_context_tokens`` limits (:attr:`UsageEstimate.sequence
+            <kvmeter.serving.quota.base.UsageEstimate>`); None: the whole request is one sequence.
     """
 
     stream: bool
@@ -379,6 +382,7 @@ class Prepared:
     tool_names: tuple[str, ...] = ()
     prompts: tuple[Sequence[int], ...] = ()
     prefix_blocks: tuple[int, ...] = ()
+    sequence: TokenCounts | None = None
 
 
 @dataclass(slots=True)
@@ -595,7 +599,7 @@ class CompletionEndpoint:
         # the caller's trace context, handed on as received: the trace exporter joins it
         meter.trace_headers = tuple((k, v) for k, v in request.headers.items() if k in TRACE_CONTEXT_HEADERS)
         estimate = UsageEstimate(attribution=attribution, tokens=reserved, request_id=request_id,
-                                 attempt=identity.attempt)
+                                 attempt=identity.attempt, sequence=prepared.sequence)
         try:
             if agents is not None and run_id:  # a stopped run, a pending approval: nothing is reserved
                 await agents.on_model_call(principal, run_id)

@@ -44,6 +44,7 @@ from kvmeter.serving.openai_api.engine_client import BoundRequest
 from kvmeter.serving.openai_api.errors import from_error_response, from_exception, invalid_body
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["OpenAIEndpoint"]
 
@@ -124,9 +125,10 @@ class OpenAIEndpoint(CompletionEndpoint):
         # vLLM's answer and stream pass through untouched, as vLLM's own server sends them)
         if names and self.gw.agents is not None and self.gw.agents.can_withhold(principal):
             payload.emitted = EmittedToolCalls(self.gw.agents, principal, run_id)
+        seq_in, seq_out = plan.longest_sequence
         return Prepared(stream=bool(vreq.stream), input_tokens=plan.total_input_tokens,
                         output_tokens=plan.total_output_tokens, payload=payload, tool_names=names,
-                        prompts=prompts)
+                        prompts=prompts, sequence=TokenCounts(input_tokens=seq_in, output_tokens=seq_out))
 
     # -- step 7 ----------------------------------------------------------------------------------
     async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:

@@ -78,6 +78,7 @@ from kvmeter.serving.openai_api.layer import request_kind, validate_request
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.scheduler.router import prefix_block_hashes
 from kvmeter.serving.tenancy import Principal
+from kvmeter.tokens import TokenCounts
 
 __all__ = ["RemoteEndpoint", "chat_prompt_ids"]
 
@@ -249,9 +250,10 @@ class RemoteEndpoint(CompletionEndpoint):
         if names and agents is not None and agents.can_withhold(principal):
             payload.emitted = EmittedToolCalls(agents, principal, run_id)
         blocks = prefix_block_hashes(prompts[0]) if isinstance(engine, EnginePool) and prompts else ()
+        seq_in, seq_out = max(zip(map(len, prompts), ceilings, strict=True), key=sum, default=(0, 0))
         return Prepared(stream=stream, input_tokens=input_tokens, output_tokens=n * sum(ceilings), payload=payload,
                         tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else (),
-                        prefix_blocks=blocks)
+                        prefix_blocks=blocks, sequence=TokenCounts(input_tokens=seq_in, output_tokens=seq_out))
 
     def _ceiling(self, asked: int | None, prompt_tokens: int, context_limit: int | None) -> int:
         """One prompt's output ceiling: ``max_tokens`` up to what the window leaves (the upstream

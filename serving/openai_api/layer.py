@@ -66,6 +66,12 @@ class Plan:
         """The most output tokens the request can generate: ``n`` × Σ ceilings."""
         return self.n * sum(self.max_tokens)
 
+    @property
+    def longest_sequence(self) -> tuple[int, int]:
+        """``(prompt tokens, output ceiling)`` of the engine input whose sum is largest — one
+        sequence's context, what a quota's ``max_context_tokens`` limits; ``(0, 0)`` without inputs."""
+        return max(zip(self.input_tokens, self.max_tokens, strict=True), key=sum, default=(0, 0))
+
 
 class _RenderOnce:
     """vLLM's ``OnlineRenderer`` as a serving object sees it: a request the gateway already

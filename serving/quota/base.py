@@ -42,12 +42,18 @@ class UsageEstimate:
         attempt: which attempt of the logical request this is (1 = first; the idempotency
             manager's ``IdempotencyTicket.attempt``); an attempt > 1 counts against an agent
             run's ``max_retries``.
+        sequence: the longest single sequence of the request — one prompt's ``input_tokens`` and
+            its ``output_tokens`` ceiling (``max_tokens``), the prompt + ceiling pair with the
+            largest sum — which is what ``max_context_tokens`` limits (a request with ``n``
+            choices or several prompts reserves all of them in ``tokens``, but each sequence
+            lives in its own context). ``None``: ``tokens`` is one sequence.
     """
 
     attribution: Attribution
     tokens: TokenCounts
     request_id: str = ""
     attempt: int = 1
+    sequence: TokenCounts | None = None
 
 
 @dataclass(slots=True)
@@ -125,8 +131,8 @@ class QuotaGate(abc.ABC):
         Never raises into the serving path (failures are logged and published on the bus)."""
 
     def context_limit(self, principal: Principal, agent_run_id: str = "") -> int | None:
-        """Tightest ``max_context_tokens`` (input + ``max_tokens``) the caller may ask for, or
-        None (no quota limit). The gateway bounds the output reservation of a request without
+        """Tightest ``max_context_tokens`` (prompt + ``max_tokens`` of one sequence) the caller may
+        ask for, or None (no quota limit). The gateway bounds the output reservation of a request without
         ``max_tokens`` by it. The default has none."""
         return None
 

@@ -59,7 +59,8 @@ Rejections (:class:`~kvmeter.serving.quota.base.QuotaRejected`):
   and OpenAI's SDKs would otherwise retry the 429 twice by default).
   A run's own 7-dimension limits (``agent_run_limits``) answer like any level's limits
   (``rate_limited``, ``concurrency_limited``, ... with level ``agent_run``).
-* **400** ``context_length_exceeded`` — input + ``max_tokens`` over the tightest
+* **400** ``context_length_exceeded`` — one sequence's prompt + ``max_tokens`` (the estimate's
+  ``sequence``: ``n`` choices and several prompts are not summed) over the tightest
   ``max_context_tokens`` of the chain (refused, never truncated); ``invalid_request`` for
   malformed estimates or run ids.
 * **401** ``invalid_api_key`` — the key was removed by a config reload after authentication.
@@ -265,7 +266,8 @@ class HierarchicalQuota(QuotaGate):
         return plan
 
     def context_limit(self, principal: Principal, agent_run_id: str = "") -> int | None:
-        """Tightest ``max_context_tokens`` (input + ``max_tokens``) for this caller, or None.
+        """Tightest ``max_context_tokens`` (prompt + ``max_tokens`` of one sequence) for this
+        caller, or None.
 
         The gateway uses it to choose a bounded output reservation when a request omits
         ``max_tokens``: ``min(engine max length, this) − input tokens``.
@@ -317,7 +319,9 @@ class HierarchicalQuota(QuotaGate):
         except QuotaRejected as e:
             raise self._reject(attribution, e) from None
         tier = plan.entry.principal.tier  # the live tier (a reload may have changed it)
-        if type(estimate.tokens) is not TokenCounts or _bad_int(estimate.attempt) or estimate.attempt < 1:
+        seq = estimate.tokens if estimate.sequence is None else estimate.sequence
+        if (type(estimate.tokens) is not TokenCounts or type(seq) is not TokenCounts
+                or _bad_int(estimate.attempt) or estimate.attempt < 1):
             raise self._reject(attribution, QuotaRejected(
                 "the estimate needs TokenCounts and an attempt >= 1", status_code=400, reason="invalid_request"))
         p, m = estimate.tokens.input_tokens, estimate.tokens.output_tokens
@@ -331,9 +335,12 @@ class HierarchicalQuota(QuotaGate):
         ctx, ctx_level = plan.max_context_tokens, plan.max_context_level
         if run_id and plan.run_max_context_tokens is not None and (ctx is None or plan.run_max_context_tokens < ctx):
             ctx, ctx_level = plan.run_max_context_tokens, "agent_run"
-        if ctx is not None and p + m > ctx:
-            what = (f"the prompt has {p} tokens" if p > ctx
-                    else f"you requested {p + m} tokens ({p} in the prompt, {m} for the completion)")
+        # per sequence (one prompt + its max_tokens): n choices or several prompts each have
+        # their own context; every sequence is still reserved below
+        sp, sm = seq.input_tokens, seq.output_tokens
+        if ctx is not None and sp + sm > ctx:
+            what = (f"the prompt has {sp} tokens" if sp > ctx
+                    else f"you requested {sp + sm} tokens ({sp} in the prompt, {sm} for the completion)")
             raise self._reject(attribution, QuotaRejected(
                 f"This request exceeds the maximum context length of {ctx} tokens at the {ctx_level} "
                 f"level: {what}. Shorten the prompt or lower max_tokens.",

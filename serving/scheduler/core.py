@@ -71,6 +71,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 from typing import Iterable, Mapping, Sequence
 
 from kvmeter.clock import SYSTEM_CLOCK, Clock
@@ -419,7 +420,7 @@ class SchedulerCore:
                                          retry_after_s=0.0)
             if cfg.reject_on_projected_wait and t is not None:
                 wait = self._projected_wait(t, now)
-                lead = min(e.first_token_lead_s() for e in self._engines)
+                lead = min(e.first_token_lead_s(job.input_tokens) for e in self._engines)
                 if wait + lead > deadline - now:
                     return SchedulerRejected(
                         "projected_wait",
@@ -561,7 +562,7 @@ class SchedulerCore:
                 engine = route.engine
             else:
                 engine = most_free_kv(candidates) or candidates[0]
-            if qj.deadline is not None and now + engine.first_token_lead_s() >= qj.deadline:
+            if qj.deadline is not None and now + engine.first_token_lead_s(job.input_tokens) >= qj.deadline:
                 # (the deadline is the first token's: dispatching a request that cannot make it
                 # would spend the engine on a missed objective)
                 self._drop(qj, "deadline", "the request's first token could not arrive before its deadline", 0.0)
@@ -626,6 +627,7 @@ class SchedulerCore:
         if not g.started:
             old.unstarted -= 1
             old.unstarted_tokens -= g.job.input_tokens
+            g.ahead_tokens, g.on_engine_s = new.unstarted_tokens, self._clock.monotonic()
             new.unstarted += 1
             new.unstarted_tokens += g.job.input_tokens
         g.engine_idx = grant.engine_idx = new.idx
@@ -656,7 +658,8 @@ class SchedulerCore:
         self._charge(t, job.input_tokens * self.config.input_weight, now)
         self._unqueue(qj, DISPATCHED)
         priority = t.tier.policy.priority if self.policy.engine_priorities else 0
-        grant = CoreGrant(job=job, dispatched_s=now, priority=priority, engine_idx=engine.idx, tenant_state=t)
+        grant = CoreGrant(job=job, dispatched_s=now, priority=priority, engine_idx=engine.idx, tenant_state=t,
+                          ahead_tokens=engine.unstarted_tokens)
         self._running[job.request_id] = grant
         engine.outstanding += 1
         engine.unstarted += 1
@@ -719,7 +722,8 @@ class SchedulerCore:
         """Charge ``tokens`` newly streamed output tokens to the grant's tenant.
 
         The first call with ``tokens > 0`` marks the request started (its prompt is then in the
-        engine's KV report) and records its time to first token.
+        engine's KV report), records its time to first token and adds it to the replica's
+        first-token lead model (:class:`~.gating.FirstTokenLead`).
         Raises:
             ValueError: if ``tokens`` is negative or not an integer.
         """
@@ -744,6 +748,9 @@ class SchedulerCore:
             e.unstarted_tokens -= g.job.input_tokens
             t.unstarted -= 1
             t.unstarted_tokens -= g.job.input_tokens
+            # the first-token lead model's sample: what it waited on, how long (see .gating)
+            since = g.dispatched_s if math.isnan(g.on_engine_s) else g.on_engine_s
+            e.lead.observe(g.ahead_tokens + g.job.input_tokens, now - since)
             self._maybe_unblock(t)
 
     def release(self, grant: Grant) -> None:

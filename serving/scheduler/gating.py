@@ -56,6 +56,21 @@ than loss as the congestion signal (as delay-based TCP Vegas does: Brakmo & Pete
 * no latency reports in the interval: no change; no protected tier seen (no targets): ``r = 0``,
   so a binding limit grows toward ``max_engine_running``.
 
+**The first-token lead** (:meth:`EngineGate.first_token_lead_s`, what admission adds to a
+request's projected queue wait and dispatch checks against its deadline) is the request's own:
+``lead(P) = a + c × (U + P)``, ``P`` the request's prompt tokens, ``U`` the prompt tokens
+dispatched to the replica that have no first token yet (the engine prefills them before or with
+it), fitted by least squares over the replica's last :data:`LEAD_SAMPLES` first tokens — each
+``(tokens it waited on: U at its dispatch + its prompt, dispatch → first token seconds)`` as the
+core sees them (:meth:`~.core.SchedulerCore.charge_output`) — with ``a, c ≥ 0``; when the
+samples' sizes do not vary (or the fit is negative) the lead is the mean latency scaled down in
+proportion for smaller prompts and not extrapolated above the mean size. So one
+long prefill (a 7.8k-token prompt, 26 s) raises the lead of long prompts, not of a short one on
+an idle replica, and a tenant's heavy request does not get every other tenant refused
+``projected_wait`` until a window of engine-wide TTFTs has passed (issue 17 item 3: an early
+refusal falls on the tenant above its share). Before the replica's first such sample the lead is
+the adaptive limit's engine-side TTFT median (``ttft_estimate_s``, 0.0 without one).
+
 The limit starts at ``engine_limit_initial`` with the engine's first latency report; an engine
 that never reports latencies (an engine without step stats) keeps only the static caps. The
 inputs are the engine's own step reports (vLLM's ``IterationStats`` through the engine hooks on
@@ -75,11 +90,13 @@ from kvmeter.stats import EngineLoad
 
 from .config import SchedulerConfig
 
-__all__ = ["EngineGate", "AdaptiveEngineLimit", "pick_engine", "open_engines", "free_kv", "most_free_kv",
-           "latency_targets"]
+__all__ = ["EngineGate", "AdaptiveEngineLimit", "FirstTokenLead", "pick_engine", "open_engines", "free_kv",
+           "most_free_kv", "latency_targets", "LEAD_SAMPLES"]
 
 log = logging.getLogger(__name__)
 
+#: First tokens a replica's lead model is fitted on (the most recent ones).
+LEAD_SAMPLES = 64
 #: Most TTFT samples kept per control interval (older ones are thinned).
 _MAX_TTFT_SAMPLES = 4096
 #: Intervals a cut waits for the batch to shrink to it; a cut that cannot take effect that fast
@@ -301,6 +318,57 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+class FirstTokenLead:
+    """The first-token lead model of one replica: ``lead(tokens) = a + c × tokens`` seconds (see
+    the module docstring), fitted on the last :data:`LEAD_SAMPLES` first tokens.
+
+    Attributes:
+        intercept_s: ``a``, seconds (≥ 0).
+        per_token_s: ``c``, seconds per prompt token waited on (≥ 0).
+        flat_above_tokens: sizes above this are projected as this size (``inf`` with a fit
+            over varied sizes; the samples' mean size without one: nothing seen says how a
+            larger prompt scales, so it is not extrapolated upward).
+        samples: how many first tokens the fit holds (0: no model yet).
+    """
+
+    __slots__ = ("_xs", "_ys", "intercept_s", "per_token_s", "flat_above_tokens")
+
+    def __init__(self) -> None:
+        self._xs: deque[int] = deque(maxlen=LEAD_SAMPLES)
+        self._ys: deque[float] = deque(maxlen=LEAD_SAMPLES)
+        self.intercept_s = 0.0
+        self.per_token_s = 0.0
+        self.flat_above_tokens = math.inf
+
+    @property
+    def samples(self) -> int:
+        return len(self._xs)
+
+    def observe(self, tokens: int, latency_s: float) -> None:
+        """Add one first token: ``tokens`` prompt tokens it waited on (≥ 0; its own and those
+        dispatched before it without a first token) and its dispatch → first token seconds (≥ 0)."""
+        self._xs.append(max(0, tokens))
+        self._ys.append(max(0.0, latency_s))
+        n = len(self._xs)
+        mx = sum(self._xs) / n
+        my = sum(self._ys) / n
+        sxx = sum((x - mx) ** 2 for x in self._xs)
+        a = c = -1.0
+        if sxx > 0:
+            c = sum((x - mx) * (y - my) for x, y in zip(self._xs, self._ys, strict=True)) / sxx
+            a = my - c * mx
+        if a >= 0 and c >= 0:
+            self.intercept_s, self.per_token_s, self.flat_above_tokens = a, c, math.inf
+        elif mx > 0:  # one size (or a negative fit): proportional up to the mean size, flat above
+            self.intercept_s, self.per_token_s, self.flat_above_tokens = 0.0, my / mx, mx
+        else:
+            self.intercept_s, self.per_token_s, self.flat_above_tokens = my, 0.0, math.inf
+
+    def lead_s(self, tokens: int) -> float:
+        """Projected dispatch → first token seconds for a request waiting on ``tokens`` prompt tokens."""
+        return self.intercept_s + self.per_token_s * min(max(0, tokens), self.flat_above_tokens)
+
+
 class EngineGate:
     """kvmeter's view of one engine replica: its load reports, what was dispatched to it since,
     and its adaptive limit.
@@ -314,10 +382,11 @@ class EngineGate:
         adaptive: the :class:`AdaptiveEngineLimit` (None when disabled by config).
         available: may it take new requests? False while a replica of a pool is down or drained
             (:meth:`~.core.SchedulerCore.set_engine_available`); what it runs goes on.
+        lead: its :class:`FirstTokenLead` model.
     """
 
     __slots__ = ("idx", "load", "outstanding", "unstarted", "unstarted_tokens", "reported",
-                 "since_report", "adaptive", "available")
+                 "since_report", "adaptive", "available", "lead")
 
     def __init__(self, idx: int, config: SchedulerConfig) -> None:
         self.idx = idx
@@ -329,6 +398,7 @@ class EngineGate:
         self.since_report = 0
         self.adaptive = AdaptiveEngineLimit(config, idx) if config.adaptive_engine_limit else None
         self.available = True
+        self.lead = FirstTokenLead()
 
     def waiting_estimate(self) -> int:
         """Requests in the engine's own waiting queue: its last per-step report plus what was
@@ -347,9 +417,13 @@ class EngineGate:
         """KV tokens in use at the last report plus prompts dispatched that have not started."""
         return self.load.kv_watermark_ratio * self.load.kv_capacity_tokens + self.unstarted_tokens
 
-    def first_token_lead_s(self) -> float:
-        """Seconds a request dispatched now is expected to wait for its first token on this
-        engine (the adaptive limit's TTFT estimate; 0.0 when unknown)."""
+    def first_token_lead_s(self, input_tokens: int = 0) -> float:
+        """Seconds a request of ``input_tokens`` prompt tokens dispatched now is expected to wait
+        for its first token on this engine: :attr:`lead` for its prompt plus the unstarted prompts
+        dispatched before it (module docstring); before the first sample, the adaptive limit's
+        engine-side TTFT estimate (0.0 when unknown)."""
+        if self.lead.samples:
+            return self.lead.lead_s(self.unstarted_tokens + input_tokens)
         return self.adaptive.ttft_estimate_s if self.adaptive is not None else 0.0
 
     def running_limit(self, config: SchedulerConfig) -> int:

@@ -176,4 +176,8 @@ class CoreGrant(Grant):
     tenant_state: TenantState = field(kw_only=True)  # the core always passes it (by keyword)
     started: bool = False
     first_token_s: float = math.nan
+    #: prompt tokens of its replica's unstarted requests when it was dispatched (or rerouted) there
+    ahead_tokens: int = 0
+    #: when it was dispatched (or rerouted) to its current replica (monotonic s; NaN: dispatched_s)
+    on_engine_s: float = math.nan
     released: bool = False

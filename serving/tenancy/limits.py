@@ -67,8 +67,8 @@ class Limits:
         output_tokens_per_minute: completion tokens per 60 s, reserved at ``max_tokens`` and
             reconciled to the engine's count (≥ 0).
         concurrent_requests: requests admitted and not yet reconciled (≥ 0).
-        max_context_tokens: largest prompt + ``max_tokens`` one request may ask for (≥ 1); a
-            request over it is refused with 400, never truncated.
+        max_context_tokens: largest prompt + ``max_tokens`` one sequence may ask for (≥ 1; per
+            prompt and choice, not × ``n``); a request over it is refused with 400, never truncated.
         active_kv_tokens: KV-cache tokens the node's running requests may grow to, counted as
             prompt + ``max_tokens`` per request while it runs (≥ 0).
         spend_per_day, spend_per_month: money per UTC calendar day / month in the pricing

@@ -3,6 +3,7 @@ real Redis Cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 from decimal import Decimal
 
 import pytest
@@ -140,6 +141,29 @@ async def test_spend_per_day_is_402_with_retry_after_at_utc_midnight(make_gate, 
     assert "0.00085 of 0.001" in e.message
     await gate.reconcile(held[1], used(100, 0, 0))
     await gate.reserve(pr, est(100, 100, principal=pr))                  # 0.0008 + 0.0002 = exactly the limit
+
+
+async def test_context_limit_is_per_sequence_while_every_sequence_is_reserved(make_gate):
+    """``max_context_tokens`` limits one sequence (prompt + max_tokens); n = 5 choices of 7000 on a
+    31-token prompt fit a 32768 limit, and all 5 × 7000 output tokens are still reserved."""
+    gate = make_gate(tree(org_limits="{max_context_tokens: 32768, active_kv_tokens: 100000}"))
+    pr = gate.directory.authenticate(K1)
+    five = dataclasses.replace(est(31, 5 * 7000, principal=pr),
+                               sequence=TokenCounts(input_tokens=31, output_tokens=7000))
+    res = await gate.reserve(pr, five)
+    assert res.reserved == used(input_tokens=31, output_tokens=35_000)
+    (kv,) = await gate.store.get_values([key_of(gate, "o", "acme", "kv")])
+    assert kv == 35_031  # the KV budget counts every sequence
+    await gate.reconcile(res, used())
+    # one sequence over the limit is still refused, and the message names that sequence
+    over = dataclasses.replace(est(31, 5 * 32_800, principal=pr),
+                               sequence=TokenCounts(input_tokens=31, output_tokens=32_800))
+    e = await rejected(gate, K1, over)
+    assert (e.status_code, e.reason, e.level) == (400, "context_length_exceeded", "org")
+    assert "you requested 32831 tokens (31 in the prompt, 32800 for the completion)" in e.message
+    # without a sequence the estimate is one sequence (the old single-choice behaviour)
+    e = await rejected(gate, K1, est(31, 35_000))
+    assert "35031 tokens" in e.message
 
 
 async def test_spend_per_month_can_answer_429_when_configured(make_gate):

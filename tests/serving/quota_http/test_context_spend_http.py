@@ -62,6 +62,34 @@ async def test_context_limit_of_a_node_is_a_400_before_the_engine(serve):
     assert over_engine.status_code == 400 and "level" not in over_engine.json()["error"]
 
 
+async def test_context_limit_is_per_sequence_not_times_n_or_summed_over_prompts(serve):
+    """``max_context_tokens`` is "prompt + max_tokens of one request" per sequence: ``n`` choices
+    and several prompts each have their own context. It was checked against the reservation (all
+    sequences), so a chat with ``n`` = 5 was refused 400 for 5 × max_tokens; the reservation (and
+    the bill's reserved counts) still hold every sequence."""
+    s = await serve(CFG)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5, "max_tokens": 20,
+            "temperature": 1.0, "seed": 1}
+    five = await s.client.post("/v1/chat/completions", headers=bearer(SHORT), json=chat)
+    assert five.status_code == 200, five.text
+    prompt = five.json()["usage"]["prompt_tokens"]
+    assert prompt + 20 <= 64 < prompt + 5 * 20  # one sequence fits; the five together would not
+    [event] = s.billed(api_key_id="short")
+    assert (event["reserved_input_tokens"], event["reserved_output_tokens"]) == (prompt, 100)
+    # /v1/completions with two prompts: each prompt + max_tokens (30 + 20) fits, their sum does not
+    two = await s.client.post("/v1/completions", headers=bearer(SHORT), json={
+        "model": MODEL, "prompt": [[100 + i for i in range(30)], [200 + i for i in range(30)]], "max_tokens": 20})
+    assert two.status_code == 200, two.text
+    # one sequence over the limit is refused, named by its own prompt and ceiling
+    over = await s.client.post("/v1/completions", headers=bearer(SHORT), json={
+        "model": MODEL, "prompt": [[100 + i for i in range(30)], [200 + i for i in range(50)]], "max_tokens": 20})
+    assert over.status_code == 400
+    err = over.json()["error"]
+    assert (err["code"], err["dimension"]) == ("context_length_exceeded", "max_context_tokens")
+    assert "you requested 70 tokens (50 in the prompt, 20 for the completion)" in err["message"]
+    assert s.runtime.engine.requests_total == 5 + 2  # (vLLM runs each choice as its own engine request)
+
+
 async def test_exhausted_spend_budget_is_a_402_until_the_next_utc_day(serve):
     s = await serve(CFG)
     # prices: 1.00 / 2.00 per 1M input / output tokens → 100 + 2 × 100 = 0.0003 per request

@@ -261,6 +261,29 @@ async def test_an_upstream_4xx_reaches_the_client_as_it_is_and_releases_the_rese
         await up.stop()
 
 
+async def test_the_context_limit_is_per_sequence_on_the_remote_path_too(serve, model_dir):
+    """``max_context_tokens`` (40 here) limits one prompt + max_tokens: two prompts of 15 tokens
+    with n = 2 and max_tokens 20 (each sequence 35) reach the upstream; a sequence of 15 + 30 is
+    refused by kvmeter before it."""
+    error = {"error": {"message": "scripted", "type": "BadRequestError", "param": None, "code": 400}}
+    up = ScriptedUpstream(MODEL, answer=Whole(error, status=400))
+    short = CFG.replace(f"{{key: {KEY}}}", f"{{key: {KEY}, limits: {{max_context_tokens: 40}}}}")
+    s = await stack(serve, model_dir, up, short)
+    try:
+        prompts = [list(range(100, 115)), list(range(200, 215))]
+        body = {"model": MODEL, "prompt": prompts, "max_tokens": 20, "n": 2, "temperature": 1.0}
+        resp = await s.client.post(COMPLETIONS, json=body, headers=bearer(KEY))
+        assert resp.json() == error and len(up.bodies) == 1  # the upstream's answer: kvmeter let it through
+        over = await s.client.post(COMPLETIONS, json={**body, "max_tokens": 30}, headers=bearer(KEY))
+        assert over.status_code == 400
+        err = over.json()["error"]
+        assert (err["code"], err["dimension"]) == ("context_length_exceeded", "max_context_tokens")
+        assert "you requested 45 tokens (15 in the prompt, 30 for the completion)" in err["message"]
+        assert len(up.bodies) == 1
+    finally:
+        await up.stop()
+
+
 async def test_an_upstream_5xx_is_a_502_and_an_unreachable_upstream_a_503(serve, model_dir):
     up = ScriptedUpstream(MODEL, answer=Whole({"error": {"message": "EngineCore died", "type": "InternalServerError",
                                                         "param": None, "code": 500}}, status=500))

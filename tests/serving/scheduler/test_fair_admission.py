@@ -108,3 +108,56 @@ def test_a_queue_filled_by_one_tenant_refuses_that_tenant_not_the_next_one():
     with pytest.raises(SchedulerRejected, match="limit 10"):   # the hard bound still holds
         core.submit(job("a2", "A"))
     assert core.tenant_queue_depth("A") == 2 and core.tenant_queue_depth("B") == 8
+
+
+def _first_token(core, clock, grant, after_s: float, engine_ttft_s: float | None = None) -> None:
+    """``grant``'s first token ``after_s`` seconds after its dispatch, the engine's step report
+    (its engine-side TTFT) and the adaptive limit's interval closing, as the serving path sees them."""
+    clock.set(grant.dispatched_s + after_s)
+    core.observe_engine_latency(0, itl_sum_s=0.05, itl_count=1,
+                                ttfts_s=[after_s if engine_ttft_s is None else engine_ttft_s])
+    core.charge_output(grant, 1)
+    clock.advance(1.0)
+    core.tick()
+
+
+def test_one_tenants_heavy_prefill_does_not_get_other_tenants_refused_on_an_idle_engine():
+    """The report: after one 7.8k-token prompt of globex (26 s to its first token), acme's small
+    requests on an idle engine were refused ``projected_wait`` "(+ 26.3 s to a first token)": the
+    first-token lead was the engine-wide TTFT median, the heavy request's. Now it is the request's
+    own (its prompt and the unstarted prompts ahead of it): the small one is admitted, a heavy one
+    of the heavy tenant's is still refused (the refusal falls on it), and a small one waiting behind
+    an unstarted heavy prompt is projected behind it."""
+    core, clock = make_core(overload_control=True)
+    clock.set(100.0)
+    core.observe_engine_latency(0, itl_sum_s=0.05, itl_count=1)  # the adaptive limit on; its first interval
+    core.tick()
+    # acme's earlier small request: 0.2 s to its first token
+    core.submit(job("a0", "acme", prompt=20, max_tokens=2, tier="enterprise", arrival=clock.monotonic()))
+    [a0] = core.dispatch()
+    _first_token(core, clock, a0, 0.2)
+    core.release(a0)
+    # globex's heavy prompt: 26 s to its first token (engine-side too), then it finishes
+    core.submit(job("g0", "globex", prompt=7_800, max_tokens=5, tier="enterprise", arrival=clock.monotonic()))
+    [g0] = core.dispatch()
+    _first_token(core, clock, g0, 26.0)
+    assert core.engine_gates[0].adaptive.ttft_estimate_s >= 13.0   # the engine-wide median still holds it
+    core.release(g0)
+    for i in range(3):                                   # every 2 s, on an idle engine: all admitted
+        clock.advance(2.0)
+        small = job(f"a{i + 1}", "acme", prompt=20, max_tokens=2, tier="enterprise", arrival=clock.monotonic())
+        core.check_admission(small)
+        assert core.engine_gates[0].first_token_lead_s(20) < 1.0
+    # the heavy tenant's next heavy prompt is projected at its own cost: past the 3 s deadline
+    with pytest.raises(SchedulerRejected) as refused:
+        core.check_admission(job("g1", "globex", prompt=7_800, max_tokens=5, tier="enterprise",
+                                 arrival=clock.monotonic()))
+    assert refused.value.reason == "projected_wait"
+    # a small request dispatched behind an unstarted heavy prompt waits for its prefill too
+    core.submit(job("g2", "globex", prompt=7_800, max_tokens=5, tier="enterprise", arrival=clock.monotonic(),
+                    deadline=clock.monotonic() + 1_000.0))
+    [g2] = core.dispatch()
+    assert core.engine_gates[0].first_token_lead_s(20) > 20.0
+    with pytest.raises(SchedulerRejected) as refused:
+        core.check_admission(job("a9", "acme", prompt=20, max_tokens=2, tier="enterprise", arrival=clock.monotonic()))
+    assert refused.value.reason == "projected_wait"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmeter.serving.scheduler import SchedulerRejected
+from kvmeter.serving.scheduler.gating import LEAD_SAMPLES, FirstTokenLead
 from kvmeter.stats import EngineLoad
 
 from .helpers import job, make_core
@@ -176,3 +177,19 @@ def test_prefill_budget_keeps_one_tenants_long_prompts_from_filling_every_step()
     assert [g.job.request_id for g in core.dispatch()] == ["a1"]
     core.submit(job("huge", "c", prompt=50_000))               # alone in prefill: always allowed
     assert [g.job.request_id for g in core.dispatch()] == ["huge"]
+
+
+def test_first_token_lead_fits_the_requests_own_size_and_never_extrapolates_one_size_upward():
+    lead = FirstTokenLead()
+    lead.observe(20, 0.2)                      # one size seen: proportional below it, flat above
+    assert lead.lead_s(10) == pytest.approx(0.1)
+    assert lead.lead_s(7_800) == pytest.approx(0.2)
+    lead.observe(7_800, 26.0)                  # two sizes: a + c × tokens through both
+    c = (26.0 - 0.2) / 7_780
+    assert lead.per_token_s == pytest.approx(c)
+    assert lead.intercept_s == pytest.approx(0.2 - 20 * c)
+    assert lead.lead_s(20) == pytest.approx(0.2) and lead.lead_s(7_800) == pytest.approx(26.0)
+    for _ in range(LEAD_SAMPLES):              # only the last LEAD_SAMPLES count
+        lead.observe(100, 0.5)
+    assert lead.samples == LEAD_SAMPLES and lead.lead_s(100) == pytest.approx(0.5)
+    assert lead.lead_s(7_800) == pytest.approx(0.5)
