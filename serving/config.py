@@ -107,6 +107,13 @@ class ServerSettings(_Section):
             freed) and the attempt billed as a client disconnect (``aborted``,
             ``client_abandoned``); counted per tenant in ``kvmeter_stream_stall_cut_requests_total``. 0 or
             null: never cut (a stalled reader then holds its request's KV until it disconnects).
+        send_buffer_bytes: the kernel send buffer of every client connection (``SO_SNDBUF`` on
+            the listening socket, which accepted connections inherit; bytes, ≥ 4096; null: the
+            kernel's autotuning, up to ``net.ipv4.tcp_wmem``'s maximum, 4 MiB by default). It
+            bounds what a stalled reader's connection absorbs before a send blocks, so the stall
+            cut (``stream_stall_timeout_s``) starts counting after at most this much (Linux
+            doubles the value for its bookkeeping) plus the transport's 64 KiB, not after
+            megabytes. 256 KiB moves a token stream at > 5 MB/s over a 100 ms round trip.
         reprefill_window_s: the prompt-cache thrash signal's window (seconds; 0 or null: off): a
             request's prompt blocks the engine computed this recently, but did not serve from its
             prefix cache, count in ``kvmeter_prompt_reprefill_tokens_total``
@@ -124,6 +131,7 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     body_read_timeout_s: float = Field(default=30.0, gt=0)
     stream_stall_timeout_s: float | None = Field(default=30.0, ge=0)
+    send_buffer_bytes: int | None = Field(default=256 * 1024, ge=4096)
     reprefill_window_s: float | None = Field(default=300.0, ge=0)
     reprefill_max_blocks: int = Field(default=262_144, gt=0)
     log_level: str = "info"

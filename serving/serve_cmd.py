@@ -172,11 +172,16 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on", timeout_graceful_shutdown=30, access_log=False))
     log.info("kvmeter serve: %s engine, model %s, on http://%s:%d", config.engine.kind,
              runtime.engine.model_name, config.server.host, config.server.port)
+    from kvmeter.net import listening_socket
+
+    sock = listening_socket(server.config, config.server.send_buffer_bytes)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         # SIGINT: uvicorn has already shut down gracefully (connections drained, lifespan
         # shutdown run: spool drained, ledger and engine closed), then re-raised the signal, which
         # asyncio.run turns into KeyboardInterrupt. Nothing is left to do: a clean exit.
         log.info("kvmeter serve: stopped (SIGINT)")
+    finally:
+        sock.close()
     return 0 if server.started else 1

@@ -49,6 +49,7 @@ from uvicorn.supervisors.multiprocess import Multiprocess
 
 from kvmeter.exporters.prometheus import mark_worker_dead, prepare_multiprocess_dir
 from kvmeter.exporters.prometheus.app import MULTIPROC_ENV
+from kvmeter.net import listening_socket
 
 if TYPE_CHECKING:
     from kvmeter.ledger.config import LedgerConfig
@@ -226,7 +227,7 @@ def run_workers(config: ServeConfig, ledger: LedgerConfig, *, multiproc_dir: Pat
                           logging.getLevelName(logging.getLogger().getEffectiveLevel())), factory=True,
         host=server.host, port=server.port, workers=server.workers, log_level=server.log_level,
         lifespan="on", timeout_graceful_shutdown=30, access_log=False)
-    sock = uv_config.bind_socket()
+    sock = listening_socket(uv_config, server.send_buffer_bytes)
     supervisor = Supervisor(uv_config, [sock], multiproc_dir=directory)
     try:
         supervisor.run()

@@ -38,21 +38,23 @@ async def slow_stack(model_dir):
     from kvmeter.serving.gateway.app import create_app
     from kvmeter.serving.runtime import ServeRuntime
 
-    listener = socket.socket()
-    # the server's kernel send buffer, fixed small (accepted sockets inherit it), so a stalled
-    # reader blocks the server's sends after tens of KiB rather than megabytes of autotuned buffer
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
+    from kvmeter.net import free_port, listening_socket
+
+    port = free_port()
+    # the server's kernel send buffer, small (server.send_buffer_bytes; accepted sockets inherit
+    # it), so a stalled reader blocks the server's sends after tens of KiB
     config = load_serve_config(None, {("engine", "kind"): "instant", ("server", "port"): port,
-                                      ("server", "stream_stall_timeout_s"): STALL_S}, env={})
+                                      ("server", "stream_stall_timeout_s"): STALL_S,
+                                      ("server", "send_buffer_bytes"): 4096}, env={})
     engine = InstantEngine(HFTokenizer(model_dir), DEFAULT_MODEL_NAME, max_model_len=4096,
                            reply=lambda request: "tokens and time, not requests. " * 1_000)  # one event per token
     await engine.start()
     runtime = ServeRuntime(config, registry=CollectorRegistry(), engine=engine)
     runtime.gateway.recorder = recorder = MemoryRecorder()
     app = create_app(runtime.gateway, on_startup=[runtime.scheduler.start], on_shutdown=[runtime.scheduler.stop])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    uv_config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    listener = listening_socket(uv_config, config.server.send_buffer_bytes)  # as kvmeter serve listens
+    server = uvicorn.Server(uv_config)
     task = asyncio.create_task(server.serve(sockets=[listener]))
     await _until(lambda: server.started or task.done())
     assert server.started
