@@ -412,6 +412,9 @@ class Admitted:
     #: finalization keeps it in :attr:`completion`
     hold_completion: bool = False
     completion: RequestCompletion | None = None
+    #: the engine refused the request before running it: recorded as a refusal
+    #: (:meth:`CompletionEndpoint._refused_unrun`), never finalized
+    refused: bool = False
 
 
 class CompletionEndpoint:
@@ -709,16 +712,19 @@ class CompletionEndpoint:
 
     # -- steps 8–9 ------------------------------------------------------------------------------------
     async def _finalize(self, adm: Admitted, outcome: Outcome, *, status_code: int,
-                        finish_reason: str | None = None, cause: str = "") -> UsageEvent:
+                        finish_reason: str | None = None, cause: str = "") -> UsageEvent | None:
         """Record the usage event (durably), release the scheduler slot, reconcile the quota.
 
         Idempotent (the first call wins) and shielded from cancellation: a client that leaves
         mid-way never interrupts the ledger write. ``cause``: why an attempt that did not end
         ``ok`` reached no client (:data:`~kvmeter.events.UNDELIVERED_CAUSES`); default
-        :func:`_undelivered_cause`.
+        :func:`_undelivered_cause`. Returns the event, or None for a request the engine refused
+        before running it (:meth:`_refused_unrun`: no usage event).
         """
         if adm.finalized is not None:
             return adm.finalized
+        if adm.refused:
+            return None
         cause = "" if outcome == "ok" else (cause or _undelivered_cause(adm, outcome))
         with anyio.CancelScope(shield=True):  # shielded, no deadline: it never swallows an exception
             event = await self._finalize_now(adm, outcome, status_code, finish_reason, cause)
@@ -781,6 +787,31 @@ class CompletionEndpoint:
                 await self._finalize(adm, outcome, status_code=status_code,
                                      finish_reason="abort" if outcome == "aborted" else "error", cause=cause)
             await self._settle_idempotency(adm, None)
+
+    async def _refused_unrun(self, adm: Admitted, err: Refusal) -> None:
+        """The engine refused the admitted request before running it (vLLM's input processor, in
+        ``AsyncLLM.add_request``): a client error, recorded as a refusal before admission is — no
+        usage event (no engine work, no tokens billed), the quota reservation released, the
+        scheduler slot freed, the idempotency ticket abandoned, the refusal published
+        (:class:`~kvmeter.stats.RequestRefused`) and the attempt recorded ``invalid`` with the
+        refusal's code (after its ``admitted`` record, which it replaces: one attempt id). A
+        no-op once the request is finalized or refused."""
+        if adm.finalized is not None or adm.refused:
+            return
+        adm.refused = True
+        gw = self.gw
+        with anyio.CancelScope(shield=True):
+            if adm.attempt_write is not None:
+                await adm.attempt_write  # _attempt never raises (it logs)
+            if adm.grant is not None:
+                gw.scheduler.release(adm.grant)
+            await gw.quota.reconcile(adm.reservation, NO_TOKENS)
+            await self._settle_idempotency(adm, None)
+            ident = adm.meter.identity
+            gw.refused(err, self.endpoint, adm.principal)
+            seen = _Seen(principal=adm.principal, idempotency_key=ident.idempotency_key,
+                         agent_run_id=ident.attribution.agent_run_id, attribution=ident.attribution)
+            await self._attempt(seen, ident.request_id, api_error(err), status="invalid", attempt=ident.attempt)
 
     async def _release_unrun(self, adm: Admitted) -> None:
         """Rejected by the scheduler: nothing ran, nothing is billed; release the reservation."""

@@ -188,11 +188,11 @@ class OpenAIEndpoint(CompletionEndpoint):
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 — answered as vLLM (or kvmeter, for the engine) does
             await bound.aclose()
-            return await self._failed(adm, exc, headers)
+            return await self._failed(adm, exc, headers, bound)
         layer = payload.layer
         if layer.is_error(result):
             await bound.aclose()
-            return await self._refused_late(adm, from_error_response(result), headers)
+            return await self._refused_late(adm, from_error_response(result), headers, bound)
         if not hasattr(result, "model_dump_json"):  # a stream where none was asked for: not expected
             return await self._failed(adm, TypeError(f"unexpected answer {type(result).__name__}"), headers)
         await self._finalize(adm, "ok", status_code=200)  # normally done already, by the engine client
@@ -215,9 +215,9 @@ class OpenAIEndpoint(CompletionEndpoint):
             result = await work  # the stream's generator: nothing has run on the engine yet
         except Exception as exc:  # noqa: BLE001
             await bound.aclose()
-            return await self._failed(adm, exc, headers)
+            return await self._failed(adm, exc, headers, bound)
         if payload.layer.is_error(result):
-            return await self._refused_late(adm, from_error_response(result), headers)
+            return await self._refused_late(adm, from_error_response(result), headers, bound)
 
         async def on_close() -> None:
             await bound.aclose()
@@ -244,11 +244,15 @@ class OpenAIEndpoint(CompletionEndpoint):
                     sent.append(data)
                 yield data
             finalized = adm.finalized
-            if finalized is None:  # vLLM's layer ended the stream with an error event
+            if finalized is None and bound.refused is not None and bound.unrun:
+                # the engine refused it before running it: vLLM's layer sent the error event after
+                # the 200 (as vLLM's own server does); a client error, as a refusal before admission
+                await self._refused_unrun(adm, from_exception(bound.refused))
+            elif finalized is None:  # vLLM's layer ended the stream with an error event
                 if bound.failed is not None:
                     log.error("engine failed %s mid-stream: %s", adm.meter.identity.request_id, bound.failed)
                 finalized = await self._finalize(adm, "error", status_code=200, finish_reason="error")
-            completed = finalized.outcome == "ok" and bound.failed is None
+            completed = finalized is not None and finalized.outcome == "ok" and bound.failed is None
             if completed and sent is not None:
                 await self._settle_idempotency(adm, StoredResponse(
                     200, stored_headers(headers), b"".join(sent), streamed=True))
@@ -262,8 +266,11 @@ class OpenAIEndpoint(CompletionEndpoint):
                 await self._settle_idempotency(adm, None)  # a truncated stream is never replayed
 
     # -- failures after admission -------------------------------------------------------------------
-    async def _failed(self, adm: Admitted, exc: BaseException, headers: dict[str, str]) -> Response:
-        """The engine or vLLM's layer failed an admitted request: bill what ran, answer."""
+    async def _failed(self, adm: Admitted, exc: BaseException, headers: dict[str, str],
+                      bound: BoundRequest | None = None) -> Response:
+        """The engine or vLLM's layer failed an admitted request: bill what ran, answer. One the
+        engine refused before running it (``bound.unrun``) is answered vLLM's 4xx at once and
+        recorded as a client refusal (:meth:`_refused_unrun`)."""
         if _engine_failure(exc):
             retryable = getattr(exc, "retryable", True)
             log.error("engine failed %s: %s", adm.meter.identity.request_id, exc)
@@ -276,11 +283,18 @@ class OpenAIEndpoint(CompletionEndpoint):
         if err.status_code >= 500:
             log.error("vLLM's serving layer failed %s: %s: %s", adm.meter.identity.request_id,
                       type(exc).__name__, exc)
-        return await self._refused_late(adm, err, headers)
+        return await self._refused_late(adm, err, headers, bound)
 
-    async def _refused_late(self, adm: Admitted, err: Refusal, headers: dict[str, str]) -> Response:
+    async def _refused_late(self, adm: Admitted, err: Refusal, headers: dict[str, str],
+                            bound: BoundRequest | None = None) -> Response:
         """vLLM's layer answered an error after admission: finalized as an error (what the
-        engine did, if anything, is billed), the reservation reconciled, the answer vLLM's."""
+        engine did, if anything, is billed), the reservation reconciled, the answer vLLM's —
+        unless the engine refused every engine request of it before running them (vLLM's input
+        processor, ``bound.unrun``): then a client refusal (:meth:`_refused_unrun`), no engine
+        account awaited, nothing billed."""
+        if bound is not None and bound.refused is not None and bound.unrun and err.status_code < 500:
+            await self._refused_unrun(adm, err)
+            return error_response(err, headers)
         if adm.finalized is not None and adm.finalized.outcome == "ok":
             log.warning("request %s: the engine finished but vLLM's layer answered %d: %s",
                         adm.meter.identity.request_id, err.status_code, err.message)

@@ -30,6 +30,10 @@ variable), runs each ``generate`` call as one of kvmeter's engine requests:
 A ``generate`` call that ends early (the client left: the gateway closes the generators,
 :meth:`BoundRequest.aclose`; or the engine failed) closes the engine's stream, which aborts the
 engine request, and releases its stats claim; the gateway then bills what the meter counted.
+One the engine refused before running it (:func:`refused_before_run`: vLLM's input processor
+raised a client error from ``AsyncLLM.add_request``, before the request reached the engine core)
+is :attr:`BoundRequest.refused`: its engine id is taken back from the ids the gateway asks the
+engine to account for (no account will ever come), and the gateway records a client refusal.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from kvmeter.serving.engines.base import EngineOutput
 from kvmeter.serving.engines.finished import FinishedStats, merge_stats
 from kvmeter.stats import EngineRequestStats
 
-__all__ = ["MeteredEngineClient", "BoundRequest", "merge_stats", "bound_request"]
+__all__ = ["MeteredEngineClient", "BoundRequest", "merge_stats", "bound_request", "refused_before_run"]
 
 _BOUND: contextvars.ContextVar["BoundRequest | None"] = contextvars.ContextVar("kvmeter_bound_request",
                                                                                default=None)
@@ -58,6 +62,20 @@ def bound_request() -> "BoundRequest | None":
     return _BOUND.get()
 
 
+def refused_before_run(exc: BaseException) -> bool:
+    """Is ``exc``, raised by vLLM's ``AsyncLLM.generate`` before its first output, the engine
+    refusing the request before running it? vLLM re-raises its client errors
+    (``VLLMClientError``: ``VLLMValidationError`` and the others its server answers 4xx, and a
+    ``GracefulHTTPError`` with a 4xx status) only from ``add_request``, where its input processor
+    checks the request before handing it to the engine core; anything else it wraps as an engine
+    error (``EngineGenerateError``, ``EngineDeadError``)."""
+    try:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+    except ImportError:  # pragma: no cover — vLLM is a dependency of this path
+        return False
+    if isinstance(exc, VLLMClientError):
+        return True
+    return isinstance(exc, GracefulHTTPError) and 400 <= int(exc.http_status) < 500
 
 
 @dataclass(slots=True)
@@ -75,6 +93,7 @@ class _EngineRequest:
     finish_reasons: dict[int, str] = field(default_factory=dict)  # choice index -> its finish reason
     finished: bool = False
     stats: list[EngineRequestStats] | None = None
+    refused: bool = False  # the engine refused it before running it (refused_before_run)
 
 
 class BoundRequest:
@@ -129,6 +148,8 @@ class BoundRequest:
         self._input_total = 0
         self._cached_input_total = 0
         self.failed: BaseException | None = None
+        #: the engine's refusal of a ``generate`` call before it ran (:func:`refused_before_run`)
+        self.refused: BaseException | None = None
         self.done = False
         self._token: contextvars.Token | None = None
 
@@ -239,6 +260,23 @@ class BoundRequest:
         if self._finished is not None and not call.finished:
             self._finished.release(call.engine_id)
 
+    def refuse(self, call: _EngineRequest, exc: BaseException) -> None:
+        """The engine refused ``call`` before running it: no engine request exists, so no account
+        of it will come; its id leaves the gateway's list of started ids, its stats claim is released."""
+        call.refused = True
+        if self.refused is None:
+            self.refused = exc
+        if self._started is not None and call.engine_id in self._started:
+            self._started.remove(call.engine_id)
+        if self._finished is not None:
+            self._finished.release(call.engine_id)
+
+    @property
+    def unrun(self) -> bool:
+        """Did the engine refuse every ``generate`` call of the request before running it (so no
+        engine work happened: the request is a client refusal)?"""
+        return bool(self._calls) and all(c.refused for c in self._calls)
+
     def finish_reasons(self) -> tuple[str | None, ...]:
         """Each choice's finish reason as the engine gave it, in the answer's choice order (the
         engine inputs in order, then each one's ``n`` choices); None for a choice that did not finish."""
@@ -301,8 +339,10 @@ class MeteredEngineClient:
         kwargs["priority"] = bound.priority
         kwargs["data_parallel_rank"] = None
         stream = self._inner.generate(prompt, sampling_params, call.engine_id, **kwargs)
+        outputs = 0
         try:
             async for out in stream:
+                outputs += 1
                 bound.account(call, out)
                 if final_only:
                     for choice in out.outputs:
@@ -314,10 +354,13 @@ class MeteredEngineClient:
                     await bound.finish(call)
                 yield out
         except BaseException as exc:
-            bound.fail(call, exc)
+            if not outputs and refused_before_run(exc):
+                bound.refuse(call, exc)
+            else:
+                bound.fail(call, exc)
             raise
         finally:
-            if not call.finished:
+            if not call.finished and not call.refused:
                 bound.fail(call, GeneratorExit())
                 # closing the engine's stream aborts its request (AsyncLLM.generate does on
                 # GeneratorExit); shielded so a cancelled caller still frees the engine's KV

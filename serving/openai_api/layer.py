@@ -15,7 +15,12 @@ steps of kvmeter's request flow in its order:
 3. :meth:`OpenAILayer.plan`: each engine input's prompt tokens and output ceiling (vLLM's own
    ``get_max_tokens``, so defaults match vLLM's), the sampling parameters checked as vLLM checks
    them (a bad one is refused before any quota is reserved), and the estimate: prompt tokens
-   summed over the engine inputs, output tokens ``n`` × the ceilings' sum.
+   summed over the engine inputs, output tokens ``n`` × the ceilings' sum. "As vLLM checks them"
+   includes the checks vLLM's engine makes only when the request reaches ``AsyncLLM.add_request``
+   (its input processor's ``_validate_params``: ``logprobs`` / ``top_logprobs`` /
+   ``prompt_logprobs`` past ``max_logprobs``, ``logit_bias``, ``stop_token_ids`` or
+   ``allowed_token_ids`` outside the vocabulary, ...): refused here, they are client errors
+   answered at once, as any other 400 before admission, not engine failures after it.
 4. :meth:`OpenAILayer.create`: ``create_chat_completion`` / ``create_completion``.
 
 :class:`OpenAIApi` builds the layer once, when first needed, for ``--engine vllm`` (over its
@@ -158,7 +163,8 @@ def validate_request(data: dict, chat: bool) -> Any:
 class OpenAILayer:
     """vLLM's serving objects for one engine client (see the module docstring)."""
 
-    def __init__(self, state: Any, client: MeteredEngineClient, args: Any) -> None:
+    def __init__(self, state: Any, client: MeteredEngineClient, args: Any,
+                 supported_tasks: tuple[str, ...] = ("generate",)) -> None:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         self.state = state
@@ -174,6 +180,8 @@ class OpenAILayer:
         self.max_model_len = int(self.model_config.max_model_len)
         self.request_id_headers = bool(args.enable_request_id_headers)
         self.reasoning = bool(args.structured_outputs_config.reasoning_parser)
+        #: the engine's tasks, as its input processor checks a request's parameters against them
+        self.supported_tasks = tuple(supported_tasks)
 
     @classmethod
     async def build(cls, inner_client: Any, args: Any) -> "OpenAILayer":
@@ -187,9 +195,10 @@ class OpenAILayer:
 
         client = MeteredEngineClient(inner_client)
         state = State()
+        tasks = tuple(await inner_client.get_supported_tasks())
         # MeteredEngineClient proxies vLLM's EngineClient (__getattr__) rather than subclassing its ABC
-        await init_app_state(client, state, args, await inner_client.get_supported_tasks())  # type: ignore[arg-type]
-        return cls(state, client, args)
+        await init_app_state(client, state, args, tasks)  # type: ignore[arg-type]
+        return cls(state, client, args, tasks)
 
     def serving(self, chat: bool) -> Any:
         return self.chat if chat else self.completion
@@ -235,7 +244,10 @@ class OpenAILayer:
 
         Raises:
             OpenAIError: vLLM's 400 for a sampling parameter it refuses (``n`` with greedy
-                sampling, a negative temperature, ``min_tokens`` > ``max_tokens``, ...).
+                sampling, a negative temperature, ``min_tokens`` > ``max_tokens``, ...), its
+                serving layer's or its engine's input processor's (:meth:`_check_params`:
+                ``top_logprobs`` past ``max_logprobs``, a ``logit_bias`` id outside the
+                vocabulary, ...).
         """
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
@@ -258,9 +270,26 @@ class OpenAILayer:
                              for p in prompts)
             params = request.to_sampling_params(min(ceilings) if ceilings else 1,
                                                 serving.default_sampling_params)
+            self._check_params(params)
         except Exception as exc:  # noqa: BLE001 — vLLM raises these from create_*; same answer
             raise from_exception(exc) from None
         return Plan(input_tokens=prompts, max_tokens=ceilings, n=int(params.n or 1))
+
+    def _check_params(self, params: Any) -> None:
+        """The engine's own check of the sampling parameters (its input processor's
+        ``_validate_params``, which ``AsyncLLM.add_request`` runs before the request reaches the
+        engine core), run here on ``params`` (a throw-away copy vLLM's layer rebuilds when it runs
+        the request) so that what it refuses is refused before admission.
+
+        Raises:
+            VLLMValidationError: a parameter the engine refuses (``ValueError`` for a few).
+        """
+        check = getattr(self.client.input_processor, "_validate_params", None)
+        if check is None:
+            return
+        if getattr(params, "structured_outputs", None) is not None:  # the check marks its backend on
+            params.structured_outputs = copy.copy(params.structured_outputs)  # it: never the request's
+        check(params, self.supported_tasks)
 
     def _check_input(self, engine_input: Any) -> None:
         check = getattr(self.client.input_processor, "_validate_model_input", None)
