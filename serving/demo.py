@@ -93,6 +93,20 @@ def wait_ready(proc: subprocess.Popen, base_url: str, log_path: Path, timeout_s:
     raise RuntimeError(f"kvmeter serve was not ready after {timeout_s:.0f}s (log: {log_path})")
 
 
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop a ``kvmeter serve`` started by the demo or a bench: SIGINT (graceful: in-flight
+    requests end, the spool drains into ClickHouse, the ledger closes), SIGKILL after
+    ``timeout_s`` seconds. Nothing if it has already exited."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _fmt(value: float | None, unit: str = "s") -> str:
     if value is None:
         return "-"
@@ -247,9 +261,5 @@ Where to look next
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if not args.keep_running and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # graceful: drains the spool into ClickHouse
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if not args.keep_running:
+            stop_server(proc)

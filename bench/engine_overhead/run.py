@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from kvmeter.serving.demo import stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -81,15 +82,6 @@ def wait_ready(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: floa
             pass
         time.sleep(1)
     raise RuntimeError("server not ready")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 async def load(url: str, name: str, prompts: list[list[dict]], out_tokens: int, concurrency: int) -> dict:
@@ -177,7 +169,7 @@ def main() -> int:
                     results[kind].append(res)
                     print(f"round {rnd} {kind:8s} " + " ".join(f"{k}={v:.1f}" for k, v in res.items()), flush=True)
                 finally:
-                    stop(proc)
+                    stop_server(proc)
 
     summarize(results, args, throughput="output_tok_s", p50="ttft_p50_ms", p99="ttft_p99_ms")
     return 0

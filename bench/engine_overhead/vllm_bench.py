@@ -110,7 +110,7 @@ def main() -> int:
                     print(f"round {rnd} {kind:8s} " + " ".join(
                         f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
                 finally:
-                    overhead.stop(proc)
+                    overhead.stop_server(proc)
 
     for kind in kinds[1:]:
         overhead.summarize(results, args, throughput="output_throughput", p50="median_ttft_ms", p99="p99_ttft_ms",

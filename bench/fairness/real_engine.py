@@ -40,7 +40,6 @@ import dataclasses
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, md_table  # noqa: E402
 
-from kvmeter.serving.demo import free_port, wait_ready  # noqa: E402
+from kvmeter.serving.demo import free_port, stop_server, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -234,12 +233,7 @@ def run_policy(policy: str, args, plan, messages, model_name: str) -> dict:
         wall = time.monotonic() - t0
         load1 = os.getloadavg()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, timeout_s=90)
     slos = _tier_slos()
     span = max(r.arrival_s for r in plan)
     limits = [line for line in log_path.read_text().splitlines() if "running limit" in line]

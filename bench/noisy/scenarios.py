@@ -15,8 +15,9 @@ time, each in a closed loop with think time. The run is a sequence of phases:
   prefill    huge prompts (``--huge-prompt`` tokens), 1 output token, 2 in flight
   decode     short prompts, long outputs (``--long-output`` tokens, ``min_tokens`` too), 3 in flight
   kv         many long sessions: 1,500-token prompts with 400-token outputs, 6 in flight
-  burst      a burst of 24 requests at once every 15 s
-  slow       streams whose reader stops reading after the headers (cut after the stall limit)
+  burst      a burst of ``--burst`` (40) requests at once every 15 s
+  slow       streams whose reader stops reading after the headers (cut after the stall limit);
+             20 log-probabilities per token, so the unread answer fills the send buffers
   thrash     a cycle of long prompts whose total exceeds the KV cache (each is re-prefilled)
   agent      one agent run (``X-Agent-Run-Id``) making a model call after another
   ========== ===============================================================================
@@ -34,9 +35,10 @@ False positives: on the clean phase, every (shape, tenant) the evaluator names a
 
 Usage (about 20 minutes on 2 cores; measure with a low load average)::
 
-    .venv/bin/python bench/noisy/scenarios.py
+    .venv/bin/python bench/noisy/scenarios.py [--policy vtc|fcfs]
 
-Writes ``bench/noisy/results.json`` (every snapshot's evaluation included) and prints the table.
+Writes ``bench/noisy/results/<policy>.json`` (every snapshot's evaluation included; the raw
+``/metrics`` snapshots stay in the run directory's ``record.json``) and prints the table.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -64,7 +65,7 @@ sys.path.insert(0, str(REPO / "bench" / "fairness"))
 from common import machine, md_table  # noqa: E402
 
 from kvmeter.net import free_port  # noqa: E402
-from kvmeter.serving.demo import wait_ready  # noqa: E402
+from kvmeter.serving.demo import stop_server, wait_ready  # noqa: E402
 
 NORMAL = {"acme": "sk-demo-acme-0001", "globex": "sk-demo-globex-0001", "initech": "sk-demo-initech-0001"}
 NOISY, NOISY_KEY = "umbrella", "sk-demo-umbrella-0001"
@@ -134,7 +135,9 @@ async def _chat(client: httpx.AsyncClient, run: Run, who: str, key: str, body: d
             async for _ in resp.aiter_raw():
                 pass
             run.count(who, str(resp.status_code))
-            return resp.status_code
+        if resp.status_code == 429:
+            await asyncio.sleep(0.5)  # a client backs off a refusal (the SDKs do), rather than spin
+        return resp.status_code
     except httpx.HTTPError as exc:
         run.count(who, type(exc).__name__)
         return 0
@@ -173,7 +176,10 @@ async def _slow_reader(run: Run, port: int, stop: asyncio.Event, max_tokens: int
         try:
             await loop.sock_connect(sock, ("127.0.0.1", port))
             msgs = run.synth.messages(60, seed=random.getrandbits(32))
-            body = json.dumps(_body(run, msgs, max_tokens, min_tokens=max_tokens)).encode()
+            # 20 log-probabilities per token make each event ~2.5 KB, so the unread answer outgrows the
+            # transport's and the kernel's buffers within a few hundred tokens and the send blocks
+            body = json.dumps(_body(run, msgs, max_tokens, min_tokens=max_tokens)
+                              | {"logprobs": True, "top_logprobs": 20}).encode()
             await loop.sock_sendall(sock, (
                 f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {NOISY_KEY}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body)
@@ -219,7 +225,7 @@ async def _noisy(shape: str, client, run: Run, port: int, stop: asyncio.Event, a
         await _closed_loop(stop, 6, one)
     elif shape == "burst":
         while not stop.is_set():
-            burst = [run.synth.messages(200, seed=rng.getrandbits(32)) for _ in range(24)]
+            burst = [run.synth.messages(200, seed=rng.getrandbits(32)) for _ in range(args.burst)]
             tasks = [asyncio.create_task(_chat(client, run, NOISY, NOISY_KEY, _body(run, m, 16))) for m in burst]
             try:
                 await asyncio.wait_for(stop.wait(), timeout=15.0)
@@ -393,7 +399,7 @@ def _serve_config(path: Path, args) -> Path:
     from kvmeter.serving.config import DEMO_ENGINE_SETTINGS, DEMO_SCHEDULER_OPTIONS
 
     cfg = {"engine": dict(DEMO_ENGINE_SETTINGS),
-           "scheduler": {"policy": "vtc", "options": dict(DEMO_SCHEDULER_OPTIONS["vtc"])},
+           "scheduler": {"policy": args.policy, "options": dict(DEMO_SCHEDULER_OPTIONS[args.policy])},
            "server": {"stream_stall_timeout_s": args.stall_s}}
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -408,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s", type=float, default=30.0, help="the evaluator's window (s)")
     ap.add_argument("--sample-s", type=float, default=5.0, help="seconds between /metrics scrapes")
     ap.add_argument("--stall-s", type=float, default=3.0, help="server.stream_stall_timeout_s")
+    ap.add_argument("--policy", choices=["vtc", "fcfs"], default="vtc",
+                    help="vtc: kvmeter's scheduler as the demo runs it (its defences refuse part of the "
+                         "noisy load); fcfs: the plain baseline (no overload control, no KV budgets), "
+                         "so every shape's pressure reaches the engine")
+    ap.add_argument("--burst", type=int, default=40, help="requests per burst")
     ap.add_argument("--huge-prompt", type=int, default=3000)
     ap.add_argument("--long-output", type=int, default=600)
     ap.add_argument("--thrash-prompt", type=int, default=1500)
@@ -419,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON of NoisyThresholds fields over the CPU-sized ones (cpu_thresholds)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--workdir", default="var/bench-noisy")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results.json"))
+    ap.add_argument("--out", default=None, help="default: bench/noisy/results/<policy>.json")
     ap.add_argument("--evaluate", metavar="RUN_DIR", default=None,
                     help="re-evaluate a finished run's record.json instead of running")
     args = ap.parse_args(argv)
@@ -456,12 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         run.t0 = time.monotonic()
         asyncio.run(_drive(run, port, args))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, timeout_s=90)
     load1 = os.getloadavg()
     # the raw record, so the evaluation can be re-run offline (``--evaluate RUN_DIR``)
     (run_dir / "record.json").write_text(json.dumps(
@@ -473,9 +479,11 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
               "load_average_before": load0, "load_average_after": load1, "client_counts": run.counts,
               "run_dir": str(run_dir), "evaluation": ev}
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"{args.policy}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
     print(table(ev))
-    print(f"load average {load0[0]:.2f} → {load1[0]:.2f}; wrote {args.out}")
+    print(f"load average {load0[0]:.2f} → {load1[0]:.2f}; wrote {out}")
     return 0
 
 
