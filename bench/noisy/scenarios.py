@@ -104,6 +104,7 @@ class Run:
     synth: object
     stall_s: float
     t0: float = field(default_factory=time.monotonic)
+    wall_t0: float = field(default_factory=time.time)
     snapshots: list[tuple[float, str]] = field(default_factory=list)
     phases: list[Phase] = field(default_factory=list)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -378,21 +379,72 @@ def evaluate(run: Run, args) -> dict:
     return out
 
 
+def attribute(ev: dict, run: Run, run_dir: Path) -> None:
+    """Add to each shape's row the noisy tenant's **attribution share**: over the normal tenants'
+    requests that finished in the phase (plus the cooldown: its stragglers) and missed their tier's
+    TTFT objective, the noisy tenant's share of the scheduled tokens (prefill + decode) in the steps
+    they waited through — kvmeter's interference read (:mod:`kvmeter.ledger.interference`) on the
+    run's own ledger (``engine_steps``), under the demo tenants' objectives. ``None`` where no
+    normal request missed. Needs the server stopped (its spool drained into the ledger)."""
+    from datetime import datetime, timezone
+
+    from kvmeter.ledger.config import LedgerConfig
+    from kvmeter.ledger.ledger import Ledger
+    from kvmeter.serving.tenancy import DEMO_TENANTS_FILE, TenantDirectory
+
+    d = TenantDirectory.from_file(DEMO_TENANTS_FILE)
+    slos = [(t, d.tier_policy(t).ttft_slo_s, d.tier_policy(t).itl_slo_s) for t in d.snapshot.tiers]
+    ledger_dir = (run_dir / "ledger").absolute()
+    if not ledger_dir.exists():
+        return
+    ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{ledger_dir}", spool_dir=(run_dir / "spool").absolute()))
+    try:
+        if not run.wall_t0:  # a record from before wall_t0 was kept: the first arrival (≈ 1 s late)
+            first = ledger.query_client().query("SELECT min(arrival_ts) FROM usage_events").result_rows[0][0]
+            run.wall_t0 = first.replace(tzinfo=first.tzinfo or timezone.utc).timestamp()
+        phases = [p for p in run.phases if p.name != "clean"]
+        for i, ph in enumerate(phases):
+            end = phases[i + 1].start_s if i + 1 < len(phases) else ph.end_s + 60.0
+
+            @dataclass(frozen=True)
+            class _Span:
+                start: datetime
+                end: datetime
+
+            span = _Span(datetime.fromtimestamp(run.wall_t0 + ph.start_s, timezone.utc),
+                         datetime.fromtimestamp(run.wall_t0 + end, timezone.utc))
+            rows = ledger.interference.interference(span, list(NORMAL), slos=slos, objective="ttft")
+            missed = {r["tenant_id"]: r["missed_requests"] for r in rows}
+            tokens = {}
+            for r in rows:
+                who = r["neighbour"] or ""
+                tokens[who] = tokens.get(who, 0) + (r["prefill_tokens"] or 0) + (r["decode_tokens"] or 0)
+            total = sum(tokens.values())
+            row = ev["phases"][ph.name]
+            row["victims_missed_ttft"] = sum(missed.values())
+            row["attribution_share"] = tokens.get(NOISY, 0) / total if total else None
+            row["interference"] = rows
+    finally:
+        ledger.close()
+
+
 def table(ev: dict) -> str:
     fps = ev["phases"].get("clean", {}).get("false_positives", [])
     rows = []
     for name, r in ev["phases"].items():
         if name == "clean":
             continue
-        share = r["noisy_share"]
+        share, attr = r["noisy_share"], r.get("attribution_share")
         rows.append([f"{name} (`{r['detector']}`)", "yes" if r["detected"] else "no",
                      f"{r['seconds_to_detection']:.0f}" if r["seconds_to_detection"] is not None else "–",
                      f"{share:.0%}" if share is not None else "–",
+                     (f"{attr:.0%} of {r['victims_missed_ttft']}" if attr is not None else
+                      f"– ({r.get('victims_missed_ttft', '?')} missed)"),
                      sum(1 for shape, _ in fps if shape == r["detector"])])
     others = sorted({shape for shape, _ in fps} - {r.get("detector") for r in ev["phases"].values()})
     note = f"\n\nOther detectors that named a tenant on the clean run: {', '.join(others)}" if others else ""
-    return md_table(["shape (detector)", "detected", "seconds to detection", "noisy tenant's share",
-                     "false positives (clean run)"], rows) + note
+    return md_table(["shape (detector)", "detected", "seconds to detection", "noisy tenant's share of the pressure",
+                     "attribution share (of N missed TTFTs)", "false positives (clean run)"], rows) + note
 
 
 def _serve_config(path: Path, args) -> Path:
@@ -437,8 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.evaluate:
         rec = json.loads((Path(args.evaluate) / "record.json").read_text())
         run = Run("", "", None, args.stall_s, snapshots=[tuple(s) for s in rec["snapshots"]],
-                  phases=[Phase(*p) for p in rec["phases"]], counts=rec["client_counts"])
-        print(table(evaluate(run, args)))
+                  phases=[Phase(*p) for p in rec["phases"]], counts=rec["client_counts"],
+                  wall_t0=rec.get("wall_t0", 0.0))
+        ev = evaluate(run, args)
+        attribute(ev, run, Path(args.evaluate))
+        if args.out:  # the evaluation beside the record it came from
+            Path(args.out).write_text(json.dumps({"scenario": "noisy_neighbours", "record": args.evaluate,
+                                                  "args": vars(args), "client_counts": run.counts,
+                                                  "evaluation": ev}, indent=2, default=str))
+        print(table(ev))
         return 0
 
     from kvmeter.model import resolve_model
@@ -464,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ready_s = wait_ready(proc, base, log_path)
         print(f"server ready after {ready_s:.0f} s; load average {load0[0]:.2f}", flush=True)
-        run.t0 = time.monotonic()
+        run.t0, run.wall_t0 = time.monotonic(), time.time()
         asyncio.run(_drive(run, port, args))
     finally:
         stop_server(proc, timeout_s=90)
@@ -472,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     # the raw record, so the evaluation can be re-run offline (``--evaluate RUN_DIR``)
     (run_dir / "record.json").write_text(json.dumps(
         {"snapshots": run.snapshots, "phases": [[p.name, p.start_s, p.end_s] for p in run.phases],
+         "wall_t0": run.wall_t0,
          "client_counts": run.counts}))
     ev = evaluate(run, args)
+    attribute(ev, run, run_dir)
     result = {"scenario": "noisy_neighbours", "id": str(uuid.uuid4()),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), "machine": machine(),
               "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
