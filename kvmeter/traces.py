@@ -73,6 +73,8 @@ class TraceRequest:
             it; ``None`` otherwise (the public traces carry none).
         tier: the tenant's tier, or ``None`` (the consumer's default tier applies).
         deadline_s: deadline in seconds from the trace start, or ``None`` (the tier's applies).
+        agent_run_id: the agent run the request is a model call of (``X-Agent-Run-Id`` on the
+            serve path), or ``""``; the simulator stamps it on the request's attribution.
     """
 
     arrival_s: float
@@ -82,6 +84,7 @@ class TraceRequest:
     tenant_id: str | None = None
     tier: str | None = None
     deadline_s: float | None = None
+    agent_run_id: str = ""
 
 
 def data_dir() -> Path:

@@ -340,10 +340,13 @@ def _at(run: Run, t: float) -> tuple[float, str]:
     return best
 
 
-def evaluate(run: Run, args) -> dict:
+def evaluate(run: Run, args, thresholds=None) -> dict:
+    """The kept snapshots ranked per phase (module docstring); ``thresholds``: the detectors'
+    (default :func:`cpu_thresholds` with ``args.thresholds`` over them)."""
     from kvmeter.exporters.prometheus.rules.noisy_eval import rank
 
-    thresholds = cpu_thresholds(json.loads(args.thresholds or "{}"))
+    if thresholds is None:
+        thresholds = cpu_thresholds(json.loads(args.thresholds or "{}"))
 
     def ranking(t_end: float, floor: float) -> tuple[float, dict]:
         t0, before = _at(run, max(floor, t_end - args.window_s))
@@ -379,21 +382,23 @@ def evaluate(run: Run, args) -> dict:
     return out
 
 
-def attribute(ev: dict, run: Run, run_dir: Path) -> None:
+def attribute(ev: dict, run: Run, run_dir: Path, slos=None) -> None:
     """Add to each shape's row the noisy tenant's **attribution share**: over the normal tenants'
     requests that finished in the phase (plus the cooldown: its stragglers) and missed their tier's
     TTFT objective, the noisy tenant's share of the scheduled tokens (prefill + decode) in the steps
     they waited through — kvmeter's interference read (:mod:`kvmeter.ledger.interference`) on the
-    run's own ledger (``engine_steps``), under the demo tenants' objectives. ``None`` where no
-    normal request missed. Needs the server stopped (its spool drained into the ledger)."""
+    run's own ledger (``engine_steps``), under the demo tenants' objectives (or ``slos``:
+    ``(tier, ttft_slo_s, itl_slo_s)`` triples). ``None`` where no normal request missed. Needs the
+    server stopped (its spool drained into the ledger)."""
     from datetime import datetime, timezone
 
     from kvmeter.ledger.config import LedgerConfig
     from kvmeter.ledger.ledger import Ledger
     from kvmeter.serving.tenancy import DEMO_TENANTS_FILE, TenantDirectory
 
-    d = TenantDirectory.from_file(DEMO_TENANTS_FILE)
-    slos = [(t, d.tier_policy(t).ttft_slo_s, d.tier_policy(t).itl_slo_s) for t in d.snapshot.tiers]
+    if slos is None:
+        d = TenantDirectory.from_file(DEMO_TENANTS_FILE)
+        slos = [(t, d.tier_policy(t).ttft_slo_s, d.tier_policy(t).itl_slo_s) for t in d.snapshot.tiers]
     ledger_dir = (run_dir / "ledger").absolute()
     if not ledger_dir.exists():
         return

@@ -34,14 +34,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvmeter.stats import EngineLoad
+from kvmeter.stats import EngineLoad, EngineStepShares
 
 from .costmodel import RooflineCostModel
 from .kvcache import PrefixCache
+from .steps import segment_shares
 
 __all__ = ["SimRequest", "SimReplica", "StepOutcome", "WAITING", "RUNNING", "FINISHED"]
 
@@ -171,6 +172,10 @@ class SimReplica:
         scheduling: ``priority`` (vLLM ``--scheduling-policy priority``) or ``fcfs``.
         enable_prefix_caching: look up and register hash groups.
         group_tokens: tokens per hash group of the trace (Mooncake: 512).
+        step_sink: called with each step's :class:`~kvmeter.stats.EngineStepShares` as
+            :meth:`complete` applies it (k records for a decode segment of k steps: :mod:`.steps`);
+            None (the default): no records are built.
+        wall_offset_s: epoch seconds at virtual 0, added to the records' ``wall_ts``.
     Raises:
         ValueError: on bad sizes or an unknown scheduling policy.
     """
@@ -178,7 +183,8 @@ class SimReplica:
     def __init__(self, cost: RooflineCostModel, *, idx: int = 0, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, long_prefill_token_threshold: int | None = None,
                  scheduling: str = "priority", enable_prefix_caching: bool = True,
-                 group_tokens: int = 512) -> None:
+                 group_tokens: int = 512, step_sink: Callable[[EngineStepShares], None] | None = None,
+                 wall_offset_s: float = 0.0) -> None:
         if scheduling not in ("priority", "fcfs"):
             raise ValueError(f"scheduling must be 'priority' or 'fcfs', got {scheduling!r}")
         self.cost = cost
@@ -222,6 +228,8 @@ class SimReplica:
         self.kv_watermark_integral = 0.0
         self.kv_watermark_max = 0.0
         self.busy_time = 0.0
+        self.step_sink = step_sink
+        self.wall_offset_s = float(wall_offset_s)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -539,6 +547,12 @@ class SimReplica:
         self._pending = None
         start = self.now
         end = self.now + total
+        sink = self.step_sink
+        if sink is not None:
+            ends = [end] if chunks else (start + self._cum[:k]).tolist()
+            for shares in segment_shares(self, [(r, c) for r, c, _ in chunks], k, ends,
+                                         wall_offset_s=self.wall_offset_s):
+                sink(shares)
         j = len(self.seg_t)
         self.seg_t.append(total / k)
         self.seg_k.append(k)

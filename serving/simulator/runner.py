@@ -28,6 +28,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from kvmeter.attribution import Attribution
+from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.serving.scheduler.base import Grant, Job, SchedulerRejected
 from kvmeter.serving.scheduler.config import SchedulerConfig
@@ -39,6 +40,7 @@ from kvmeter.traces import TraceRequest
 from .costmodel import RooflineCostModel
 from .hardware import get_accelerator
 from .models import get_model
+from .publish import SimPublisher
 from .replica import SimReplica, SimRequest
 
 __all__ = ["SimConfig", "RequestRecord", "Sample", "SimResult", "Simulation", "build_cost_model"]
@@ -198,6 +200,12 @@ class Simulation:
         sample_interval_s: virtual seconds between queue/engine samples.
         jain_min_backlogged_s: tenants backlogged for less than this are left out of the run's
             backlogged service rates (Jain's index).
+        bus: where to publish the serve path's stats from the simulated engine and scheduler
+            (:mod:`.publish`: every engine step's :class:`~kvmeter.stats.EngineStepShares`, step
+            stats, scheduler snapshots at each sample, request completions); None (the
+            default): nothing is built or published.
+        start_wall: wall-clock epoch seconds at virtual 0 (the clock's wall readings, the
+            published records' ``wall_ts``).
     Raises:
         ValueError: on bad configuration.
     """
@@ -205,23 +213,27 @@ class Simulation:
     def __init__(self, requests: Sequence[TraceRequest], *, policy: str | OrderingPolicy = "vtc",
                  scheduler_config: SchedulerConfig | None = None, sim: SimConfig | None = None,
                  progress: bool = False, sample_interval_s: float = 1.0,
-                 jain_min_backlogged_s: float = 5.0) -> None:
+                 jain_min_backlogged_s: float = 5.0, bus: StatsBus | None = None,
+                 start_wall: float = 1_700_000_000.0) -> None:
         if not sample_interval_s > 0:
             raise ValueError("sample_interval_s must be > 0")
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.sim = sim or SimConfig()
         self.scfg = scheduler_config or SchedulerConfig()
-        self.clock = ManualClock(start_monotonic=0.0)
+        self.clock = ManualClock(start_wall=start_wall, start_monotonic=0.0)
         router = Router(self.sim.routing, clock=self.clock) if self.sim.routing else None
         self.core = SchedulerCore(self.scfg, policy=policy, clock=self.clock, num_engines=self.sim.replicas,
                                   router=router)
         self.cost = build_cost_model(self.sim)
         sched = self.sim.engine_scheduling or ("priority" if self.core.policy_name == "vtc" else "fcfs")
+        self.publisher = (SimPublisher(bus, self.clock, model=self.sim.model, scheduler_config=self.scfg,
+                                       group_tokens=self.sim.group_tokens) if bus is not None else None)
         self.replicas = [SimReplica(self.cost, idx=i, max_num_batched_tokens=self.sim.max_num_batched_tokens,
                                     max_num_seqs=self.sim.max_num_seqs,
                                     long_prefill_token_threshold=self.sim.long_prefill_token_threshold,
                                     scheduling=sched, enable_prefix_caching=self.sim.enable_prefix_caching,
-                                    group_tokens=self.sim.group_tokens)
+                                    group_tokens=self.sim.group_tokens,
+                                    step_sink=bus.publish if bus is not None else None, wall_offset_s=start_wall)
                          for i in range(self.sim.replicas)]
         self.progress = progress
         self.sample_interval_s = sample_interval_s
@@ -256,7 +268,8 @@ class Simulation:
             return
         # the trace's own deadline, else the tier's rule: the one serve's gateway applies
         rec.deadline_s = tr.deadline_s if tr.deadline_s is not None else self.scfg.tier(rec.tier).deadline_s(now)
-        job = Job(request_id=rid, attribution=Attribution(tenant_id=tenant, tier=rec.tier),
+        job = Job(request_id=rid, attribution=Attribution(tenant_id=tenant, tier=rec.tier,
+                                                          agent_run_id=tr.agent_run_id),
                   input_tokens=tr.input_tokens, max_tokens=tr.output_tokens, arrival_s=now, deadline_s=rec.deadline_s,
                   prefix_blocks=tuple(tr.hash_ids or ()) if self.core.router is not None else ())
         core = self.core
@@ -274,6 +287,9 @@ class Simulation:
     def _complete(self, rep: SimReplica) -> None:
         outcome = rep.complete()
         core = self.core
+        pub = self.publisher
+        if pub is not None:
+            pub.segment(rep, outcome)
         # the step's latencies, as the vLLM engine hooks report them on the serving path
         core.observe_engine_latency(rep.idx, itl_sum_s=outcome.itl_sum_s, itl_count=outcome.itl_count,
                                     ttfts_s=[r.engine_ttft_s() for r in outcome.first_tokens])
@@ -287,7 +303,9 @@ class Simulation:
                 req.charged = req.target
                 core.charge_output(req.payload, delta)
             core.release(req.payload)
-            rec, _ = self._by_id.pop(req.request_id)
+            rec, tr = self._by_id.pop(req.request_id)
+            if pub is not None:
+                pub.finished(req, arrival_s=rec.arrival_s, dispatch_s=rec.dispatch_s, agent_run_id=tr.agent_run_id)
             rec.first_token_s = req.first_token_s if req.first_token_s is not None else math.nan
             rec.finish_s = req.finish_s if req.finish_s is not None else math.nan
             rec.generated = req.target
@@ -327,6 +345,8 @@ class Simulation:
                 kv_watermark=[rep.used_blocks() / rep.total_blocks for rep in self.replicas],
                 pressure_level=core.pressure_level,
                 service_by_tenant={t: core.tenant_service(t) for t in core.tenants()}))
+            if self.publisher is not None:
+                self.publisher.sample(core)
 
     def _start(self, grant: Grant, now: float) -> None:
         rec, tr = self._by_id[grant.job.request_id]
@@ -336,6 +356,8 @@ class Simulation:
         req = SimRequest(grant.job.request_id, tr.input_tokens, tr.output_tokens, priority=grant.priority,
                          hash_ids=tr.hash_ids, tenant_id=rec.tenant_id, tier=rec.tier, payload=grant)
         self.replicas[grant.engine_idx].add(req, now)
+        if self.publisher is not None:
+            self.publisher.dispatched(req)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> SimResult:
