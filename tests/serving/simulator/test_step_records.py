@@ -12,6 +12,9 @@ from kvmeter.bus import StatsBus
 from kvmeter.exporters.prometheus import PrometheusConfig, install_prometheus
 from kvmeter.exporters.prometheus.rules.noisy_eval import rank
 from kvmeter.serving.simulator import SimConfig, Simulation
+from kvmeter.serving.simulator.costmodel import RooflineCostModel
+from kvmeter.serving.simulator.hardware import AcceleratorSpec
+from kvmeter.serving.simulator.models import get_model
 from kvmeter.serving.simulator.replica import SimReplica, SimRequest
 from kvmeter.serving.simulator.runner import build_cost_model
 from kvmeter.stats import EngineStepShares, EngineStepStats, RequestCompletion, SchedulerStats
@@ -60,6 +63,33 @@ def test_one_request_alone_step_by_step():
     assert got[0].wall_ts == pytest.approx(1_000.0 + ends[0]) and got[-1].wall_ts == pytest.approx(1_000.0 + ends[1])
     assert sum(g.duration_s for g in got) == pytest.approx(ends[1])
     assert all(b.wall_ts - b.duration_s == pytest.approx(a.wall_ts) for a, b in zip(got, got[1:], strict=False))
+
+
+def test_preemption_recompute_is_prefill_and_the_records_keep_the_replicas_totals():
+    """768 tokens of KV for four 100 + 200-token requests: the low-priority ones are preempted and
+    recompute prompt + output from 0 — prefill by vLLM's rule (the chunk starts inside the
+    prompt). The records still sum to exactly the tokens the replica computed."""
+    acc = AcceleratorSpec("tiny", "test profile", memory_bytes=2 ** 34, memory_bandwidth_bytes_per_s=20e9,
+                          peak_flops={"bf16": 1e12}, kv_cache_bytes=48 * 16 * 23_040,
+                          max_num_batched_tokens=2048, max_num_seqs=16)
+    got: list[EngineStepShares] = []
+    rep = SimReplica(RooflineCostModel(get_model("smollm2-135m"), acc), step_sink=got.append)
+    reqs = [SimRequest(f"{t}{i}", 100, 200, priority=p, tenant_id=t) for t, p in (("hi", 0), ("lo", 5))
+            for i in range(2)]
+    for r in reqs:
+        rep.add(r, 0.0)
+    prefill = decode = 0
+    while rep.has_work():
+        rep.plan(rep.now)
+        out = rep.complete()
+        prefill += out.prefill_tokens
+        decode += out.decode_tokens
+    assert rep.preemptions_total > 0
+    assert sum(t.prefill_tokens for g in got for t in g.tenants) == prefill > 4 * 100
+    assert sum(t.decode_tokens for g in got for t in g.tenants) == decode
+    by = {who: sum(t.prefill_tokens for g in got for t in g.tenants if t.tenant_id == who) for who in ("hi", "lo")}
+    assert by["hi"] == 2 * 100 and by["lo"] > 2 * 100  # only the preempted tenant recomputed
+    assert len(got) == rep.steps_total
 
 
 def test_step_records_sum_to_each_tenants_prefill_and_decode_tokens():
