@@ -3,7 +3,9 @@
 The gateway can run on :class:`SimEngine` exactly as on the vLLM engine: ``generate()`` streams
 :class:`EngineOutput` deltas, ``load()`` feeds the scheduler's gating, and each step publishes an
 :class:`~kvmeter.stats.EngineStepStats` on the bus with the fields the vLLM engine hooks fill (KV
-use, running/waiting, scheduled/prompt/generation tokens with vLLM's meanings, TTFTs and ITLs), so
+use, running/waiting, scheduled/prompt/generation tokens with vLLM's meanings, TTFTs and ITLs:
+:func:`~.steps.step_stats`) and, while anything subscribes to them, its
+:class:`~kvmeter.stats.EngineStepShares` (:mod:`.steps`: per tenant, as the vLLM adapter), so
 ``bus.subscribe(EngineStepStats, fair_scheduler.on_step_stats)`` wires KV-watermark gating the same
 way on both engines.
 
@@ -25,11 +27,12 @@ from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock, ManualClock
 from kvmeter.serving.engines.base import Engine, EngineError, EngineOutput, EngineRequest, Tokenizer
-from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepStats
+from kvmeter.stats import EngineLoad, EngineRequestStats, EngineStepShares, EngineStepStats
 from kvmeter.tokens import TokenCounts
 
 from .costmodel import RooflineCostModel
 from .replica import FINISHED, SimReplica, SimRequest
+from .steps import step_stats
 
 __all__ = ["SimEngine", "ByteTokenizer"]
 
@@ -148,7 +151,7 @@ class SimEngine(Engine):
         if self._task is None:
             raise EngineError("SimEngine.start() has not been awaited")
         req = SimRequest(request.request_id, n_input, request.max_tokens, priority=request.priority,
-                         tenant_id=request.attribution.tenant_id)
+                         tenant_id=request.attribution.tenant_id, tier=request.attribution.tier)
         try:
             self.replica.add(req, self._clock.monotonic())
         except ValueError as err:
@@ -201,6 +204,9 @@ class SimEngine(Engine):
             else:
                 await self._sleep(duration * self._scale)
             q0, h0 = rep.cache.queries_tokens, rep.cache.hits_tokens
+            bus = self._bus  # each step's EngineStepShares, built only while someone listens
+            rep.step_sink = bus.publish if bus is not None and bus.has_subscribers(EngineStepShares) else None
+            rep.wall_offset_s = self._clock.wall() - self._clock.monotonic()
             out = rep.complete()
             self._deliver(out)
             self._publish(out, q0, h0)
@@ -235,27 +241,4 @@ class SimEngine(Engine):
         bus = self._bus
         if bus is None or not bus.has_subscribers(EngineStepStats):
             return
-        rep = self.replica
-        load = rep.load()
-        bus.publish(EngineStepStats(
-            wall_ts=self._clock.wall(), engine_idx=self._idx, kv_watermark_ratio=load.kv_watermark_ratio,
-            kv_blocks_total=rep.total_blocks, kv_block_size_tokens=rep.B, num_running=load.num_running,
-            num_waiting=load.num_waiting, num_preempted=len(out.preempted),
-            prefix_cache_queries_tokens=rep.cache.queries_tokens - q0,
-            prefix_cache_hits_tokens=rep.cache.hits_tokens - h0,
-            batch_size=load.num_running + len(out.finished), scheduled_tokens=out.scheduled_tokens,
-            input_tokens=sum(r.input_tokens for r in out.first_tokens),
-            output_tokens=out.generated_tokens,
-            ttfts_s=[r.engine_ttft_s() for r in out.first_tokens],
-            itls_s=self._itls(out)))
-
-    @staticmethod
-    def _itls(out) -> list[float]:
-        """The step's inter-token latencies, one per token generated after a request's first (as
-        vLLM's ``inter_token_latencies_iter``): a step here is one iteration, so each decode token's
-        latency is the step's duration."""
-        itls = [out.duration_s / out.steps] * out.decode_tokens
-        extra = out.itl_count - out.decode_tokens  # first tokens after a preemption's recompute
-        if extra > 0:
-            itls += [(out.itl_sum_s - out.duration_s / out.steps * out.decode_tokens) / extra] * extra
-        return itls
+        bus.publish(step_stats(self.replica, out, prefix_queries0=q0, prefix_hits0=h0, wall_ts=self._clock.wall()))

@@ -8,11 +8,9 @@ Published, with each field's source (``wall_ts`` = the simulation clock's wall r
 
 * :class:`~kvmeter.stats.EngineStepShares` — every engine step (:mod:`.steps`);
 * :class:`~kvmeter.stats.EngineStepStats` — one per completed step **or decode segment** (a
-  segment of k steps is one record with the segment's sums): KV watermark (used ÷ total blocks,
-  evictable cached blocks excluded, as :meth:`~.replica.SimReplica.load`), KV blocks and block
-  size, running and waiting requests, preemptions, prefix-cache queried and hit tokens, scheduled
-  tokens, requests that produced output, input (prefill chunk) and output tokens, engine-side
-  TTFTs; no per-token ITLs (the segment's ITL sum goes to the scheduler as before);
+  segment of k steps is one record with the segment's sums; :func:`~.steps.step_stats`, the
+  fields :class:`~.engine.SimEngine` fills), without per-token ITLs (a long segment would build
+  one float per decode token; the segment's ITL sum goes to the scheduler as before);
 * :class:`~kvmeter.stats.SchedulerStats` — the scheduler core's snapshot at each simulation
   sample (every ``sample_interval_s``, as :class:`~kvmeter.serving.scheduler.fair.FairScheduler`
   publishes every ``stats_interval_s``);
@@ -36,8 +34,10 @@ from kvmeter.attribution import Attribution
 from kvmeter.bus import StatsBus
 from kvmeter.clock import Clock
 from kvmeter.serving.gateway.reprefill import PrefixProbe, PrefixReuse
-from kvmeter.stats import EngineStepStats, RequestCompletion
+from kvmeter.stats import RequestCompletion
 from kvmeter.tokens import TokenCounts
+
+from .steps import step_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvmeter.serving.scheduler.config import SchedulerConfig
@@ -83,19 +83,12 @@ class SimPublisher:
         self._probes[req.request_id] = self.reuse.probe([prompt])
 
     def segment(self, rep: "SimReplica", outcome: "StepOutcome") -> None:
-        """One completed step or decode segment of ``rep``: its :class:`EngineStepStats`."""
+        """One completed step or decode segment of ``rep``: its :class:`EngineStepStats`
+        (:func:`~.steps.step_stats`, without per-token ITLs)."""
         q0, h0 = self._prefix.get(rep.idx, (0, 0))
-        q, h = rep.cache.queries_tokens, rep.cache.hits_tokens
-        self._prefix[rep.idx] = (q, h)
-        load = rep.load()
-        self.bus.publish(EngineStepStats(
-            wall_ts=self.clock.wall(), engine_idx=rep.idx, kv_watermark_ratio=load.kv_watermark_ratio,
-            kv_blocks_total=rep.total_blocks, kv_block_size_tokens=rep.B, num_running=rep.n_running,
-            num_waiting=rep.n_waiting, num_preempted=len(outcome.preempted), prefix_cache_queries_tokens=q - q0,
-            prefix_cache_hits_tokens=h - h0, scheduled_tokens=outcome.scheduled_tokens,
-            batch_size=outcome.decode_tokens // outcome.steps + len(outcome.first_tokens),
-            input_tokens=outcome.prefill_tokens, output_tokens=outcome.generated_tokens,
-            ttfts_s=[r.engine_ttft_s() for r in outcome.first_tokens]))
+        self._prefix[rep.idx] = (rep.cache.queries_tokens, rep.cache.hits_tokens)
+        self.bus.publish(step_stats(rep, outcome, prefix_queries0=q0, prefix_hits0=h0, wall_ts=self.clock.wall(),
+                                    with_itls=False))
 
     def finished(self, req: "SimRequest", *, arrival_s: float, dispatch_s: float, agent_run_id: str = "") -> None:
         """``req`` generated its last token: its :class:`RequestCompletion` (times in virtual
@@ -107,11 +100,11 @@ class SimPublisher:
         reprefill = probe.settle(tokens) if probe is not None else 0
         ttft = req.first_token_s - arrival_s
         itl = (req.finish_s - req.first_token_s) / (req.target - 1) if req.target > 1 else None
+        tier = self.scfg.tier(req.tier)
         self.bus.publish(RequestCompletion(
             attribution=Attribution(req.tenant_id, tier=req.tier, model=self.model, agent_run_id=agent_run_id),
             outcome="ok", tokens=tokens, ttft_s=ttft, e2e_s=req.finish_s - arrival_s,
-            queue_s=dispatch_s - arrival_s, slo_met=self.scfg.tier(req.tier).meets_slo(ttft, itl)
-            if self.scfg.tier(req.tier).has_slo else None,
+            queue_s=dispatch_s - arrival_s, slo_met=tier.meets_slo(ttft, itl) if tier.has_slo else None,
             wall_ts=self.clock.wall(), stream=True, reprefill_input_tokens=reprefill))
 
     def sample(self, core: "SchedulerCore") -> None:

@@ -1,6 +1,8 @@
 """The simulator's per-step records: :class:`~kvmeter.stats.EngineStepShares`, the same records
 the vLLM adapter publishes (:mod:`kvmeter.collectors.vllm_step_shares` defines each quantity), one
-per engine step, on the simulated clock.
+per engine step, on the simulated clock; and :func:`step_stats`, a completed step's (or
+segment's) :class:`~kvmeter.stats.EngineStepStats` with the fields the vLLM engine hooks fill —
+both :class:`~.engine.SimEngine` and :class:`~.publish.SimPublisher` publish these.
 
 Per step and per (tenant, tier) of the replica's running requests (the requests running when the
 step was planned, after its preemptions and admissions — vLLM's ``Scheduler.running`` after
@@ -36,12 +38,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from kvmeter.stats import EngineStepShares, TenantStepShare
+from kvmeter.stats import EngineStepShares, EngineStepStats, TenantStepShare
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .replica import SimReplica, SimRequest
+    from .replica import SimReplica, SimRequest, StepOutcome
 
-__all__ = ["segment_shares"]
+__all__ = ["segment_shares", "step_stats", "step_itls"]
+
+
+def step_itls(out: "StepOutcome") -> list[float]:
+    """The inter-token latencies of a completed step, one per token generated after a request's
+    first (as vLLM's ``inter_token_latencies_iter``): each decode token's latency is its step's
+    duration (the segment's mean step time for a segment); a first token after a preemption's
+    recompute gets its gap since the request's previous token."""
+    itls = [out.duration_s / out.steps] * out.decode_tokens
+    extra = out.itl_count - out.decode_tokens  # first tokens after a preemption's recompute
+    if extra > 0:
+        itls += [(out.itl_sum_s - out.duration_s / out.steps * out.decode_tokens) / extra] * extra
+    return itls
+
+
+def step_stats(rep: "SimReplica", out: "StepOutcome", *, prefix_queries0: int, prefix_hits0: int,
+               wall_ts: float, with_itls: bool = True) -> EngineStepStats:
+    """The :class:`~kvmeter.stats.EngineStepStats` of the step (or segment) ``out`` that ``rep``
+    just completed, with vLLM's meanings: KV watermark (used ÷ total blocks, evictable cached
+    blocks excluded: :meth:`~.replica.SimReplica.load`), blocks and block size, running and waiting
+    requests now, preemptions, prefix-cache queried and hit tokens since ``prefix_queries0`` /
+    ``prefix_hits0`` (the cache's counters before the step), scheduled tokens, batch size
+    (running + finished), prompt tokens of the requests that got their first token, output tokens,
+    engine-side TTFTs and (``with_itls``) :func:`step_itls` — one float per decode token, which a
+    long segment may not want built."""
+    load = rep.load()
+    return EngineStepStats(
+        wall_ts=wall_ts, engine_idx=rep.idx, kv_watermark_ratio=load.kv_watermark_ratio,
+        kv_blocks_total=rep.total_blocks, kv_block_size_tokens=rep.B, num_running=load.num_running,
+        num_waiting=load.num_waiting, num_preempted=len(out.preempted),
+        prefix_cache_queries_tokens=rep.cache.queries_tokens - prefix_queries0,
+        prefix_cache_hits_tokens=rep.cache.hits_tokens - prefix_hits0,
+        batch_size=load.num_running + len(out.finished), scheduled_tokens=out.scheduled_tokens,
+        input_tokens=sum(r.input_tokens for r in out.first_tokens), output_tokens=out.generated_tokens,
+        ttfts_s=[r.engine_ttft_s() for r in out.first_tokens], itls_s=step_itls(out) if with_itls else [])
 
 
 def segment_shares(rep: "SimReplica", chunks: Sequence[tuple["SimRequest", int]], steps: int,

@@ -109,3 +109,36 @@ async def test_step_stats_count_scheduled_prompt_and_generated_tokens_like_vllm(
     assert [len(s.itls_s) for s in steps] == [0] + [2] * 4 + [1] * 4
     for prev, s in itertools.pairwise(steps):
         assert s.itls_s == pytest.approx([s.wall_ts - prev.wall_ts] * len(s.itls_s), abs=1e-6)  # epoch floats
+
+
+async def test_step_shares_are_published_per_step_by_tenant_and_tier_while_someone_listens():
+    from kvmeter.attribution import Attribution
+    from kvmeter.stats import EngineStepShares
+
+    bus = StatsBus()
+    eng, clock = _engine(bus)
+    await eng.start()
+
+    async def run(rid: str, tenant: str, tier: str, n_in: int, n_out: int) -> None:
+        req = EngineRequest(rid, [1] * n_in, max_tokens=n_out, attribution=Attribution(tenant, tier=tier))
+        async for _ in eng.generate(req):
+            pass
+
+    await run("r0", "acme", "enterprise", 50, 3)  # nobody subscribed yet: no record is built
+    assert eng.replica.step_sink is None
+    shares: list[EngineStepShares] = []
+    bus.subscribe(EngineStepShares, shares.append)
+    await asyncio.gather(run("r1", "acme", "enterprise", 300, 5), run("r2", "globex", "free", 120, 9))
+    await eng.shutdown()
+    assert len(shares) == 9  # one per step: r2's prefill (with r1's), then 8 decode steps
+    assert all(s.duration_s > 0 for s in shares)
+    assert all(b.wall_ts - b.duration_s >= a.wall_ts - 1e-9 for a, b in zip(shares, shares[1:], strict=False))
+    assert shares[-1].wall_ts == pytest.approx(clock.wall())  # the last step ended at the clock's now
+    per = {}
+    for s in shares:
+        for t in s.tenants:
+            p = per.setdefault((t.tenant_id, t.tier), [0, 0, set()])
+            p[0] += t.prefill_tokens
+            p[1] += t.decode_tokens
+            p[2] |= set(t.prefill_request_ids)
+    assert per == {("acme", "enterprise"): [300, 4, {"r1"}], ("globex", "free"): [120, 8, {"r2"}]}
