@@ -95,7 +95,9 @@ class EngineStepShares:
     """Who one engine step worked for: scheduled tokens and KV held, per tenant.
 
     Built by the vLLM engine adapter from its scheduler hook's per-request rows
-    (:mod:`kvmeter.collectors.vllm_step_shares`, where the prefill/decode split is defined). A
+    (:mod:`kvmeter.collectors.vllm_step_shares`, where the prefill/decode split is defined), and
+    by the simulator with the same rules on its simulated steps
+    (:mod:`kvmeter.serving.simulator.steps`; ``wall_ts`` there is the simulated clock's). A
     tenant's share of a quantity is its value ÷ the sum over ``tenants``; KV token-seconds of a
     tenant in the step = ``kv_tokens × duration_s``.
 
