@@ -95,7 +95,7 @@ class Ledger:
         self.prices = prices
         self.queries = LedgerQueries(query_holder, prices)
         self.agent_runs = AgentRunQueries(query_holder, prices)
-        self.interference = InterferenceQueries(query_holder)
+        self.interference = InterferenceQueries(query_holder, cluster=config.cluster is not None)
         self._spool = spool
         self._writer = writer
         self._query_holder = query_holder
