@@ -14,8 +14,11 @@ already stored go at their parts' next merge — the background TTL merges (Clic
 ``merge_with_ttl_timeout``, 4 h by default) or an ``OPTIMIZE TABLE engine_steps FINAL``. Measured
 on chDB (``tests/ledger/test_engine_steps_retention.py``): rows 10 days old stay after the limit
 is set to 7 days and go at ``OPTIMIZE ... FINAL``, rows 1 day old stay; with a 7-day TTL a row
-already expired is dropped at insert. In cluster mode the TTL is on ``engine_steps_local``
-``ON CLUSTER`` (rendered and unit-tested; not run on a cluster).
+already expired is dropped at insert. The TTL compares ``ts`` with ClickHouse's own clock, so step
+rows dated further back than the limit never stay — a spool drained after a longer outage, a
+bench or test writing steps at fixed past dates: those set ``engine_steps_retention_days=0``.
+In cluster mode the TTL is on ``engine_steps_local`` ``ON CLUSTER`` (rendered and unit-tested;
+not run on a cluster).
 """
 
 from __future__ import annotations

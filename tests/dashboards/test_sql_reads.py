@@ -77,7 +77,8 @@ def source(tmp_path: Path) -> Iterator[SqlSource]:
     stop_readers()  # chDB: one embedded engine per process
     close_dashboard_backend()
     config = LedgerConfig(dsn=f"chdb://{tmp_path / 'chdb'}", spool_dir=tmp_path / "spool", flush_interval_s=3600,
-                          rollup_interval_s=3600, close_timeout_s=10)
+                          rollup_interval_s=3600, close_timeout_s=10,
+                          engine_steps_retention_days=0)  # T0 is in the past: keep its engine_steps rows
     ledger = Ledger.open(config, clock=ManualClock(start_wall=T0.timestamp() + 3600))
     try:
         for e in EVENTS:

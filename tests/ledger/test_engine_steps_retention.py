@@ -40,9 +40,10 @@ def _ages(ledger) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def test_the_default_keeps_seven_days_and_an_expired_row_is_not_kept(open_ledger, config):
-    assert config.engine_steps_retention_days == DEFAULT_ENGINE_STEPS_RETENTION_DAYS == 7
-    ledger = open_ledger()
+def test_the_default_keeps_seven_days_and_an_expired_row_is_not_kept(open_ledger, config, tmp_path):
+    default = LedgerConfig(dsn=f"chdb://{tmp_path}").engine_steps_retention_days
+    assert default == DEFAULT_ENGINE_STEPS_RETENTION_DAYS == 7
+    ledger = open_ledger(dataclasses.replace(config, engine_steps_retention_days=DEFAULT_ENGINE_STEPS_RETENTION_DAYS))
     assert "TTL toDateTime(ts) + toIntervalDay(7)" in _ddl(ledger)
     assert engine_steps_ttl_days(ledger.query_client()) == 7
     _write_steps(ledger)
@@ -88,7 +89,7 @@ def test_migration_0008_renders_the_ttl_on_the_local_table_in_cluster_mode():
 
 
 def test_a_ledger_at_0007_gets_the_ttl_from_the_upgrade(open_ledger, config):
-    ledger = open_ledger()
+    ledger = open_ledger(dataclasses.replace(config, engine_steps_retention_days=7))
     client = ledger.query_client()
     client.command("ALTER TABLE engine_steps REMOVE TTL")
     client.command("ALTER TABLE schema_migrations DELETE WHERE version = 8 SETTINGS mutations_sync = 1")
