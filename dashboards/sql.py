@@ -134,6 +134,10 @@ class SqlSource:
         """:meth:`NoisyQueries.noisy_neighbours <kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours>`."""
         return self._noisy.noisy_neighbours(window, tenants)
 
+    def agent_calls_per_run(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`NoisyQueries.agent_calls_per_run <kvmeter.ledger.noisy_queries.NoisyQueries.agent_calls_per_run>`."""
+        return self._noisy.agent_calls_per_run(window, tenants)
+
     def interference(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """:meth:`InterferenceQueries.interference <kvmeter.ledger.interference.InterferenceQueries.interference>`
         under the tiers' objectives (:meth:`tiers`), the rows of every objective (``ttft``, then ``itl``)."""
