@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
-from kvmeter.ledger.config import LedgerConfig
+from kvmeter.ledger.config import CLUSTER_ENV, LedgerConfig
 from kvmeter.ledger.connection import ClientHolder, connect
 from kvmeter.ledger.errors import LedgerUnavailable
 from kvmeter.ledger.prices import load_price_list
@@ -83,11 +84,14 @@ class Backend:
     def _sql_source(self) -> SqlSource:
         with self._lock:
             if self._sql is None:
-                ledger_config = LedgerConfig(dsn=self.config.ledger_dsn)
+                # cluster mode (KVMETER_LEDGER_CLUSTER) only changes how the interference read is
+                # rendered (GLOBAL IN/JOIN over the Distributed tables); a read-only client never
+                # runs DDL
+                ledger_config = LedgerConfig(dsn=self.config.ledger_dsn, cluster=os.environ.get(CLUSTER_ENV) or None)
                 directory = self._directory
                 assert directory is not None
                 self._sql = SqlSource(ClientHolder(lambda: _open_read_only(ledger_config)), self._prices,
-                                      tiers=lambda: tiers_of(directory))
+                                      tiers=lambda: tiers_of(directory), cluster=ledger_config.cluster is not None)
             return self._sql
 
     def sign_in(self, api_key: str) -> Session:

@@ -150,5 +150,6 @@ def serve_routes(runtime: Any, *, prefix: str = PREFIX) -> DashboardRoutes:
     """
     holder = ClientHolder(lambda: connect(runtime.ledger_config()))
     tiers: Callable[[], Iterable[TierInfo]] = lambda: tiers_of(runtime.directory)  # noqa: E731
-    source = SqlSource(holder, runtime.prices, tiers=tiers)
+    source = SqlSource(holder, runtime.prices, tiers=tiers,
+                       cluster=lambda: runtime.ledger_config().cluster is not None)
     return DashboardRoutes(dashboard_routes(source, runtime.directory.authenticate, prefix=prefix), source)

@@ -42,7 +42,11 @@ OUTPUT_BUDGET_USE = {"bin": I, "requests": I}
 #: :meth:`kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours`
 NOISY_NEIGHBOURS = {"tenant_id": S, "tier": S, "input_tokens": I, "cached_input_tokens": I,
                     "prompt_cache_hit_ratio": F, "logical_requests": I, "keyed_logical_requests": I, "attempts": I,
-                    "retries": I, "retries_per_logical_request": F}
+                    "retries": I, "retries_per_logical_request": F, "agent_model_calls": I, "agent_runs": I,
+                    "model_calls_per_agent_run": F}
+#: :meth:`kvmeter.ledger.noisy_queries.NoisyQueries.agent_calls_per_run`
+AGENT_CALLS_PER_RUN = {"ts": TS, "tenant_id": S, "tier": S, "model_calls": I, "agent_runs": I,
+                       "model_calls_per_agent_run": F}
 #: :meth:`kvmeter.ledger.interference.InterferenceQueries.interference`
 INTERFERENCE = {"tenant_id": S, "tier": S, "objective": S, "missed_requests": I, "attributed_requests": I,
                 "rank": I, "neighbour": S, "is_self": pl.Boolean, "steps": I, "prefill_tokens": I,

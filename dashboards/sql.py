@@ -51,6 +51,8 @@ class SqlSource:
         prices: the price list for invoice lines.
         tiers: the tier weights and SLOs (from the tenancy config), or a function returning them
             (read on every call, so a reloaded tenancy file shows), returned by :meth:`tiers`.
+        cluster: the ledger is in cluster mode (Distributed tables), or a function answering that:
+            the interference read is rendered with ``GLOBAL`` (:mod:`kvmeter.ledger.interference`).
     Raises (every read):
         LedgerUnavailable: ClickHouse cannot be reached.
         LedgerError: ClickHouse refused the query.
@@ -58,7 +60,8 @@ class SqlSource:
     """
 
     def __init__(self, client: ClientHolder | Callable[[], Client], prices: PriceList,
-                 tiers: Iterable[TierInfo] | Callable[[], Iterable[TierInfo]] = ()) -> None:
+                 tiers: Iterable[TierInfo] | Callable[[], Iterable[TierInfo]] = (),
+                 cluster: bool | Callable[[], bool] = False) -> None:
         self._holder = client if isinstance(client, ClientHolder) else None
         self.prices = prices
         if callable(tiers):
@@ -70,7 +73,7 @@ class SqlSource:
         self._window = WindowQueries(client)
         self._runs = AgentRunQueries(client, prices)
         self._noisy = NoisyQueries(client)
-        self._interference = InterferenceQueries(client)
+        self._interference = InterferenceQueries(client, cluster=cluster)
 
     def close(self) -> None:
         """Close the connection if this source holds a :class:`ClientHolder` (idempotent)."""
@@ -130,6 +133,10 @@ class SqlSource:
     def noisy_neighbours(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """:meth:`NoisyQueries.noisy_neighbours <kvmeter.ledger.noisy_queries.NoisyQueries.noisy_neighbours>`."""
         return self._noisy.noisy_neighbours(window, tenants)
+
+    def agent_calls_per_run(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """:meth:`NoisyQueries.agent_calls_per_run <kvmeter.ledger.noisy_queries.NoisyQueries.agent_calls_per_run>`."""
+        return self._noisy.agent_calls_per_run(window, tenants)
 
     def interference(self, window: Window, tenants: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """:meth:`InterferenceQueries.interference <kvmeter.ledger.interference.InterferenceQueries.interference>`

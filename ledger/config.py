@@ -13,6 +13,8 @@ Environment variables (read only by :meth:`LedgerConfig.from_env`):
 * ``KVMETER_LEDGER_CLUSTER`` — a ClickHouse cluster name: switches the DDL to
   ``Replicated*MergeTree`` + ``ON CLUSTER`` + ``Distributed`` tables (see ``migrations/README.md``).
   Off by default; it has no meaning for chDB.
+* ``KVMETER_LEDGER_ENGINE_STEPS_RETENTION_DAYS`` — days of ``engine_steps`` rows kept (default 7,
+  ``0`` = forever; :mod:`kvmeter.ledger.retention`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from typing import Literal, Mapping
 from urllib.parse import unquote, urlsplit
 
 from .errors import ConfigError
+from .retention import DEFAULT_ENGINE_STEPS_RETENTION_DAYS
 
 __all__ = ["LedgerConfig", "ParsedDsn", "parse_dsn", "require_existing_ledger", "DSN_ENV", "SPOOL_ENV",
-           "CLUSTER_ENV"]
+           "CLUSTER_ENV", "RETENTION_ENV"]
 
 DSN_ENV = "KVMETER_LEDGER_DSN"
 SPOOL_ENV = "KVMETER_SPOOL_DIR"
 CLUSTER_ENV = "KVMETER_LEDGER_CLUSTER"
+RETENTION_ENV = "KVMETER_LEDGER_ENGINE_STEPS_RETENTION_DAYS"
 
 DEFAULT_CHDB_DIR = "var/ledger/chdb"
 DEFAULT_SPOOL_DIR = "var/ledger/spool"
@@ -163,6 +167,9 @@ class LedgerConfig:
         signal_buffer: signal samples held in memory while ClickHouse is away (oldest dropped).
         prices_path: price list file; ``None`` uses the packaged ``prices.yaml``.
         fsync: ``False`` skips fsync in the spool — only for benchmarks that measure its cost.
+        engine_steps_retention_days: days of ``engine_steps`` rows kept (int ≥ 0, default 7; 0 =
+            keep forever): the table's TTL, applied when the ledger opens
+            (:mod:`kvmeter.ledger.retention`).
     Raises:
         ConfigError: on an invalid DSN or an out-of-range number.
     """
@@ -184,6 +191,7 @@ class LedgerConfig:
     signal_buffer: int = 100_000
     prices_path: Path | None = None
     fsync: bool = True
+    engine_steps_retention_days: int = DEFAULT_ENGINE_STEPS_RETENTION_DAYS
 
     def __post_init__(self) -> None:
         parsed = parse_dsn(self.dsn)  # raises ConfigError
@@ -201,6 +209,9 @@ class LedgerConfig:
             raise ConfigError(f"batch_size must be an int in 1..1,000,000, got {self.batch_size!r}")
         if not (isinstance(self.segment_bytes, int) and self.segment_bytes >= 1024 * 1024):
             raise ConfigError(f"segment_bytes must be >= 1 MiB, got {self.segment_bytes!r}")
+        days = self.engine_steps_retention_days
+        if not isinstance(days, int) or isinstance(days, bool) or days < 0:
+            raise ConfigError(f"engine_steps_retention_days must be an int >= 0 (0 = keep forever), got {days!r}")
         if self.signal_buffer < 1:
             raise ConfigError(f"signal_buffer must be >= 1, got {self.signal_buffer!r}")
         for name in ("flush_interval_s", "retry_initial_s", "retry_max_s", "rollup_interval_s",
@@ -261,4 +272,10 @@ class LedgerConfig:
         chosen_cluster = cluster or env.get(CLUSTER_ENV)
         if chosen_cluster:
             kwargs["cluster"] = chosen_cluster
+        if "engine_steps_retention_days" not in kwargs and env.get(RETENTION_ENV):
+            try:
+                kwargs["engine_steps_retention_days"] = int(env[RETENTION_ENV])
+            except ValueError:
+                raise ConfigError(
+                    f"{RETENTION_ENV} must be a whole number of days, got {env[RETENTION_ENV]!r}") from None
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -33,6 +33,25 @@ Anonymity is the caller's: :func:`anonymize` replaces every neighbour but the re
 with ``tenant-1``, ``tenant-2``, ... in rank order (the read API and the dashboards apply it for a
 tenant key; an admin sees names).
 
+**Cluster mode** (``LedgerConfig.cluster``: ``usage_events`` and ``engine_steps`` are Distributed
+tables, sharded by tenant and by replica, so a missed request and the steps it waited through
+usually live on different shards): every ``IN`` and ``JOIN`` whose right side reads a ledger table
+is written ``GLOBAL IN`` / ``GLOBAL JOIN`` (:func:`interference_sql`), so the initiator computes
+the right side once, over every shard, and sends it to the shards as a temporary table. The one
+that must be: the ``engines`` step's ``rid IN (SELECT request_id FROM victims)`` — its ``FROM`` is
+the Distributed ``engine_steps``, so a plain ``IN`` would run ``victims`` on each shard over a
+Distributed table, which ClickHouse refuses under its default ``distributed_product_mode = deny``
+("Double-distributed IN/JOIN subqueries is denied") and which, allowed, would repeat the read per
+shard. The others (the two JOINs and the ``attributed_requests`` ``IN``, whose left sides are
+subqueries the initiator runs itself) are ``GLOBAL`` too, so that no level of the query depends on
+where the planner places it; on a left side that is not Distributed, ``GLOBAL`` changes nothing.
+The scalar subqueries (``min``/``max`` bounds) are computed once on the initiator and sent as
+constants. Single node (the default) renders the query without ``GLOBAL``, as before.
+What was run: the cluster rendering on chDB over local tables (where ``GLOBAL`` is accepted and
+ignored), giving the same rows as the single-node query (``tests/ledger/test_interference.py``).
+What was not: the query on a real multi-shard cluster (no ClickHouse server is installable on the
+project machines; ``migrations/README.md``).
+
 Cost: each window is cut into the whole seconds it touches and joined to its engine's step rows of
 those seconds (equal model, replica, engine and second), then filtered to the window's bounds, so
 a step row meets only the windows around it (each step counted once per window: it lies in one
@@ -46,11 +65,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
+from clickhouse_connect.driver.client import Client
+
+from .connection import ClientHolder
 from .window_queries import _END, _START, TierSlo, WindowQueries, _tenant_filter
 
-__all__ = ["InterferenceQueries", "OBJECTIVES", "anonymize", "INTERFERENCE_COLUMNS", "Span"]
+__all__ = ["InterferenceQueries", "OBJECTIVES", "anonymize", "interference_sql", "INTERFERENCE_COLUMNS", "Span"]
 
 #: The objectives a request can miss, and the window each measures (module docstring).
 OBJECTIVES = ("ttft", "itl")
@@ -112,10 +134,88 @@ def anonymize(rows: Iterable[dict[str, Any]], own_tenant: str) -> list[dict[str,
     return out
 
 
+def interference_sql(objective: str, tenant_filter: bool, *, cluster: bool = False) -> tuple[str, str]:
+    """The two queries of :meth:`InterferenceQueries.interference`: (per victim tenant, missed and
+    attributed requests; per victim and neighbour tenant, the work in the windows), with the bound
+    parameters ``start``, ``end``, ``slo_tiers``, ``slo_ttft``, ``slo_itl`` (and ``tenants`` when
+    ``tenant_filter``).
+
+    Args:
+        objective: ``ttft`` or ``itl`` (:data:`OBJECTIVES`; a ``KeyError`` otherwise).
+        cluster: render every ``IN`` / ``JOIN`` over a ledger table ``GLOBAL`` (module docstring,
+            "Cluster mode"); ``False``: the single-node query.
+    """
+    miss, w_start, w_end = _WINDOW[objective]
+    g = "GLOBAL " if cluster else ""
+    ctes = f"""
+            WITH victims AS (
+                SELECT tenant_id, tier, request_id, model, w_start, w_end,
+                    toUnixTimestamp64Micro(arrival_ts) AS arrival_us, toUnixTimestamp64Micro(finish_ts) AS finish_us
+                FROM (
+                    SELECT tenant_id, tier, request_id, model, arrival_ts, finish_ts, ttft_s, itl_mean_s,
+                        transform(tier, {{slo_tiers:Array(String)}}, {{slo_ttft:Array(Float64)}}, inf) AS ttft_slo,
+                        transform(tier, {{slo_tiers:Array(String)}}, {{slo_itl:Array(Float64)}}, inf) AS itl_slo,
+                        {w_start} AS w_start, {w_end} AS w_end
+                    FROM usage_events FINAL
+                    WHERE finish_ts >= {_START} AND finish_ts < {_END}{_tenant_filter(() if tenant_filter else None)}
+                        AND ttft_s IS NOT NULL)
+                WHERE {miss}
+            ),
+            engines AS (
+                SELECT rid AS request_id, model, any(replica) AS replica, any(engine_idx) AS engine_idx
+                FROM engine_steps ARRAY JOIN prefill_request_ids AS rid
+                WHERE ts >= fromUnixTimestamp64Micro((SELECT min(arrival_us) FROM victims) - 1, 'UTC')
+                    AND ts <= fromUnixTimestamp64Micro((SELECT max(finish_us) FROM victims) + 1, 'UTC')
+                    AND rid {g}IN (SELECT request_id FROM victims)
+                GROUP BY rid, model
+            ),
+            windows AS (
+                SELECT v.tenant_id AS tenant_id, v.request_id AS request_id, v.model AS model,
+                    v.w_start AS w_start, v.w_end AS w_end, e.replica AS replica, e.engine_idx AS engine_idx
+                FROM victims AS v {g}INNER JOIN engines AS e ON v.request_id = e.request_id AND v.model = e.model
+            ),
+            window_seconds AS (
+                SELECT *, arrayJoin(range(toUInt64(intDiv(w_start, 1000000)), toUInt64(intDiv(w_end, 1000000)) + 1))
+                    AS sec
+                FROM windows
+            )"""
+    counts = ctes + f"""
+            SELECT tenant_id, any(tier) AS tier, count() AS missed_requests,
+                countIf(request_id {g}IN (SELECT request_id FROM windows)) AS attributed_requests
+            FROM victims GROUP BY tenant_id ORDER BY tenant_id"""
+    work = ctes + f"""
+            SELECT w.tenant_id AS tenant_id, s.tenant_id AS neighbour, count() AS steps,
+                sum(s.prefill_tokens) AS prefill_tokens, sum(s.decode_tokens) AS decode_tokens,
+                sum(s.kv_tokens * s.duration_s) AS kv_token_seconds
+            FROM window_seconds AS w {g}INNER JOIN (
+                SELECT *, toUInt64(intDiv(toUnixTimestamp64Micro(ts), 1000000)) AS sec FROM engine_steps
+                WHERE ts >= fromUnixTimestamp64Micro((SELECT min(w_start) FROM windows) - 1, 'UTC')
+                    AND ts <= fromUnixTimestamp64Micro((SELECT max(w_end) FROM windows) + 1, 'UTC')
+            ) AS s ON s.model = w.model AND s.replica = w.replica AND s.engine_idx = w.engine_idx AND s.sec = w.sec
+            WHERE toUnixTimestamp64Micro(s.ts) >= w.w_start AND toUnixTimestamp64Micro(s.ts) <= w.w_end
+            GROUP BY tenant_id, neighbour"""
+    return counts, work
+
+
 class InterferenceQueries(WindowQueries):
     """Who filled the engine steps a tenant's missed requests waited through
     (module docstring): :class:`~kvmeter.ledger.window_queries.WindowQueries`' client, parameters,
-    row cleaning and errors, plus :meth:`interference`."""
+    row cleaning and errors, plus :meth:`interference`.
+
+    Args:
+        client: as :class:`~kvmeter.ledger.window_queries.WindowQueries`'.
+        cluster: the ledger is in cluster mode (``LedgerConfig.cluster`` set): the queries read
+            Distributed tables and are rendered with ``GLOBAL`` (module docstring); or a function
+            answering that, asked on every read. Default ``False``: single node.
+    """
+
+    def __init__(self, client: ClientHolder | Callable[[], Client],
+                 cluster: bool | Callable[[], bool] = False) -> None:
+        super().__init__(client)
+        self._cluster = cluster
+
+    def _is_cluster(self) -> bool:
+        return bool(self._cluster() if callable(self._cluster) else self._cluster)
 
     def interference(self, window: Span, tenants: Sequence[str] | None = None,
                      slos: Sequence[TierSlo] = (), objective: str = "ttft") -> list[dict[str, Any]]:
@@ -141,60 +241,15 @@ class InterferenceQueries(WindowQueries):
         """
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-        miss, w_start, w_end = _WINDOW[objective]
         names = [name for name, _, _ in slos]
         params = self._params(_Buckets(window.start, window.end), tenants, slo_tiers=names,
                               slo_ttft=[t if t is not None else math.inf for _, t, _ in slos],
                               slo_itl=[i if i is not None else math.inf for _, _, i in slos])
-        ctes = f"""
-            WITH victims AS (
-                SELECT tenant_id, tier, request_id, model, w_start, w_end,
-                    toUnixTimestamp64Micro(arrival_ts) AS arrival_us, toUnixTimestamp64Micro(finish_ts) AS finish_us
-                FROM (
-                    SELECT tenant_id, tier, request_id, model, arrival_ts, finish_ts, ttft_s, itl_mean_s,
-                        transform(tier, {{slo_tiers:Array(String)}}, {{slo_ttft:Array(Float64)}}, inf) AS ttft_slo,
-                        transform(tier, {{slo_tiers:Array(String)}}, {{slo_itl:Array(Float64)}}, inf) AS itl_slo,
-                        {w_start} AS w_start, {w_end} AS w_end
-                    FROM usage_events FINAL
-                    WHERE finish_ts >= {_START} AND finish_ts < {_END}{_tenant_filter(tenants)}
-                        AND ttft_s IS NOT NULL)
-                WHERE {miss}
-            ),
-            engines AS (
-                SELECT rid AS request_id, model, any(replica) AS replica, any(engine_idx) AS engine_idx
-                FROM engine_steps ARRAY JOIN prefill_request_ids AS rid
-                WHERE ts >= fromUnixTimestamp64Micro((SELECT min(arrival_us) FROM victims) - 1, 'UTC')
-                    AND ts <= fromUnixTimestamp64Micro((SELECT max(finish_us) FROM victims) + 1, 'UTC')
-                    AND rid IN (SELECT request_id FROM victims)
-                GROUP BY rid, model
-            ),
-            windows AS (
-                SELECT v.tenant_id AS tenant_id, v.request_id AS request_id, v.model AS model,
-                    v.w_start AS w_start, v.w_end AS w_end, e.replica AS replica, e.engine_idx AS engine_idx
-                FROM victims AS v INNER JOIN engines AS e ON v.request_id = e.request_id AND v.model = e.model
-            ),
-            window_seconds AS (
-                SELECT *, arrayJoin(range(toUInt64(intDiv(w_start, 1000000)), toUInt64(intDiv(w_end, 1000000)) + 1))
-                    AS sec
-                FROM windows
-            )"""
-        counts = self._query(ctes + """
-            SELECT tenant_id, any(tier) AS tier, count() AS missed_requests,
-                countIf(request_id IN (SELECT request_id FROM windows)) AS attributed_requests
-            FROM victims GROUP BY tenant_id ORDER BY tenant_id""", params)
+        counts_sql, work_sql = interference_sql(objective, tenants is not None, cluster=self._is_cluster())
+        counts = self._query(counts_sql, params)
         if not counts:
             return []
-        work = self._query(ctes + """
-            SELECT w.tenant_id AS tenant_id, s.tenant_id AS neighbour, count() AS steps,
-                sum(s.prefill_tokens) AS prefill_tokens, sum(s.decode_tokens) AS decode_tokens,
-                sum(s.kv_tokens * s.duration_s) AS kv_token_seconds
-            FROM window_seconds AS w INNER JOIN (
-                SELECT *, toUInt64(intDiv(toUnixTimestamp64Micro(ts), 1000000)) AS sec FROM engine_steps
-                WHERE ts >= fromUnixTimestamp64Micro((SELECT min(w_start) FROM windows) - 1, 'UTC')
-                    AND ts <= fromUnixTimestamp64Micro((SELECT max(w_end) FROM windows) + 1, 'UTC')
-            ) AS s ON s.model = w.model AND s.replica = w.replica AND s.engine_idx = w.engine_idx AND s.sec = w.sec
-            WHERE toUnixTimestamp64Micro(s.ts) >= w.w_start AND toUnixTimestamp64Micro(s.ts) <= w.w_end
-            GROUP BY tenant_id, neighbour""", params)
+        work = self._query(work_sql, params)
         by_victim: dict[str, list[dict[str, Any]]] = {}
         for r in work:
             by_victim.setdefault(r["tenant_id"], []).append(r)

@@ -44,6 +44,7 @@ from .queries import LedgerQueries
 from .records import (ATTEMPT_STREAM, ENGINE_STREAM, STREAMS, USAGE_STREAM, Adjustment, AttemptRecord,
                       SignalSample, column_getter, encode_attempt, encode_engine, encode_usage)
 from .rollups import refresh_rollups
+from .retention import apply_engine_steps_retention
 from .schema import migrate
 from .spool import CommitTicket, Spool
 from .step_records import STEP_STREAM, encode_step_shares
@@ -95,7 +96,7 @@ class Ledger:
         self.prices = prices
         self.queries = LedgerQueries(query_holder, prices)
         self.agent_runs = AgentRunQueries(query_holder, prices)
-        self.interference = InterferenceQueries(query_holder)
+        self.interference = InterferenceQueries(query_holder, cluster=config.cluster is not None)
         self._spool = spool
         self._writer = writer
         self._query_holder = query_holder
@@ -159,6 +160,7 @@ class Ledger:
 
         def prepare(client: Client) -> None:
             migrate(client, config.cluster)
+            apply_engine_steps_retention(client, config.engine_steps_retention_days, config.cluster)
             sync_prices(client, prices)
 
         spool = Spool(config.spool_dir, STREAMS + AGENT_STREAMS + (STEP_STREAM,), clock=clock,

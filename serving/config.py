@@ -300,6 +300,9 @@ class ServeConfig(_Section):
     ledger_dsn: str | None = None
     spool_dir: str | None = None
     prices: str | None = None
+    #: days of the ledger's engine_steps rows kept (0 = forever); None: the ledger's own setting
+    #: (``KVMETER_LEDGER_ENGINE_STEPS_RETENTION_DAYS``, default 7; :mod:`kvmeter.ledger.retention`)
+    engine_steps_retention_days: int | None = Field(default=None, ge=0)
     metrics_top_k_tenants: int = Field(default=20, ge=1)
     otel: bool = False
     reconciliation: ReconciliationSettings = Field(default_factory=ReconciliationSettings)

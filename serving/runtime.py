@@ -135,7 +135,8 @@ def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfi
 
 
 def ledger_config_of(config: ServeConfig) -> LedgerConfig:
-    """The ledger settings ``config`` names (DSN, spool dir, prices) over ``KVMETER_LEDGER_*``.
+    """The ledger settings ``config`` names (DSN, spool dir, prices, engine_steps retention) over
+    ``KVMETER_LEDGER_*``.
 
     Raises:
         ConfigError: an invalid DSN or ``KVMETER_LEDGER_*`` variable (a ``ValueError``).
@@ -144,7 +145,9 @@ def ledger_config_of(config: ServeConfig) -> LedgerConfig:
     return dataclasses.replace(
         base, dsn=config.ledger_dsn or base.dsn,
         spool_dir=Path(config.spool_dir).expanduser().absolute() if config.spool_dir else base.spool_dir,
-        prices_path=Path(config.prices) if config.prices else base.prices_path)
+        prices_path=Path(config.prices) if config.prices else base.prices_path,
+        engine_steps_retention_days=(base.engine_steps_retention_days if config.engine_steps_retention_days is None
+                                     else config.engine_steps_retention_days))
 
 
 def shared_service_for(config: ServeConfig) -> SharedServiceSync | None:

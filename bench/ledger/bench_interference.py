@@ -35,7 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-interference-"))
     ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{root}/chdb", spool_dir=root / "spool",
-                                      flush_interval_s=3600, rollup_interval_s=3600))
+                                      flush_interval_s=3600, rollup_interval_s=3600,
+                                      engine_steps_retention_days=0))  # T0 is in the past: keep the steps
     victims = [f"acme-v{j}" for j in range(args.victims)]
     per_victim = max(1, args.steps // args.victims)
     steps = []

@@ -402,7 +402,9 @@ def attribute(ev: dict, run: Run, run_dir: Path, slos=None) -> None:
     ledger_dir = (run_dir / "ledger").absolute()
     if not ledger_dir.exists():
         return
-    ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{ledger_dir}", spool_dir=(run_dir / "spool").absolute()))
+    # engine_steps kept forever: a run is re-evaluated offline (--evaluate) long after it was recorded
+    ledger = Ledger.open(LedgerConfig(dsn=f"chdb://{ledger_dir}", spool_dir=(run_dir / "spool").absolute(),
+                                      engine_steps_retention_days=0))
     try:
         if not run.wall_t0:  # a record from before wall_t0 was kept: the first arrival (≈ 1 s late)
             first = ledger.query_client().query("SELECT min(arrival_ts) FROM usage_events").result_rows[0][0]

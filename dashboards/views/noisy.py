@@ -2,7 +2,11 @@
 and the state of each shape's detector over the window.
 
 * From the ledger (every attempt's engine work): prompt-cache hit ratio and retries per logical
-  request (``KvmeterTenantPromptCacheHitLow``, ``KvmeterTenantRetriesHigh``).
+  request (``KvmeterTenantPromptCacheHitLow``, ``KvmeterTenantRetriesHigh``), and model calls per
+  agent run (``KvmeterTenantAgentCallsPerRunHigh``): usage rows with an agent run id ÷ the distinct
+  run ids among them, over the window for the detector and per bucket for the history
+  (:mod:`kvmeter.ledger.noisy_queries`: the ledger counts every run with a call in the span once,
+  where Prometheus' counters divide by the runs first seen in its window).
 * From the signal history (``signals`` table, admin keys: a share compares tenants): the tenant's
   share of the prefill and decode tokens the engines scheduled for a model
   (``KvmeterTenantPrefillShareHigh``, ``KvmeterTenantDecodeShareHigh``), of the requests waiting
@@ -15,8 +19,7 @@ Every detector applies the alerts' thresholds and predicates
 (:class:`kvmeter.exporters.prometheus.rules.noisy.NoisyThresholds`) to totals over the page's
 window instead of Prometheus' rate window: a rate signal's total is Σ bucket mean × bucket width; a
 level's (queue depth, KV held) is its mean over the window's buckets, and the KV detector reads the
-window's highest watermark (the alert: an instant's, held 10 minutes). Agent calls per run has no
-per-tenant history yet: its alert alone watches it.
+window's highest watermark (the alert: an instant's, held 10 minutes).
 
 Below them, :func:`render_interference`: whose work filled the engine steps of requests that
 missed their objective (:mod:`kvmeter.ledger.interference`)."""
@@ -38,7 +41,8 @@ from .common import chart, empty, pct
 
 TITLE = "Noisy neighbours"
 CAPTION = ("Each shape of noisy neighbour per tenant: from every attempt's engine work in the ledger (not the "
-           "bill), how much of its input the prefix cache served and how often it retries a logical request; from "
+           "bill), how much of its input the prefix cache served, how often it retries a logical request and how "
+           "many model calls its agent runs make; from "
            "the signal history, its share of the engines' scheduled prefill and decode tokens, of the fair queues "
            "and of the KV held.")
 
@@ -46,7 +50,9 @@ CAPTION = ("Each shape of noisy neighbour per tenant: from every attempt's engin
 CACHE, RETRIES = "prompt-cache hit ratio", "retries per logical request"
 PREFILL, DECODE, QUEUE, KV = "prefill share", "decode share", "queue share", "active-KV share"
 THRASH = "re-prefilled share of input"
+AGENT = "model calls per agent run"
 ALERTS = {CACHE: "KvmeterTenantPromptCacheHitLow", RETRIES: "KvmeterTenantRetriesHigh",
+          AGENT: "KvmeterTenantAgentCallsPerRunHigh",
           PREFILL: "KvmeterTenantPrefillShareHigh", DECODE: "KvmeterTenantDecodeShareHigh",
           QUEUE: "KvmeterTenantQueueShareHigh", KV: "KvmeterTenantKvShareHigh",
           THRASH: "KvmeterTenantPromptCacheThrash"}
@@ -71,6 +77,22 @@ def detector_states(noisy: pl.DataFrame, seconds: float, t: NoisyThresholds = TH
                      "value": r["retries_per_logical_request"], "rate_per_s": r["retries"] / seconds,
                      "state": "firing" if t.retrying(r["retries"], r["keyed_logical_requests"], seconds)
                      else "quiet"})
+    return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
+
+
+def agent_loop_states(noisy: pl.DataFrame, seconds: float, t: NoisyThresholds = THRESHOLDS) -> pl.DataFrame:
+    """The agent-loop detector's rows (:data:`AGENT`, in :func:`detector_states`' columns), one per
+    tenant of the ledger's ``noisy`` table with an agent model call in the window: ``value`` = model
+    calls per agent run (``model_calls_per_agent_run``), ``rate_per_s`` = agent model calls ÷
+    ``seconds``; the state by :meth:`NoisyThresholds.agent_loop_score` (calls, distinct runs)."""
+    rows = []
+    for r in noisy.iter_rows(named=True):
+        calls, runs = r["agent_model_calls"] or 0, r["agent_runs"] or 0
+        if calls <= 0:
+            continue
+        rows.append({"tenant_id": r["tenant_id"], "tier": r["tier"], "detector": AGENT,
+                     "value": r["model_calls_per_agent_run"], "rate_per_s": calls / seconds,
+                     "state": "quiet" if t.agent_loop_score(calls, runs, seconds) is None else "firing"})
     return pl.DataFrame(rows, schema=_STATE).sort(["state", "detector", "tenant_id"])
 
 
@@ -220,6 +242,28 @@ def _signal_states(ctx: PageContext, seconds: float, t: NoisyThresholds) -> pl.D
     return states
 
 
+def _agent_loops(ctx: PageContext, noisy: pl.DataFrame, seconds: float, t: NoisyThresholds) -> pl.DataFrame:
+    """The agent-loop panel (model calls per agent run per tenant and bucket, the detector's
+    threshold drawn) and the detector's rows."""
+    history = ctx.read("agent_calls_per_run", schemas.AGENT_CALLS_PER_RUN)
+    if history.height == 0:
+        st.caption("No model call of an agent run (`X-Agent-Run-Id`) finished in this window.")
+        return agent_loop_states(noisy, seconds, t)
+    busiest = (history.group_by("tenant_id").agg(pl.col("model_calls").sum())
+               .sort(["model_calls", "tenant_id"], descending=[True, False]).head(TOP_TENANTS).get_column("tenant_id"))
+    shown = history.filter(pl.col("tenant_id").is_in(busiest.implode()))
+    above = t.agent_calls_per_run_above
+    line = charts.timeseries(shown, "model_calls_per_agent_run",
+                             title=f"Model calls per agent run per tenant (detector: above {above:g} while the runs "
+                                   f"make ≥ {t.agent_min_calls_per_s:g} calls/s)",
+                             y_title="calls ÷ runs", window=ctx.window, color="tenant_id", color_title="tenant",
+                             y_format="~s").mark_line(point=True, strokeWidth=1.8)  # (a run in one bucket is a point)
+    chart(charts.with_rules(line, pl.DataFrame({"value": [above], "label": [f"detector: {above:g} calls per run"]})))
+    if history.get_column("tenant_id").n_unique() > TOP_TENANTS:
+        st.caption(f"The {TOP_TENANTS} tenants with the most agent model calls in this window.")
+    return agent_loop_states(noisy, seconds, t)
+
+
 def render(ctx: PageContext) -> None:
     w = ctx.window
     noisy = ctx.read("noisy_neighbours", schemas.NOISY_NEIGHBOURS)
@@ -262,6 +306,7 @@ def render(ctx: PageContext) -> None:
     else:
         st.caption("No tenant sent a request with an Idempotency-Key in this window: no retry can be recognised.")
 
+    states = pl.concat([states, _agent_loops(ctx, noisy, seconds, t)])
     if PROMPT_CACHE["reprefill_rate"] in ctx.signal_names():
         thrash = thrash_states(noisy, ctx.gauge(PROMPT_CACHE["reprefill_rate"], ("tenant", "model"), "avg",
                                                 per_tenant=True), seconds, float(w.step_s), t)
@@ -283,13 +328,15 @@ def render(ctx: PageContext) -> None:
         "tenant_id": "tenant", "value": st.column_config.NumberColumn("value", format="%.3f"),
         "rate_per_s": st.column_config.NumberColumn(
             "rate or level", format="%.3f",
-            help="input tokens/s (hit ratio, re-prefilled share), retries/s (retries), the model's tokens/s "
+            help="input tokens/s (hit ratio, re-prefilled share), retries/s (retries), agent model calls/s "
+                 "(calls per agent run), the model's tokens/s "
                  "(prefill, decode shares), "
                  "requests waiting (queue share), the tenant's KV tokens held (KV share)")})
     st.dataframe(noisy, hide_index=True, width="stretch", column_config={
         "tenant_id": "tenant",
         "prompt_cache_hit_ratio": st.column_config.NumberColumn("hit ratio", format="%.3f"),
-        "retries_per_logical_request": st.column_config.NumberColumn("retries / logical request", format="%.3f")})
+        "retries_per_logical_request": st.column_config.NumberColumn("retries / logical request", format="%.3f"),
+        "model_calls_per_agent_run": st.column_config.NumberColumn("model calls / agent run", format="%.2f")})
     render_interference(ctx)
 
 

@@ -36,7 +36,8 @@ def tokenizer(model_dir: Path) -> HFTokenizer:
 async def runtime_for(tmp_path: Path, tokenizer: HFTokenizer, **kwargs) -> ServeRuntime:
     config = load_serve_config(None, {
         ("engine", "kind"): "instant", ("ledger_dsn",): f"chdb://{tmp_path}/chdb",
-        ("spool_dir",): str(tmp_path / "spool")}, env={})
+        ("spool_dir",): str(tmp_path / "spool"),
+        ("engine_steps_retention_days",): 0}, env={})  # T0 is in the past: keep its engine_steps rows
     engine = InstantEngine(tokenizer, MODEL)
     await engine.start()  # a given engine is not started by the runtime
     return ServeRuntime(config, engine=engine, registry=CollectorRegistry(), clock=ManualClock(start_wall=T0),

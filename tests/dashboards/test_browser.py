@@ -107,6 +107,7 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
                     "interference_body": page.get_by_text("Share of the steps between arrival").count()
                     + page.get_by_text("No request missed its tier's TTFT or ITL objective").count(),
                     "text": page.inner_text("body") if name == "noisy" else "",
+                    "agent_loops": page.get_by_text("No model call of an agent run").count(),
                 }
         finally:
             browser.close()
@@ -119,7 +120,9 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
     # Noisy neighbours: the ledger's two shapes and the signal history's engine-work shares, each
     # detector named with the alert it mirrors (the chart titles are drawn in the canvas, not the DOM)
     noisy = results["noisy"]
-    assert noisy["charts"] >= 3, noisy  # hit ratio (ledger) + prefill and decode shares (signals)
+    # hit ratio and calls per agent run (ledger: acme's research run) + prefill and decode shares (signals)
+    assert noisy["charts"] >= 4, noisy
+    assert noisy["agent_loops"] == 0, noisy  # no "no agent call" line: the calls-per-run panel is drawn
     for alert in ("KvmeterTenantPromptCacheHitLow", "KvmeterTenantPrefillShareHigh", "KvmeterTenantDecodeShareHigh",
-                  "KvmeterTenantQueueShareHigh", "KvmeterTenantKvShareHigh"):
+                  "KvmeterTenantQueueShareHigh", "KvmeterTenantKvShareHigh", "KvmeterTenantAgentCallsPerRunHigh"):
         assert alert in noisy["text"], alert

@@ -228,3 +228,36 @@ def test_prompt_cache_thrash_on_the_page_is_the_rules_predicate():
     assert set(states.get_column("detector")) == {THRASH}
     doubled = reprefill.with_columns(pl.col("value") * 2)  # 0.4: above
     assert thrash_states(noisy, doubled, 600.0, 60.0).row(0, named=True)["state"] == "firing"
+
+
+def test_agent_loops_on_the_page_are_the_rules_predicate_on_the_ledgers_calls_and_runs():
+    from kvmeter.dashboards.schemas import NOISY_NEIGHBOURS
+    from kvmeter.dashboards.views.noisy import AGENT, agent_loop_states
+    from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS as t
+
+    seconds = 600.0
+    above, floor = t.agent_calls_per_run_above, t.agent_min_calls_per_s
+    row = {"tier": "free", "input_tokens": 0, "cached_input_tokens": 0, "prompt_cache_hit_ratio": None,
+           "logical_requests": 1, "keyed_logical_requests": 0, "attempts": 1, "retries": 0,
+           "retries_per_logical_request": None}
+
+    def tenant(name: str, calls: int, runs: int) -> dict:
+        return {**row, "tenant_id": name, "agent_model_calls": calls, "agent_runs": runs,
+                "model_calls_per_agent_run": calls / runs if runs else None}
+
+    busy = int(floor * seconds) * 10  # 10× the floor's calls over the window
+    noisy = frame([
+        tenant("looper", busy, int(busy // (above * 2))),   # twice the threshold's calls per run: fires
+        tenant("at-limit", busy, int(busy // above)),        # exactly the threshold: not above, quiet
+        tenant("slow-loop", int(above * 2), 1),              # one run far above it, but under the calls/s floor
+        tenant("no-agents", 0, 0),                           # no agent call: no row
+    ], NOISY_NEIGHBOURS)
+    states = agent_loop_states(noisy, seconds)
+    got = {r["tenant_id"]: r["state"] for r in states.iter_rows(named=True)}
+    assert got == {"looper": "firing", "at-limit": "quiet", "slow-loop": "quiet"}
+    assert set(states.get_column("detector")) == {AGENT}
+    looper = states.row(0, named=True)
+    assert looper["tenant_id"] == "looper" and looper["value"] == pytest.approx(above * 2)
+    assert looper["rate_per_s"] == pytest.approx(busy / seconds)
+    # the same predicate as the alert's scorer, on the same numbers
+    assert t.agent_loop_score(busy, busy // (above * 2), seconds) is not None

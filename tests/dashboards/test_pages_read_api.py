@@ -7,13 +7,14 @@ from datetime import datetime
 
 import httpx
 import pytest
-from apptest import PAGES, assert_clean, chart, charts, metric_labels, run_page
+from apptest import PAGES, assert_clean, chart, charts, dataset_frames, metric_labels, run_page
 from dashkit import KEYS, TENANTS
 
 from kvmeter.dashboards.errors import ScopeError, SignInError
 from kvmeter.dashboards.http_source import HttpSource
 from kvmeter.dashboards.source import ScopedSource
-from kvmeter.dashboards.views.noisy import CACHE, DECODE, KV, PREFILL, QUEUE, RETRIES, THRASH
+from kvmeter.dashboards.views.noisy import AGENT, CACHE, DECODE, KV, PREFILL, QUEUE, RETRIES, THRASH
+from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS
 from kvmeter.dashboards.views.common import si
 from kvmeter.dashboards.window import Window
 
@@ -39,7 +40,8 @@ EXPECTED: dict[str, tuple[list[str], list[str]]] = {
                "Share of max_tokens"]),
     "noisy": (["Prompt-cache hit ratio", "Retries per logical request", "Tenants thrashing the cache",
                "Tenants retrying"],
-              ["Prompt-cache hit ratio per tenant", "Share of scheduled prefill tokens per tenant",
+              ["Prompt-cache hit ratio per tenant", "Model calls per agent run per tenant",
+               "Share of scheduled prefill tokens per tenant",
                "Share of scheduled decode tokens per tenant"]),
     "agent_runs": (["Agent runs", "Loops stopped", "Approvals pending", "Most expensive run", "Tool calls refused"],
                    ["Most expensive runs", "Tool calls permitted by risk class", "Runs stopped by reason"]),
@@ -153,6 +155,20 @@ def test_noisy_neighbours_counts_every_attempt_and_states_each_detector(reader, 
     # tenant the scheduler sampled (queue, KV); a few requests over 5 minutes is no pressure
     assert {PREFILL, DECODE, QUEUE, KV} <= set(states["detector"])
     assert set(states[states["detector"] == PREFILL]["tenant_id"]) <= set(table["tenant_id"])
+    # agent loops: acme's research run made its 2 model calls (dashkit.agent_runs; the loop run made
+    # tool calls only), no other tenant ran an agent
+    assert (rows.loc["acme", "agent_model_calls"], rows.loc["acme", "agent_runs"]) == (2, 1)
+    assert rows.loc["acme", "model_calls_per_agent_run"] == 2.0
+    assert (table[table["tenant_id"] != "acme"]["agent_model_calls"] == 0).all()
+    agent = states[states["detector"] == AGENT]
+    assert list(agent["tenant_id"]) == ["acme"] and list(agent["value"]) == [2.0]
+    # its history: acme's calls per run per bucket (2 calls of one run: 2.0, or 1.0 in each of two
+    # buckets if they straddle one), and the detector's threshold drawn from NoisyThresholds
+    tables = [t.to_pydict() for t in dataset_frames(at, "Model calls per agent run per tenant")]
+    line = next(t for t in tables if "model_calls_per_agent_run" in t)
+    assert set(line["tenant_id"]) == {"acme"} and sum(line["model_calls"]) == 2
+    assert set(line["model_calls_per_agent_run"]) <= {1.0, 2.0}
+    assert [t["value"] for t in tables if "label" in t] == [[THRESHOLDS.agent_calls_per_run_above]]
     assert set(states["state"]) == {"quiet"}, states.to_string()
     assert any("No tenant sent a request with an Idempotency-Key" in c.value for c in at.caption)
     # the interference panel: its rows (when a request missed its tier's objective on this machine's
@@ -214,8 +230,19 @@ def test_a_tenant_key_sees_only_its_own_tenant(reader, dashboard_env):
                    for c in charts(noisy))
     assert any("admin keys only" in c.value for c in noisy.caption)
     states = next(df.value for df in noisy.dataframe if "state" in df.value.columns)
-    assert set(states["tenant_id"]) == {"acme"} and {CACHE, RETRIES} <= set(states["detector"]) <= {
-        CACHE, RETRIES, THRASH}  # (the re-prefill signal is the tenant's own: shown when it re-prefilled)
+    assert set(states["tenant_id"]) == {"acme"} and {CACHE, RETRIES, AGENT} <= set(states["detector"]) <= {
+        CACHE, RETRIES, AGENT, THRASH}  # (the re-prefill signal is the tenant's own: shown when it re-prefilled)
+    # calls per agent run is the tenant's own ledger rows: acme sees its history, nobody else's
+    line = next(t.to_pydict() for t in dataset_frames(noisy, "Model calls per agent run per tenant")
+                if "model_calls_per_agent_run" in t.column_names)
+    assert set(line["tenant_id"]) == {"acme"}
+    dashboard_env(server=reader.url, key=KEYS["umbrella"])
+    other = run_page("noisy")  # umbrella ran no agent: no history, no detector row, not acme's
+    assert_clean(other)
+    assert not any(c["title"].startswith("Model calls per agent run") for c in charts(other))
+    assert any("No model call of an agent run" in c.value for c in other.caption)
+    other_states = next(df.value for df in other.dataframe if "state" in df.value.columns)
+    assert set(other_states["tenant_id"]) == {"umbrella"} and AGENT not in set(other_states["detector"])
 
 
 def ranking_table(at):

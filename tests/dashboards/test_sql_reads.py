@@ -77,7 +77,8 @@ def source(tmp_path: Path) -> Iterator[SqlSource]:
     stop_readers()  # chDB: one embedded engine per process
     close_dashboard_backend()
     config = LedgerConfig(dsn=f"chdb://{tmp_path / 'chdb'}", spool_dir=tmp_path / "spool", flush_interval_s=3600,
-                          rollup_interval_s=3600, close_timeout_s=10)
+                          rollup_interval_s=3600, close_timeout_s=10,
+                          engine_steps_retention_days=0)  # T0 is in the past: keep its engine_steps rows
     ledger = Ledger.open(config, clock=ManualClock(start_wall=T0.timestamp() + 3600))
     try:
         for e in EVENTS:
@@ -216,10 +217,14 @@ def test_noisy_neighbours_through_the_sql_source_and_its_scope(source):
     assert (acme["input_tokens"], acme["cached_input_tokens"], acme["prompt_cache_hit_ratio"]) == (600, 0, 0.0)
     assert (acme["attempts"], acme["logical_requests"], acme["retries"]) == (3, 3, 0)
     assert acme["retries_per_logical_request"] is None
+    # no agent run here: no call, no ratio, no history row
+    assert (acme["agent_model_calls"], acme["agent_runs"], acme["model_calls_per_agent_run"]) == (0, 0, None)
+    assert admin.read("agent_calls_per_run", WINDOW) == []
     tenant = ScopedSource(source, Viewer("acme", "enterprise", "acme-key"))
     assert [r["tenant_id"] for r in tenant.read("noisy_neighbours", WINDOW)] == ["acme"]
-    with pytest.raises(ScopeError):
-        tenant.read("noisy_neighbours", WINDOW, ["hobby"])
+    for read in ("noisy_neighbours", "agent_calls_per_run"):
+        with pytest.raises(ScopeError):
+            tenant.read(read, WINDOW, ["hobby"])
 
 
 def test_interference_through_the_sql_source_names_for_an_admin_anonymized_for_a_tenant(source):

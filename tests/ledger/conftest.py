@@ -24,9 +24,12 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def config(tmp_path: Path) -> LedgerConfig:
-    """Embedded ledger in tmp_path; background rounds rare (tests drain with flush())."""
+    """Embedded ledger in tmp_path; background rounds rare (tests drain with flush()); engine_steps
+    kept forever (the tests' step rows are dated around T0, in the past, and ClickHouse's TTL
+    compares with its real clock: test_engine_steps_retention.py sets the limit itself)."""
     return LedgerConfig(dsn=f"chdb://{tmp_path / 'chdb'}", spool_dir=tmp_path / "spool",
-                        flush_interval_s=3600, rollup_interval_s=3600, close_timeout_s=10)
+                        flush_interval_s=3600, rollup_interval_s=3600, close_timeout_s=10,
+                        engine_steps_retention_days=0)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import uvicorn
 from ledgerkit import MODEL, T0, make_event
 from starlette.applications import Starlette
 
-from kvmeter.ledger.interference import anonymize
+from kvmeter.ledger.interference import OBJECTIVES, InterferenceQueries, anonymize, interference_sql
 from kvmeter.ledger.read_api import read_routes
 from kvmeter.net import free_port
 from kvmeter.serving.tenancy import AuthError, Principal, constant_time_lookup, hash_api_key
@@ -216,3 +216,36 @@ def test_read_api_an_admin_sees_names_and_every_victim(server):
     assert [r["neighbour"] for r in _get(server, "sk-admin", tenant_id="globex").json()] == []
     bad = _get(server, "sk-admin", objective="e2e")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_parameter"
+
+
+def test_cluster_rendering_makes_every_in_and_join_over_a_ledger_table_global():
+    for objective in OBJECTIVES:
+        single, cluster = interference_sql(objective, True), interference_sql(objective, True, cluster=True)
+        assert not any("GLOBAL" in q for q in single)
+        counts, work = cluster
+        # the one ClickHouse refuses plain on a cluster: an IN over Distributed usage_events inside
+        # the query whose FROM is the Distributed engine_steps
+        assert "rid GLOBAL IN (SELECT request_id FROM victims)" in counts and work.count("rid GLOBAL IN") == 1
+        assert "victims AS v GLOBAL INNER JOIN engines AS e" in counts
+        assert "request_id GLOBAL IN (SELECT request_id FROM windows)" in counts
+        assert "window_seconds AS w GLOBAL INNER JOIN (" in work
+        # nothing else changed: removing GLOBAL gives the single-node text back
+        assert (counts.replace("GLOBAL ", ""), work.replace("GLOBAL ", "")) == single
+        # every IN / JOIN with a subquery on its right is GLOBAL
+        for q in cluster:
+            assert " IN (SELECT" not in q.replace("GLOBAL IN (SELECT", "") and " INNER JOIN" not in q.replace(
+                "GLOBAL INNER JOIN", "")
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("tenants", [None, ["acme", "initech"]])
+def test_the_cluster_rendering_runs_on_chdb_and_answers_as_the_single_node_query(ledger, objective, tenants):
+    """chDB (local MergeTree tables) accepts GLOBAL IN / GLOBAL JOIN and ignores it: the cluster
+    query's rows are the single-node query's. (Not run on a multi-shard cluster: none here.)"""
+    cluster = InterferenceQueries(ledger.query_client, cluster=True)
+    expected = ledger.interference.interference(WINDOW, tenants, SLOS, objective)
+    assert expected  # the fixture has a missed request of each objective
+    assert cluster.interference(WINDOW, tenants, SLOS, objective) == expected
+    asked: list[int] = []
+    lazily = InterferenceQueries(ledger.query_client, cluster=lambda: bool(asked.append(1)) or True)
+    assert lazily.interference(WINDOW, tenants, SLOS, objective) == expected and asked == [1]

@@ -73,3 +73,52 @@ async def test_hit_ratio_and_retries_per_logical_request_count_every_attempt_onc
     assert [r["tenant_id"] for r in only] == ["globex"]
     with pytest.raises(ValueError):
         NoisyQueries(ledger.query_client).noisy_neighbours(WINDOW, [""])
+
+
+async def test_model_calls_per_agent_run_per_tenant_over_the_window_and_per_bucket(open_ledger):
+    ledger = open_ledger()
+    events = [
+        # acme, bucket [T0, T0 + 60): run-a 3 calls, run-b 1 call, one call outside any run
+        *(make_event(i, agent_run_id="run-a") for i in (10, 20, 30)),
+        make_event(15, agent_run_id="run-b"),
+        make_event(25),
+        # acme, bucket [T0 + 60, T0 + 120): run-a again, 3 calls (one of them retried after an abort:
+        # two attempts, two usage rows, two model calls)
+        make_event(70, agent_run_id="run-a"),
+        make_event(80, key="a-80", idempotency_key="a-80", request_id="acme-a80-1", attempt=1, outcome="aborted",
+                   finish_reason="abort", undelivered_cause="client_abandoned", undelivered_billing="billed",
+                   agent_run_id="run-a"),
+        make_event(81, key="a-80", idempotency_key="a-80", request_id="acme-a80-2", attempt=2, agent_run_id="run-a"),
+        # acme, after the window: not counted
+        make_event(7200, agent_run_id="run-a"),
+        # initech: run-c (same id as nothing of acme's) 2 calls
+        make_event(40, "initech", agent_run_id="run-c", tier="free"),
+        make_event(41, "initech", agent_run_id="run-c", tier="free"),
+        # globex: no agent run
+        make_event(50, "globex"),
+    ]
+    for e in events:
+        await ledger.record(e)
+    await ledger.record(events[0])  # a re-sent row replaces itself: still 3 calls
+    assert ledger.flush()
+    q = NoisyQueries(ledger.query_client)
+
+    rows = {r["tenant_id"]: r for r in q.noisy_neighbours(WINDOW)}
+    # acme: 3 + 1 + 3 = 7 agent model calls of 2 runs (run-a counted once over both buckets)
+    assert (rows["acme"]["agent_model_calls"], rows["acme"]["agent_runs"]) == (7, 2)
+    assert rows["acme"]["model_calls_per_agent_run"] == 3.5
+    assert (rows["initech"]["agent_model_calls"], rows["initech"]["agent_runs"],
+            rows["initech"]["model_calls_per_agent_run"]) == (2, 1, 2.0)
+    assert (rows["globex"]["agent_model_calls"], rows["globex"]["agent_runs"]) == (0, 0)
+    assert rows["globex"]["model_calls_per_agent_run"] is None  # no run: no ratio, never NaN
+
+    history = [(r["ts"].timestamp() - T0, r["tenant_id"], r["tier"], r["model_calls"], r["agent_runs"],
+                r["model_calls_per_agent_run"]) for r in q.agent_calls_per_run(WINDOW)]
+    assert history == [
+        (0, "acme", "paid_interactive", 4, 2, 2.0),   # run-a 3 + run-b 1
+        (0, "initech", "free", 2, 1, 2.0),
+        (60, "acme", "paid_interactive", 3, 1, 3.0),  # run-a alone, once more in this bucket
+    ]  # globex has no agent run: no row
+    assert [r["tenant_id"] for r in q.agent_calls_per_run(WINDOW, ["initech"])] == ["initech"]
+    with pytest.raises(ValueError):
+        q.agent_calls_per_run(WINDOW, [""])
