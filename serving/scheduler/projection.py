@@ -24,7 +24,7 @@ from .base import Job
 from .config import SchedulerConfig
 from .state import TenantState
 
-__all__ = ["DrainRateMeter", "projected_wait", "job_cost"]
+__all__ = ["DrainRateMeter", "projected_wait", "job_cost", "expected_output_tokens"]
 
 
 class DrainRateMeter:
@@ -78,14 +78,19 @@ class DrainRateMeter:
         return sum(x[1] for x in b) / busy
 
 
-def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
-    """Expected service of ``job``: its prompt plus its expected output — the tenant's recent mean
-    output (``config.default_output_tokens`` before it has history), capped by ``max_tokens`` —
-    in service units."""
+def expected_output_tokens(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
+    """Expected output tokens of ``job``: the tenant's recent mean output
+    (``config.default_output_tokens`` before it has history), capped by ``max_tokens`` (tokens ≥ 0)."""
     est = config.default_output_tokens if (tenant is None or tenant.ewma_out is None) else tenant.ewma_out
     if job.max_tokens > 0:
         est = min(est, job.max_tokens)
-    return job.input_tokens * config.input_weight + est * config.output_weight
+    return float(est)
+
+
+def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
+    """Expected service of ``job``: its prompt plus its expected output
+    (:func:`expected_output_tokens`), in service units."""
+    return job.input_tokens * config.input_weight + expected_output_tokens(config, tenant, job) * config.output_weight
 
 
 def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,
