@@ -88,7 +88,7 @@ from .config import SchedulerConfig
 from .gating import EngineGate, latency_targets, most_free_kv, open_engines
 from .policy import OrderingPolicy, make_policy
 from .pressure import PressureController, oldest_protected_wait_ratio
-from .projection import DrainRateMeter, expected_output_tokens, job_cost, projected_wait
+from .projection import DrainRateMeter, expected_output_tokens, job_cost, lift_floor, projected_wait
 from .router import Route, Router
 from .snapshot import FairnessSampler, tenant_stats, tier_stats
 from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
@@ -318,8 +318,7 @@ class SchedulerCore:
         # would charge it twice (issue 17 item 3: many short requests behind few long prompts).
         low = tier.counters.top()
         if low is not None and low is not t:
-            ow = self.config.output_weight
-            floor = low.counter - max(0.0, t.pending_output * ow / t.weight - low.pending_output * ow / low.weight)
+            floor = lift_floor(t, low, self.config.output_weight)
         else:  # the last leaver keeps being charged for the output it streams after leaving
             floor = max(tier.vtime, tier.last_leaver.counter if tier.last_leaver is not None else 0.0)
         if floor > t.counter:
@@ -927,7 +926,8 @@ class SchedulerCore:
         # a paused tier is served nothing: the backlogged tiers that are not share the drain rate
         active_w = sum(x.weight for x in self._backlogged_tiers if not x.paused)
         return projected_wait(t, rate=self._rate.rate(now), queued_cost_total=self._queued_cost_total,
-                              backlogged_tier_weight=active_w, counter_ordered=self.policy.counter_ordered)
+                              backlogged_tier_weight=active_w, counter_ordered=self.policy.counter_ordered,
+                              output_weight=self.config.output_weight)
 
     def projected_wait(self, tenant_id: str, tier: str | None = None) -> float:
         """Projected queue wait (seconds) of a new request of ``tenant_id`` (of ``tier`` when the
