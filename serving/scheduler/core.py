@@ -15,7 +15,11 @@ OSDI 2024, Algorithm 1 and its weighted variant, §4.3):
   paper's reference implementation does) rather than skip it, so large prompts are not starved;
 * a tenant whose queue was empty is lifted on arrival to ``max(cᵢ, min{c_j : j backlogged})`` —
   or, when nobody is backlogged, to the counter of the last tenant that left the backlog — so that
-  idle time banks no credit;
+  idle time banks no credit; the floor credits the tenant's committed output (its running
+  requests' expected output not yet streamed, beyond what the least tenant's have): without that
+  a tenant of many short requests whose queue runs dry while their output streams is charged that
+  output twice, once by the lift and once as it streams (issue 17 item 3; measured with B's
+  4,000-token prompts against A's 256 in ``bench/fairness/scenario_admission.py --big B``);
 * the scheduler is work-conserving: it never leaves the engine idle while a dispatchable request
   waits. The deliberate exceptions are overload actions: a tier paused under pressure (batch) is
   not dispatched until the pressure level falls, so its prefills stop eating the interactive
@@ -84,7 +88,7 @@ from .config import SchedulerConfig
 from .gating import EngineGate, latency_targets, most_free_kv, open_engines
 from .policy import OrderingPolicy, make_policy
 from .pressure import PressureController, oldest_protected_wait_ratio
-from .projection import DrainRateMeter, job_cost, projected_wait
+from .projection import DrainRateMeter, expected_output_tokens, job_cost, lift_floor, projected_wait
 from .router import Route, Router
 from .snapshot import FairnessSampler, tenant_stats, tier_stats
 from .state import DISPATCHED, GONE, QUEUED, CoreGrant, QueuedJob, TenantState, TierState
@@ -308,9 +312,13 @@ class SchedulerCore:
         # Lift (Sheng et al., Alg. 1): idle time banks no credit. The floor is the least counter
         # of the backlogged tenants, or — when none is backlogged — the counter of the last tenant
         # that left the backlog (the system's virtual time, as in start-time fair queueing).
+        # The floor credits output already committed: a tenant whose queue ran dry while its
+        # running requests still have more output to stream than the least one's is not idle —
+        # that output will be charged as it streams, so lifting it to the least counter as well
+        # would charge it twice (issue 17 item 3: many short requests behind few long prompts).
         low = tier.counters.top()
         if low is not None and low is not t:
-            floor = low.counter
+            floor = lift_floor(t, low, self.config.output_weight)
         else:  # the last leaver keeps being charged for the output it streams after leaving
             floor = max(tier.vtime, tier.last_leaver.counter if tier.last_leaver is not None else 0.0)
         if floor > t.counter:
@@ -658,8 +666,10 @@ class SchedulerCore:
         self._charge(t, job.input_tokens * self.config.input_weight, now)
         self._unqueue(qj, DISPATCHED)
         priority = t.tier.policy.priority if self.policy.engine_priorities else 0
+        expected = expected_output_tokens(self.config, t, job)
         grant = CoreGrant(job=job, dispatched_s=now, priority=priority, engine_idx=engine.idx, tenant_state=t,
-                          ahead_tokens=engine.unstarted_tokens)
+                          ahead_tokens=engine.unstarted_tokens, expected_output=expected)
+        t.pending_output += expected
         self._running[job.request_id] = grant
         engine.outstanding += 1
         engine.unstarted += 1
@@ -734,6 +744,8 @@ class SchedulerCore:
             return
         now = self._clock.monotonic()
         t = g.tenant_state
+        t.pending_output -= max(0.0, g.expected_output - g.output_tokens) - \
+            max(0.0, g.expected_output - (g.output_tokens + tokens))
         g.output_tokens += tokens
         if g is not grant:
             grant.output_tokens = g.output_tokens
@@ -770,6 +782,8 @@ class SchedulerCore:
             t.unstarted_tokens -= g.job.input_tokens
         t.running -= 1
         t.tier.running -= 1
+        t.pending_output = max(0.0, t.pending_output - max(0.0, g.expected_output - g.output_tokens)) \
+            if t.running else 0.0
         t.active_kv -= g.job.input_tokens + g.output_tokens
         t.completed += 1
         n = g.output_tokens
@@ -912,7 +926,8 @@ class SchedulerCore:
         # a paused tier is served nothing: the backlogged tiers that are not share the drain rate
         active_w = sum(x.weight for x in self._backlogged_tiers if not x.paused)
         return projected_wait(t, rate=self._rate.rate(now), queued_cost_total=self._queued_cost_total,
-                              backlogged_tier_weight=active_w, counter_ordered=self.policy.counter_ordered)
+                              backlogged_tier_weight=active_w, counter_ordered=self.policy.counter_ordered,
+                              output_weight=self.config.output_weight)
 
     def projected_wait(self, tenant_id: str, tier: str | None = None) -> float:
         """Projected queue wait (seconds) of a new request of ``tenant_id`` (of ``tier`` when the

@@ -24,7 +24,7 @@ from .base import Job
 from .config import SchedulerConfig
 from .state import TenantState
 
-__all__ = ["DrainRateMeter", "projected_wait", "job_cost"]
+__all__ = ["DrainRateMeter", "projected_wait", "job_cost", "expected_output_tokens", "lift_floor"]
 
 
 class DrainRateMeter:
@@ -78,18 +78,35 @@ class DrainRateMeter:
         return sum(x[1] for x in b) / busy
 
 
-def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
-    """Expected service of ``job``: its prompt plus its expected output — the tenant's recent mean
-    output (``config.default_output_tokens`` before it has history), capped by ``max_tokens`` —
-    in service units."""
+def expected_output_tokens(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
+    """Expected output tokens of ``job``: the tenant's recent mean output
+    (``config.default_output_tokens`` before it has history), capped by ``max_tokens`` (tokens ≥ 0)."""
     est = config.default_output_tokens if (tenant is None or tenant.ewma_out is None) else tenant.ewma_out
     if job.max_tokens > 0:
         est = min(est, job.max_tokens)
-    return job.input_tokens * config.input_weight + est * config.output_weight
+    return float(est)
+
+
+def job_cost(config: SchedulerConfig, tenant: TenantState | None, job: Job) -> float:
+    """Expected service of ``job``: its prompt plus its expected output
+    (:func:`expected_output_tokens`), in service units."""
+    return job.input_tokens * config.input_weight + expected_output_tokens(config, tenant, job) * config.output_weight
+
+
+def lift_floor(tenant: TenantState, low: TenantState, output_weight: float) -> float:
+    """The counter ``tenant`` is lifted to (at least) when its queue turns non-empty while ``low``
+    holds the tier's least backlogged counter: ``low``'s counter less the committed output
+    ``tenant`` has beyond ``low`` — each one's :attr:`~.state.TenantState.pending_output` ×
+    ``output_weight`` ÷ its weight — so output still streaming is not charged twice (once by the
+    lift, once as it streams). Never above ``low.counter`` (Sheng et al., OSDI 2024, Algorithm 1's
+    lift); weight-normalised service units."""
+    mine = tenant.pending_output * output_weight / tenant.weight
+    theirs = low.pending_output * output_weight / low.weight
+    return low.counter - max(0.0, mine - theirs)
 
 
 def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,
-                   backlogged_tier_weight: float, counter_ordered: bool) -> float:
+                   backlogged_tier_weight: float, counter_ordered: bool, output_weight: float = 2.0) -> float:
     """Projected queue wait (seconds) of a new request of ``tenant``: the service VTC gives out
     before that request is dispatched, at the drain rate.
 
@@ -123,6 +140,8 @@ def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total
         backlogged_tier_weight: summed weights of the tiers with queued work that are not paused
             (a paused tier is served nothing while it is paused).
         counter_ordered: whether dispatch follows VTC counters.
+        output_weight: service units per output token (the lift's committed-output credit,
+            :func:`lift_floor`).
     Returns:
         Seconds ≥ 0; 0.0 when no rate has been measured yet (the caller answers 0.0 when nothing
         is queued).
@@ -142,7 +161,7 @@ def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total
         if not queued:  # the lift a new arrival gets (core: _on_backlogged)
             low = tier.counters.top()
             if low is not None:
-                counter = max(counter, low.counter)
+                counter = max(counter, lift_floor(tenant, low, output_weight))
         others_mean = (tier.backlogged_wc - (tenant.weight * tenant.counter if queued else 0.0)) / others_w
         level = counter + own / tenant.weight
         before += min(max(0.0, tier.queued_cost - own), others_w * max(0.0, level - others_mean))

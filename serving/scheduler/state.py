@@ -70,12 +70,16 @@ class TenantState:
         unstarted, unstarted_tokens: dispatched requests without a first token and their prompts.
         service, in_tokens, out_tokens: totals charged since start.
         ewma_out: moving average of its requests' output lengths (None before the first).
+        pending_output: output tokens its running requests are still expected to stream —
+            ``Σ max(0, expected − streamed)`` over them, the expectation fixed at dispatch
+            (:func:`~.projection.expected_output_tokens`); the lift credits it (see the core).
         dispatched, completed, wait_sum: counts and the summed queue wait of dispatched requests.
     """
 
     __slots__ = ("id", "tier", "weight", "counter", "queue", "n_queued", "queued_input",
                  "queued_cost", "running", "active_kv", "kv_blocked", "unstarted", "unstarted_tokens",
-                 "service", "in_tokens", "out_tokens", "ewma_out", "dispatched", "completed", "wait_sum")
+                 "service", "in_tokens", "out_tokens", "ewma_out", "pending_output", "dispatched", "completed",
+                 "wait_sum")
 
     def __init__(self, tenant_id: str, tier: "TierState", weight: float) -> None:
         self.id = tenant_id
@@ -95,6 +99,7 @@ class TenantState:
         self.in_tokens = 0
         self.out_tokens = 0
         self.ewma_out: float | None = None
+        self.pending_output = 0.0
         self.dispatched = 0
         self.completed = 0
         self.wait_sum = 0.0
@@ -181,3 +186,5 @@ class CoreGrant(Grant):
     #: when it was dispatched (or rerouted) to its current replica (monotonic s; NaN: dispatched_s)
     on_engine_s: float = math.nan
     released: bool = False
+    #: output tokens expected at dispatch (:func:`~.projection.expected_output_tokens`)
+    expected_output: float = 0.0

@@ -29,6 +29,11 @@ Shapes:
   32 KV heads (MHA), head_dim 128, intermediate 11,008, vocabulary 32,000, 6.74 B parameters,
   4,096-token context; bf16 → 524,288 B of KV per token. The model of the VTC paper's experiments
   (fairness benchmarks) and the other shape of the GPU operator profiles.
+* ``qwen2.5-32b`` — Qwen/Qwen2.5-32B ``config.json``: 64 layers, hidden 5120, 40 query heads, 8
+  KV heads, head_dim 128, intermediate (SwiGLU) 27,648, vocabulary 152,064 (untied embeddings),
+  32,768-token context; the layer shapes give 32.76 B parameters (the model card rounds to
+  32.5 B; the q/k/v biases are left out); bf16 → 262,144 B of KV per token. The model of llm-d's
+  published prefix-cache-aware routing benchmark (``bench/fairness/scenario_llmd.py``).
 * ``smollm2-135m`` — HuggingFaceTB/SmolLM2-135M ``config.json``: 30 layers, hidden 576, 9 query
   heads, 3 KV heads, head_dim 64, intermediate 1,536, vocabulary 49,152, 134.5 M parameters (tied
   embeddings), 8,192-token context;
@@ -159,6 +164,10 @@ MODELS: Mapping[str, ModelSpec] = {
         name="llama-2-7b", num_layers=32, num_q_heads=32, num_kv_heads=32, head_dim=128,
         total_params=6.74e9, active_params=6.74e9, max_model_len=4_096,
         hidden_size=4096, intermediate_size=11_008, vocab_size=32_000),
+    "qwen2.5-32b": ModelSpec(
+        name="qwen2.5-32b", num_layers=64, num_q_heads=40, num_kv_heads=8, head_dim=128,
+        total_params=32.76e9, active_params=32.76e9, max_model_len=32_768,
+        hidden_size=5120, intermediate_size=27_648, vocab_size=152_064),
     "smollm2-135m": ModelSpec(
         name="smollm2-135m", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
         total_params=134.5e6, active_params=134.5e6, max_model_len=8_192,

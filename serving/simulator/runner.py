@@ -221,7 +221,8 @@ class Simulation:
         self.sim = sim or SimConfig()
         self.scfg = scheduler_config or SchedulerConfig()
         self.clock = ManualClock(start_wall=start_wall, start_monotonic=0.0)
-        router = Router(self.sim.routing, clock=self.clock) if self.sim.routing else None
+        router = Router(self.sim.routing, clock=self.clock, block_tokens=self.sim.group_tokens) \
+            if self.sim.routing else None
         self.core = SchedulerCore(self.scfg, policy=policy, clock=self.clock, num_engines=self.sim.replicas,
                                   router=router)
         self.cost = build_cost_model(self.sim)

@@ -119,7 +119,27 @@ def test_a_replica_whose_room_cannot_take_the_prompt_is_passed_over():
     blocks = prefix_block_hashes(prompt(1))
     router.commit(router.choose([g[0]], blocks, cfg), blocks)
     g[0].unstarted_tokens = int(cfg.kv_watermark_high * CAP) - 10  # 10 tokens of room left
-    assert router.choose(g, blocks, cfg, need_tokens=84).engine.idx == 1
+    other = prefix_block_hashes(list(range(5000, 5084)))  # nothing of it cached on 0
+    assert router.choose(g, other, cfg, need_tokens=84).engine.idx == 1
+
+
+def test_the_blocks_a_replica_holds_do_not_count_against_its_room():
+    # the system prompt's 4 blocks (64 tokens) are cached on replica 0, which has 30 tokens of room
+    # left: the request's 84-token prompt needs 20 new ones there, so it still goes to the holder
+    # (counted whole, 84 > 30, it went to the fuller replica 1 and missed the cache)
+    cfg = SchedulerConfig()
+    router = Router("prefix_aware")
+    g = gates(0.0, 0.5)
+    first = prefix_block_hashes(prompt(1))
+    router.commit(router.choose([g[0]], first, cfg), first)
+    g[0].unstarted_tokens = int(cfg.kv_watermark_high * CAP) - 30
+    second = prefix_block_hashes(prompt(500))
+    route = router.choose(g, second, cfg, need_tokens=84)
+    assert (route.engine.idx, route.outcome, route.matched_blocks) == (0, "prefix_hit", 4)
+    # a replica holding nothing of it still needs the whole prompt's room
+    assert router.choose(g, prefix_block_hashes(list(range(5000, 5084))), cfg, need_tokens=84).engine.idx == 1
+    with pytest.raises(ValueError):
+        Router(block_tokens=0)
 
 
 def test_an_unknown_policy_is_refused():

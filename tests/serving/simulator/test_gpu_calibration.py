@@ -163,7 +163,7 @@ def test_plain_roofline_where_no_calibration_applies():
 
 
 @pytest.mark.parametrize("name,embeddings", [("llama-3.1-70b", 2), ("llama-2-70b", 2), ("llama-2-7b", 2),
-                                             ("smollm2-135m", 1)])   # SmolLM2 ties its embeddings
+                                             ("qwen2.5-32b", 2), ("smollm2-135m", 1)])   # SmolLM2 ties its embeddings
 def test_layer_shapes_add_up_to_the_parameter_count(name, embeddings):
     spec = get_model(name)
     per_layer = sum(g.k * g.n for g in layer_gemms(spec, 1))
