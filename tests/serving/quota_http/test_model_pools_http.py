@@ -213,3 +213,35 @@ async def test_a_replicas_load_and_health_reach_its_own_models_gate(two_models):
     s.runtime.bus.publish(ReplicaHealth(model=B, replica=ups_b[0].url, index=0, healthy=False, draining=False,
                                         reason="test"))
     assert not gate_b.available and gate_a.available
+
+
+async def test_each_model_estimates_with_its_own_tokenizer_and_chat_template(serve, model_dir, tmp_path):
+    """Model B's directory is SmolLM2's with another chat template (a long system preamble): the
+    same chat is reserved as each model's own template renders it."""
+    from kvmeter.serving.engines.hf_tokenizer import HFTokenizer
+    from kvmeter.serving.gateway.remote_path import chat_prompt_ids
+
+    other = tmp_path / "smol-b-dir"
+    other.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (other / f.name).symlink_to(f)
+    preamble = "You are model B, a careful assistant who answers in French. " * 8
+    (other / "chat_template.jinja").write_text(preamble + (model_dir / "chat_template.jinja").read_text())
+    ups_a, ups_b = [await ScriptedUpstream(A, answer=answer(A)).start()], [await ScriptedUpstream(B, answer=answer(B))
+                                                                           .start()]
+    try:
+        s = await serve(CFG, prices_yaml=PRICES, models=[
+            {"name": A, "model": str(model_dir), "replicas": [ups_a[0].url]},
+            {"name": B, "model": str(other), "replicas": [ups_b[0].url]}])
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        for model in (A, B):
+            resp = await s.client.post("/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                                       json={"model": model, "messages": chat, "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+        reserved = {r["model"]: r["reserved_input_tokens"] for r in s.attempts(api_key_id="k1")}
+        expected = {m: len(chat_prompt_ids(HFTokenizer(d), chat)) for m, d in ((A, model_dir), (B, other))}
+        assert reserved == expected and expected[B] > expected[A] + 50
+    finally:
+        for u in ups_a + ups_b:
+            await u.stop()
