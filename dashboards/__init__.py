@@ -1,7 +1,7 @@
 """kvmeter.dashboards — token-centric Streamlit views of the ledger: what QPS hides.
 
 Where a token is drawn: ``kvmeter dashboard`` (:mod:`.cli`) runs ``streamlit run`` on
-:mod:`.app`, whose ten pages (:mod:`.views`) read through a
+:mod:`.app`, whose eleven pages (:mod:`.views`) read through a
 :class:`~kvmeter.dashboards.source.ScopedSource` — the signed-in key's tenant scope, enforced in
 the data layer — over one of two sources: :class:`~kvmeter.dashboards.sql.SqlSource` (ClickHouse
 directly: a server, or a chDB path no process holds) or :class:`~kvmeter.dashboards.http_source.HttpSource`

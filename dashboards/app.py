@@ -1,7 +1,7 @@
 """The Streamlit entry point of ``kvmeter dashboard`` (``streamlit run`` this file).
 
 Settings come from the environment (see :mod:`kvmeter.dashboards.config`; the CLI sets it).
-Ten pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
+Eleven pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
 auto-refresh) is drawn here before the chosen page runs.
 """
 
@@ -25,6 +25,7 @@ PAGES = (
     ("agent_runs.py", "Agent runs", ":material/smart_toy:"),
     ("billing.py", "Billing & reconciliation", ":material/receipt_long:"),
     ("gpu.py", "GPU", ":material/developer_board:"),
+    ("replicas.py", "Replicas", ":material/dns:"),
 )
 
 st.set_page_config(page_title="kvmeter", page_icon=":material/monitoring:", layout="wide")

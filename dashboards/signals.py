@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from kvmeter.exporters.prometheus.names import rate_series, series
 
-__all__ = ["ENGINE", "ENGINE_TENANT", "PROMPT_CACHE", "SCHEDULER", "TENANT", "GATEWAY", "GPU", "MIG", "ALL"]
+__all__ = ["ENGINE", "ENGINE_TENANT", "PROMPT_CACHE", "SCHEDULER", "TENANT", "GATEWAY", "REPLICA", "GPU", "MIG",
+           "ALL"]
 
 #: Engine gauges, labels ``engine``, ``model``.
 ENGINE = {
@@ -58,6 +59,13 @@ GATEWAY = {
     "goodput": rate_series("kvmeter_goodput_tokens_total"),
     "goodput_ratio": series("kvmeter_goodput_ratio"),
 }
+#: Engine-pool series, labels ``model``, ``replica`` (its URL); decisions ``model``, ``policy``, ``outcome``.
+REPLICA = {
+    "up": series("kvmeter_replica_up"),                                 # 1 answers, 0 down
+    "available": series("kvmeter_replica_available"),                   # 1 takes new requests (up, not draining)
+    "routed_rate": rate_series("kvmeter_replica_routed_requests_total"),          # requests / s
+    "decision_rate": rate_series("kvmeter_router_decisions_requests_total"),      # decisions / s by outcome
+}
 #: GPU gauges (NVML), label ``gpu`` (+ ``sensor`` for temperature).
 GPU = {
     "utilization": series("kvmeter_gpu_utilization_ratio"),             # COARSE: any kernel running
@@ -75,5 +83,5 @@ MIG = {
     "sm_active": series("kvmeter_gpu_mig_sm_active_ratio"),
 }
 ALL: tuple[str, ...] = tuple(n for group in (ENGINE, ENGINE_TENANT, PROMPT_CACHE, SCHEDULER, TENANT, GATEWAY,
-                                                      GPU, MIG)
+                                                      REPLICA, GPU, MIG)
                              for n in group.values())

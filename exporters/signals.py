@@ -44,6 +44,13 @@ interval since the previous sample on the injected clock's monotonic reading):
 * prompt-cache thrash, labels ``tenant``, ``model`` (every tenant), from
   :attr:`RequestCompletion.reprefill_input_tokens` over the interval, for tenants that re-prefilled:
   ``kvmeter_prompt_reprefill_tokens_per_second``;
+* engine pools, labels ``model``, ``replica`` (its URL) — the latest :class:`ReplicaHealth` of
+  each replica: ``kvmeter_replica_up``, ``kvmeter_replica_available`` (up and not draining); from
+  :class:`RoutingDecision` over the interval: ``kvmeter_replica_routed_requests_per_second``
+  (``model``, ``replica``) and ``kvmeter_router_decisions_requests_per_second`` (``model``,
+  ``policy``, ``outcome``: its ``prefix_hit`` share is the prefix-hit routing share), while
+  requests are routed plus one row of 0 after; a replica's KV watermark and queue are its engine
+  rows (``engine`` = its URL, from its scrape);
 * GPUs, label ``gpu`` — latest :class:`GpuSample`: ``kvmeter_gpu_memory_used_bytes``,
   ``kvmeter_gpu_memory_total_bytes``, ``kvmeter_gpu_utilization_ratio``,
   ``kvmeter_gpu_sm_active_ratio``, ``kvmeter_gpu_tensor_active_ratio``,
@@ -86,7 +93,8 @@ from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.exporters.prometheus.names import rate_series, series
 from kvmeter.ledger.records import SignalSample
 from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, QuotaStoreState,
-                           RemoteEngineStats, RequestCompletion, SchedulerStats, StreamSendStats)
+                           RemoteEngineStats, ReplicaHealth, RequestCompletion, RoutingDecision, SchedulerStats,
+                           StreamSendStats)
 
 __all__ = ["SignalSampler", "SignalRecorder", "SignalSamplerConfig"]
 
@@ -122,6 +130,10 @@ _GOODPUT_RATIO = series("kvmeter_goodput_ratio")
 _STALL_CUT_RATE = rate_series("kvmeter_stream_stall_cut_requests_total")
 _SEND_BLOCKED_RATE = rate_series("kvmeter_stream_send_blocked_seconds_total")
 _REPREFILL_RATE = rate_series("kvmeter_prompt_reprefill_tokens_total")
+_REPLICA_UP = series("kvmeter_replica_up")
+_REPLICA_AVAILABLE = series("kvmeter_replica_available")
+_ROUTED_RATE = rate_series("kvmeter_replica_routed_requests_total")
+_DECISION_RATE = rate_series("kvmeter_router_decisions_requests_total")
 _GPU_FIELDS = ((series("kvmeter_gpu_memory_used_bytes"), "memory_used_bytes"),
                (series("kvmeter_gpu_memory_total_bytes"), "memory_total_bytes"),
                (series("kvmeter_gpu_utilization_ratio"), "utilization_gpu_ratio"),
@@ -219,6 +231,12 @@ class SignalSampler:
         # (tenant, model) → re-prefilled input tokens since the last sample
         self._reprefill: dict[tuple[str, str], int] = {}
         self._reprefilling: set[tuple[str, str]] = set()
+        # (model, replica) → its latest health; routed requests and decisions since the last sample
+        self._replicas: dict[tuple[str, str], ReplicaHealth] = {}
+        self._routed: dict[tuple[str, str], int] = {}
+        self._decisions: dict[tuple[str, str, str], int] = {}
+        self._busy_routed: set[tuple[str, str]] = set()
+        self._busy_decisions: set[tuple[str, str, str]] = set()
         self._gpus: dict[int, tuple[float, GpuSample]] = {}
         self._ledger: LedgerStats | None = None
         self._stores: dict[str, QuotaStoreState] = {}
@@ -234,6 +252,8 @@ class SignalSampler:
             bus.subscribe(RequestCompletion, self._on_completion),
             bus.subscribe(StreamSendStats, self._on_stream),
             bus.subscribe(GpuSample, self._on_gpu),
+            bus.subscribe(ReplicaHealth, self._on_replica),
+            bus.subscribe(RoutingDecision, self._on_decision),
             bus.subscribe(LedgerStats, self._on_ledger),
             bus.subscribe(QuotaStoreState, self._on_store),
         ]
@@ -291,6 +311,17 @@ class SignalSampler:
             w[0] += 1 if s.stall_cut else 0
             w[1] += s.send_blocked_s
 
+    def _on_replica(self, h: ReplicaHealth) -> None:
+        with self._lock:
+            self._replicas[(h.model, h.replica)] = h
+
+    def _on_decision(self, d: RoutingDecision) -> None:
+        with self._lock:
+            key = (d.model, d.replica)
+            self._routed[key] = self._routed.get(key, 0) + 1
+            dkey = (d.model, d.policy, d.outcome)
+            self._decisions[dkey] = self._decisions.get(dkey, 0) + 1
+
     def _on_gpu(self, s: GpuSample) -> None:
         with self._lock:
             self._gpus[s.index] = (self._clock.monotonic(), s)
@@ -323,6 +354,9 @@ class SignalSampler:
             streams, self._streams = self._streams, {}
             reprefill, self._reprefill = self._reprefill, {}
             gpus = dict(self._gpus)
+            replicas = dict(self._replicas)
+            routed, self._routed = self._routed, {}
+            decisions, self._decisions = self._decisions, {}
             ledger = self._ledger
             stores = dict(self._stores)
         ts = self._clock.wall()
@@ -352,6 +386,7 @@ class SignalSampler:
             for tenant, model in set(reprefill) | self._reprefilling:
                 add(_REPREFILL_RATE, reprefill.get((tenant, model), 0) / elapsed, {"tenant": tenant, "model": model})
             self._reprefilling = set(reprefill)
+        self._pool_rows(add, replicas, routed, decisions, elapsed)
         for seen, g in gpus.values():
             if now - seen <= stale:
                 self._gpu_rows(add, g)
@@ -438,6 +473,23 @@ class SignalSampler:
             add(_STALL_CUT_RATE, cuts / elapsed, labels)
             add(_SEND_BLOCKED_RATE, blocked / elapsed, labels)
         self._streaming_tenants = set(streams)
+
+    def _pool_rows(self, add, replicas: dict[tuple[str, str], ReplicaHealth], routed: dict[tuple[str, str], int],
+                   decisions: dict[tuple[str, str, str], int], elapsed: float) -> None:
+        """Each replica's last health; routed requests and routing decisions per second while
+        requests are routed, plus one row of 0 after."""
+        for (model, replica), h in replicas.items():
+            labels = {"model": model, "replica": replica}
+            add(_REPLICA_UP, 1 if h.healthy else 0, labels)
+            add(_REPLICA_AVAILABLE, 1 if h.available else 0, labels)
+        if elapsed <= 0:
+            return
+        for model, replica in set(routed) | self._busy_routed:
+            add(_ROUTED_RATE, routed.get((model, replica), 0) / elapsed, {"model": model, "replica": replica})
+        for model, policy, outcome in set(decisions) | self._busy_decisions:
+            add(_DECISION_RATE, decisions.get((model, policy, outcome), 0) / elapsed,
+                {"model": model, "policy": policy, "outcome": outcome})
+        self._busy_routed, self._busy_decisions = set(routed), set(decisions)
 
     def _gpu_rows(self, add, g: GpuSample) -> None:
         gpu = {"gpu": str(g.index)}

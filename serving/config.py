@@ -47,8 +47,8 @@ from kvmeter.serving.scheduler.config import PLAIN_BASELINE
 from kvmeter.serving.scheduler.router import RoutingPolicy
 from kvmeter.serving.tenancy.config import DEMO_TENANTS_FILE
 
-__all__ = ["ServeConfig", "EngineSettings", "ServerSettings", "ReconciliationSettings", "SelfCheckSettings",
-           "OpenAISettings",
+__all__ = ["ServeConfig", "EngineSettings", "ModelPoolSettings", "ServerSettings", "ReconciliationSettings",
+           "SelfCheckSettings", "OpenAISettings",
            "load_serve_config", "ServeConfigError", "DEMO_TENANTS_FILE", "DEMO_ENGINE_SETTINGS",
            "DEMO_SCHEDULER_OPTIONS"]
 
@@ -138,8 +138,44 @@ class ServerSettings(_Section):
     workers: int = Field(default=1, ge=1)
 
 
+class ModelPoolSettings(_Section):
+    """One served model of a multi-model gateway (``engine.models``): its engine pool.
+
+    Attributes:
+        name: the served name — what a request's ``model`` names, what ``GET /v1/models`` lists,
+            what the replicas serve (their ``--served-model-name``), and the ``model`` of the
+            requests' usage, quota dimensions, prices and metrics (non-empty, unique).
+        model: where the model's tokenizer and chat template are (``smollm2``, a model directory or
+            a ``.gguf``, as ``engine.model``), for kvmeter's estimates; default: ``engine.model``.
+        replicas: the pool's base URLs (≥ 1, distinct, none shared with another model), each
+            scraped at ``<url>/metrics`` unless ``engine.remote_metrics_url: off``.
+        routing: how this pool picks a replica; default ``engine.routing``.
+        max_model_len: the context window; default: the smallest the replicas report.
+    """
+
+    name: str = Field(min_length=1, pattern=r"^\S+$")
+    model: str | None = None
+    replicas: list[str] = Field(min_length=1)
+    routing: RoutingPolicy | None = None
+    max_model_len: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "ModelPoolSettings":
+        urls = [u.rstrip("/") for u in self.replicas]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"model {self.name!r} lists a replica URL twice")
+        return self
+
+
 class EngineSettings(_Section):
-    """Engine choice and vLLM settings (see :class:`~kvmeter.serving.engines.vllm_engine.VllmEngineConfig`)."""
+    """Engine choice and vLLM settings (see :class:`~kvmeter.serving.engines.vllm_engine.VllmEngineConfig`).
+
+    Several models (``kind: remote`` only): ``models:`` lists one :class:`ModelPoolSettings` per
+    served model — each its own engine pool, router, scheduler and replica gates — instead of
+    ``remote_url`` / ``replicas`` / ``remote_model``; a request goes to the pool its ``model``
+    names (the first model's when it names none), an unknown one is vLLM's 404 naming the served
+    ones.
+    """
 
     kind: Literal["vllm", "remote", "instant"] = "vllm"
     model: str | None = None
@@ -169,8 +205,32 @@ class EngineSettings(_Section):
     #: seconds between two probes (GET /v1/models) of a replica marked down
     replica_probe_interval_s: float = Field(default=5.0, gt=0)
 
+    #: several models, one engine pool each (engine.kind=remote; see ModelPoolSettings): instead
+    #: of remote_url / replicas / remote_model
+    models: list[ModelPoolSettings] = Field(default_factory=list)
+
     @model_validator(mode="after")
     def _pool(self) -> "EngineSettings":
+        if self.models:
+            if self.kind != "remote":
+                raise ValueError("engine.models needs engine.kind: remote")
+            for other in ("remote_url", "remote_model"):
+                if getattr(self, other):
+                    raise ValueError(f"set engine.models or engine.{other}, not both")
+            if self.replicas:
+                raise ValueError("set engine.models (a pool per model) or engine.replicas (one model), not both")
+            if self.remote_metrics_url.lower() not in ("", "off"):
+                raise ValueError("with engine.models, engine.remote_metrics_url is '' (each <url>/metrics) or off")
+            names = [m.name for m in self.models]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(f"engine.models names {twice[0]!r} twice")
+            owner: dict[str, str] = {}
+            for m in self.models:
+                for url in m.replicas:
+                    prev = owner.setdefault(url.rstrip("/"), m.name)
+                    if prev != m.name:
+                        raise ValueError(f"replica {url} is in the pools of both {prev!r} and {m.name!r}")
         if self.replicas:
             if self.kind != "remote":
                 raise ValueError("engine.replicas needs engine.kind: remote")

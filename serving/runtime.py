@@ -45,6 +45,7 @@ from kvmeter.serving.engines.pool import EnginePool
 from kvmeter.serving.gateway.app import create_app
 from kvmeter.serving.gateway.approvals import approval_routes
 from kvmeter.serving.gateway.handler import Gateway, GatewaySettings
+from kvmeter.serving.gateway.models import ServedModel, ServedModels
 from kvmeter.serving.gateway.reprefill import PrefixReuse
 from kvmeter.serving.gateway.replicas import replica_routes
 from kvmeter.serving.gateway.tools import tool_call_routes
@@ -62,7 +63,8 @@ from kvmeter.stats import EngineLoad, EngineStepShares, EngineStepStats, Replica
 if TYPE_CHECKING:  # app() imports the dashboards' routes when it builds the app
     from kvmeter.dashboards.routes import DashboardRoutes
 
-__all__ = ["ServeRuntime", "build_engine", "ledger_config_of", "scheduler_config_from_tiers", "shared_service_for"]
+__all__ = ["ServeRuntime", "build_engine", "build_model_pools", "ledger_config_of", "scheduler_config_from_tiers",
+           "shared_service_for"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
     from kvmeter.model import resolve_model
 
     eng = config.engine
+    if eng.models:
+        raise EngineError("engine.models serves several engine pools: build_model_pools builds them")
     if eng.kind == "remote" and eng.replicas:
         from kvmeter.serving.engines.pool import EnginePool
 
@@ -123,6 +127,28 @@ def build_engine(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK
         vllm_argv=serving_argv(config.openai.flags())), bus=bus)
 
 
+def build_model_pools(config: ServeConfig, bus: StatsBus, clock: Clock = SYSTEM_CLOCK) -> list[EnginePool]:
+    """One :class:`~kvmeter.serving.engines.pool.EnginePool` per ``engine.models`` entry, in order:
+    served as its ``name``, estimating with the tokenizer and chat template of its ``model``
+    (default ``engine.model``), its replicas scraped unless ``engine.remote_metrics_url: off``.
+
+    Raises:
+        ModelError: a model's tokenizer cannot be found or prepared.
+    """
+    from kvmeter.model import resolve_model
+
+    eng = config.engine
+    pools = []
+    for m in eng.models:
+        model_dir, _ = resolve_model(m.model if m.model is not None else eng.model)
+        pools.append(EnginePool(m.replicas, model_dir=model_dir, model_name=m.name,
+                                max_model_len=m.max_model_len or eng.max_model_len,
+                                scrape=eng.remote_metrics_url.lower() != "off",
+                                scrape_interval_s=eng.remote_scrape_interval_s,
+                                probe_interval_s=eng.replica_probe_interval_s, bus=bus, clock=clock))
+    return pools
+
+
 def scheduler_config_from_tiers(directory: TenantDirectory, base: SchedulerConfig | None = None,
                                 **options) -> SchedulerConfig:
     """The scheduler's config with the tenants config's tiers: the directory's
@@ -150,11 +176,13 @@ def ledger_config_of(config: ServeConfig) -> LedgerConfig:
                                      else config.engine_steps_retention_days))
 
 
-def shared_service_for(config: ServeConfig) -> SharedServiceSync | None:
+def shared_service_for(config: ServeConfig, model: str | None = None) -> SharedServiceSync | None:
     """The scheduler's shared VTC counters for ``config`` (``scheduler.shared_service``): on the
     quota store's Redis when it is ``redis://`` / ``rediss://`` (``auto``, ``on``), else None.
     The pool is ``scheduler.shared_service_pool``, else the served model's name (braces, Redis
-    Cluster's hash-tag marks, replaced by ``_``), else ``default``.
+    Cluster's hash-tag marks, replaced by ``_``), else ``default``. With several models
+    (``engine.models``) each model's scheduler has its own: ``model`` (its name), after
+    ``scheduler.shared_service_pool`` and a ``/`` when that is set.
 
     Raises:
         ValueError: ``shared_service: on`` with a quota store that is not Redis.
@@ -166,7 +194,10 @@ def shared_service_for(config: ServeConfig) -> SharedServiceSync | None:
     if not on_redis:
         raise ValueError("scheduler.shared_service: on needs a redis:// or rediss:// quota_store, "
                          f"got {config.quota_store!r}")
-    pool = settings.shared_service_pool or config.engine.remote_model or config.engine.model or "default"
+    if model is not None:
+        pool = f"{settings.shared_service_pool}/{model}" if settings.shared_service_pool else model
+    else:
+        pool = settings.shared_service_pool or config.engine.remote_model or config.engine.model or "default"
     pool = pool.replace("{", "_").replace("}", "_")
     return SharedServiceSync(redis_client(config.quota_store), pool=pool,
                              interval_s=settings.shared_service_interval_s)
@@ -247,22 +278,39 @@ class ServeRuntime:
                                 clock=clock)
         self.approvals = ApprovalDesk(self.directory, self.agent_store, recorder=self.recorder, bus=self.bus,
                                       clock=clock)
-        self.engine = engine or build_engine(config, self.bus, clock)
+        # several models (engine.models): an engine pool each; the first is `engine`, the default
+        multi = engine is None and bool(config.engine.models)
+        engines: list[Engine] = (list(build_model_pools(config, self.bus, clock)) if multi
+                                 else [engine or build_engine(config, self.bus, clock)])
+        self.engine = engines[0]
         self._owns_engine = engine is None
         sched_cfg = scheduler_config_from_tiers(self.directory, **config.scheduler.options)
-        # VTC counters shared with the pool's other gateway processes on a Redis quota store
-        self.shared_service = shared_service_for(config)
-        # an engine pool: one scheduler gate per replica, the router picks among the open ones
-        pool = self.engine if isinstance(self.engine, EnginePool) else None
-        self.router = None if pool is None else Router(
-            config.engine.routing, clock=clock, model=pool.model_name, replica_names=pool.names,
-            on_decision=self.bus.publish)
-        self.scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock, bus=self.bus,
-                                       shared_service=self.shared_service, num_engines=len(pool) if pool else 1,
-                                       router=self.router)
+        routing = {m.name: m.routing or config.engine.routing for m in config.engine.models}
+        served: list[ServedModel] = []
+        #: each served model's scheduler, by name (in order)
+        self.schedulers: dict[str, FairScheduler] = {}
+        for i, eng in enumerate(engines):
+            # VTC counters shared with the pool's other gateway processes on a Redis quota store
+            shared = shared_service_for(config, eng.model_name if multi else None)
+            # an engine pool: one scheduler gate per replica, the router picks among the open ones
+            pool = eng if isinstance(eng, EnginePool) else None
+            router = None if pool is None else Router(
+                routing.get(pool.model_name, config.engine.routing), clock=clock, model=pool.model_name,
+                replica_names=pool.names, on_decision=self.bus.publish)
+            # the scheduler-wide series (kvmeter_scheduler_*, the signal history's) carry no model
+            # label: the first model's scheduler publishes them (docs/ARCHITECTURE.md)
+            scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock,
+                                      bus=self.bus if i == 0 else None, shared_service=shared,
+                                      num_engines=len(pool) if pool else 1, router=router)
+            served.append(ServedModel(eng.model_name, eng, scheduler))
+            self.schedulers[eng.model_name] = scheduler
+            if i == 0:
+                self.shared_service, self.router, self.scheduler = shared, router, scheduler
+        #: every served model, in order: its engine (pool) and its scheduler
+        self.models = ServedModels(served)
         # engine load → KV gating: the hosted engines' step stats, the remote engines' scraped loads
         # (a pool's replica's to its own gate), a pool's replica health → its gate open or closed
-        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),
+        self._unsubscribe = [self.bus.subscribe(EngineStepStats, self.scheduler.on_step_stats),  # (in-process)
                              self.bus.subscribe(EngineLoad, self._on_engine_load),
                              self.bus.subscribe(ReplicaHealth, self._on_replica_health)]
         # vLLM's OpenAI serving layer for an in-process engine (its arguments checked here, before
@@ -275,7 +323,7 @@ class ServeRuntime:
                                      body_read_timeout_s=config.server.body_read_timeout_s,
                                      stream_stall_timeout_s=config.server.stream_stall_timeout_s),
             tier_policy=self._tier_policy, idempotency=self.idempotency, openai=self.openai,
-            agents=self.agents)
+            agents=self.agents, models=self.models)
         prom = PrometheusConfig.from_env(top_k_tenants=config.metrics_top_k_tenants)
         if not prom.model:  # KVMETER_PROM_MODEL, else the served model: the engine series' label
             prom = dataclasses.replace(prom, model=self.engine.model_name)
@@ -305,17 +353,25 @@ class ServeRuntime:
         self._dashboard_routes: DashboardRoutes | None = None
 
     # -- parts ------------------------------------------------------------------------------------
+    def _scheduler_of(self, model: str) -> FairScheduler | None:
+        """The scheduler of served model ``model`` ("": the first's, for loads that name none)."""
+        return self.schedulers.get(model) if model else self.scheduler
+
     def _on_engine_load(self, load: EngineLoad) -> None:
-        if load.replica < self.scheduler.core.num_engines:
-            self.scheduler.on_engine_load(load, load.replica)
+        scheduler = self._scheduler_of(load.model) if len(self.models) > 1 else self.scheduler
+        if scheduler is not None and load.replica < scheduler.core.num_engines:
+            scheduler.on_engine_load(load, load.replica)
 
     def _on_replica_health(self, health: ReplicaHealth) -> None:
-        if health.model == self.engine.model_name and health.index < self.scheduler.core.num_engines:
-            self.scheduler.set_engine_available(health.index, health.available)
+        scheduler = self._scheduler_of(health.model)
+        if scheduler is not None and health.index < scheduler.core.num_engines:
+            scheduler.set_engine_available(health.index, health.available)
 
-    def _outstanding(self, engine_idx: int) -> int:
-        """Requests dispatched to replica ``engine_idx`` and not ended (the replicas API)."""
-        return self.scheduler.core.engine_gates[engine_idx].outstanding
+    def _outstanding(self, model: str, engine_idx: int) -> int:
+        """Requests dispatched to replica ``engine_idx`` of ``model``'s pool and not ended (the
+        replicas API)."""
+        scheduler = self._scheduler_of(model)
+        return 0 if scheduler is None else scheduler.core.engine_gates[engine_idx].outstanding
 
     def _tier_policy(self, tier: str) -> TierPolicy | None:
         """The gateway's tier policy: the live tenants config's (follows reloads)."""
@@ -343,8 +399,12 @@ class ServeRuntime:
             ledger.record_step_shares, model=self.engine.model_name, replica=default_replica(self.worker))))
         try:
             if self._owns_engine:
-                await self.engine.start()
+                for m in self.models:  # (every model's pool; one that no replica answers is fatal)
+                    await m.engine.start()
         except BaseException:
+            for m in self.models:
+                if self._owns_engine and m.engine is not self.engine:
+                    await m.engine.shutdown()
             ledger.close()
             raise
         if self.openai is not None:
@@ -360,7 +420,8 @@ class ServeRuntime:
         if block and window:  # the prompt-cache thrash signal, in whole blocks of the engine's cache
             self.gateway.reprefill = PrefixReuse(block, window_s=window, clock=self.clock,
                                                  max_blocks=self.config.server.reprefill_max_blocks)
-        await self.scheduler.start()
+        for scheduler in self.schedulers.values():
+            await scheduler.start()
         self.quota_backend.start()  # lease renewal of the shared quota store's holds
         # Only an engine that measures its KV cache keeps reporting its load: vLLM after every
         # step (its step stats), the remote engine after every scrape of its upstream's
@@ -371,12 +432,13 @@ class ServeRuntime:
         # engine, and stall all traffic after max_engine_waiting requests; without reports it
         # counts dispatched requests that have no first token yet instead, as it does between
         # a remote engine's scrapes.
-        loads = self.engine.loads() if isinstance(self.engine, EnginePool) else [self.engine.load()]
-        for load in loads:  # (each replica's, for an engine pool)
-            if load.kv_capacity_tokens > 0 or not load.per_step:
-                self.scheduler.on_engine_load(load, load.replica)
-        if isinstance(self.engine, EnginePool):  # each replica's health (published before we listened when
-            self.engine.publish_health()          # the caller started the pool): gates and kvmeter_replica_up
+        for m in self.models:
+            loads = m.engine.loads() if isinstance(m.engine, EnginePool) else [m.engine.load()]
+            for load in loads:  # (each replica's, for an engine pool)
+                if load.kv_capacity_tokens > 0 or not load.per_step:
+                    self.schedulers[m.name].on_engine_load(load, load.replica)
+            if isinstance(m.engine, EnginePool):  # each replica's health (published before we listened when
+                m.engine.publish_health()          # the caller started the pool): gates and kvmeter_replica_up
         await asyncio.to_thread(self.gpu.start)
         if self.worker in (None, 0):  # once per fleet: slot 0 (a replacement takes a dead one's slot)
             self.signal_recorder = SignalRecorder(self.signals, ledger.write_signals, clock=self.clock)
@@ -403,7 +465,8 @@ class ServeRuntime:
         gc.unfreeze()  # back to the collector: frozen objects are never finalized at exit otherwise
         if self._watch is not None:
             self._watch.cancel()
-        await self.scheduler.stop()
+        for scheduler in self.schedulers.values():
+            await scheduler.stop()
         if self.reconciler is not None:  # a run in progress finishes before the ledger closes
             await self.reconciler.stop()
         if self.signal_recorder is not None:  # its last sample goes in before the ledger closes
@@ -414,10 +477,12 @@ class ServeRuntime:
         if self.recorder.ledger is not None:
             await asyncio.to_thread(self.recorder.ledger.close)
         if self._owns_engine:
-            await self.engine.shutdown()
+            for m in self.models:
+                await m.engine.shutdown()
         await self.quota_backend.aclose()
-        if self.shared_service is not None:
-            await self.shared_service.aclose()
+        for scheduler in self.schedulers.values():
+            if scheduler.shared_service is not None:
+                await scheduler.shared_service.aclose()
         await self.agent_store.aclose()
         for unsubscribe in self._unsubscribe:
             unsubscribe()

@@ -170,8 +170,9 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
         lifespan="on", timeout_graceful_shutdown=30, access_log=False))
-    log.info("kvmeter serve: %s engine, model %s, on http://%s:%d", config.engine.kind,
-             runtime.engine.model_name, config.server.host, config.server.port)
+    log.info("kvmeter serve: %s engine, model%s %s, on http://%s:%d", config.engine.kind,
+             "s" if len(runtime.models) > 1 else "", ", ".join(runtime.models.names), config.server.host,
+             config.server.port)
     from kvmeter.net import listening_socket
 
     sock = listening_socket(server.config, config.server.send_buffer_bytes)

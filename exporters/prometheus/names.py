@@ -475,6 +475,11 @@ SIGNAL_SERIES: tuple[SignalSeries, ...] = (
     _rate("kvmeter_stream_send_blocked_seconds_total", ("tier", "tenant")),
     # ---- prompt-cache thrash (RequestCompletion.reprefill_input_tokens), every tenant that re-prefilled
     _rate("kvmeter_prompt_reprefill_tokens_total", ("tenant", "model")),
+    # ---- engine pools (ReplicaHealth, RoutingDecision), per model and replica
+    _gauge("kvmeter_replica_up"),
+    _gauge("kvmeter_replica_available"),
+    _rate("kvmeter_replica_routed_requests_total", ("model", "replica")),
+    _rate("kvmeter_router_decisions_requests_total", ("model", "policy", "outcome")),
     # ---- GPUs (GpuSample)
     _gauge("kvmeter_gpu_memory_used_bytes"),
     _gauge("kvmeter_gpu_memory_total_bytes"),

@@ -206,6 +206,9 @@ class EngineLoad:
             False for a periodic reading (a scrape), between which the scheduler counts the
             engine's waiting queue from its own dispatched requests without a first token.
         replica: the reporting replica's index in its engine pool (0 for a single engine).
+        model: the served model of the reporting remote engine or replica ("" when the engine
+            does not say: the in-process engines, the simulator); with several models
+            (``engine.models``) it picks the scheduler whose gate ``replica`` is.
     """
 
     kv_watermark_ratio: float = 0.0
@@ -214,3 +217,4 @@ class EngineLoad:
     num_waiting: int = 0
     per_step: bool = True
     replica: int = 0
+    model: str = ""

@@ -143,7 +143,7 @@ class RemoteEngine(Engine):
                                                              max_keepalive_connections=256))
         self.replica = replica
         self._on_scrape = on_scrape
-        self._load = EngineLoad(replica=replica)
+        self._load = EngineLoad(replica=replica, model=model_name)
         self.metrics_url = default_metrics_url(self.base_url) if metrics_url == "" else metrics_url
         self.scrape_interval_s = scrape_interval_s
         self._bus = bus
@@ -253,7 +253,7 @@ class RemoteEngine(Engine):
                     bus.publish(s)
             if load is None:
                 return None
-            load.replica = self.replica
+            load.replica, load.model = self.replica, self.model_name
             self._load = load
             if bus is not None:
                 bus.publish(load)
@@ -276,7 +276,7 @@ class RemoteEngine(Engine):
         if stale and not self._stale_reported and (self._load.kv_capacity_tokens or self._load.kv_watermark_ratio):
             # a watermark this old would gate on a state long gone: report no KV reading instead
             self._load = EngineLoad(0.0, 0, self._load.num_running, self._load.num_waiting, per_step=False,
-                                    replica=self.replica)
+                                    replica=self.replica, model=self.model_name)
             self._stale_reported = True
             if self._bus is not None:
                 self._bus.publish(self._load)

@@ -2,7 +2,7 @@
 
 Routes:
     POST /v1/chat/completions, POST /v1/completions  — streaming (SSE) and not
-    GET  /v1/models                                   — the served model (needs an API key)
+    GET  /v1/models                                   — the served models (needs an API key)
     GET  /healthz                                     — 200 when the engine is up, else 503
     GET  /metrics                                     — Prometheus text (when a metrics app is given)
     extra routes (the ledger's read API, the quota's tool-call report, ...) as given.
@@ -110,10 +110,10 @@ def create_app(gateway: Gateway, *, extra_routes: Sequence[BaseRoute] = (),
             err = api_error(refusal)
             gateway.refused(err, "models")
             return error_response(err)
-        engine = gateway.engine
+        # every served model (a multi-model gateway's in its configured order), vLLM's list shape
         return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": 0, "owned_by": "kvmeter",
-            "max_model_len": engine.max_model_len}]})
+            "id": m.name, "object": "model", "created": 0, "owned_by": "kvmeter",
+            "max_model_len": m.engine.max_model_len} for m in gateway.served()]})
 
     async def healthz(request: Request) -> Response:
         ok = ready() if ready is not None else True

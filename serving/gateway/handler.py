@@ -78,6 +78,7 @@ from kvmeter.serving.engines.finished import merge_stats
 from kvmeter.serving.gateway.body import CLIENT_CLOSED, InvalidJson, read_json_object, single_header
 from kvmeter.serving.gateway.errors import ApiError, api_error, error_response
 from kvmeter.serving.gateway.metering import RequestIdentity, RequestMeter
+from kvmeter.serving.gateway.models import ServedModel, ServedModels
 from kvmeter.ledger.records import AttemptRecord, AttemptStatus
 from kvmeter.serving.gateway.replays import fingerprint, replay_response
 from kvmeter.serving.gateway.reprefill import PrefixReuse
@@ -173,6 +174,11 @@ class Gateway:
     (:class:`~kvmeter.serving.gateway.reprefill.PrefixReuse`): each request's prompts are probed
     at dispatch and its re-prefilled input tokens go on its ``RequestCompletion``; ``None`` (an
     engine that reports no prefix-cache hits) tracks nothing.
+
+    ``models`` are the served models of a multi-model gateway
+    (:class:`~kvmeter.serving.gateway.models.ServedModels`: an engine pool and a scheduler per
+    model; ``engine`` and ``scheduler`` are then the first model's); ``None``: the one model of
+    ``engine`` under ``scheduler``. :meth:`served` gives them either way.
     """
 
     engine: Engine
@@ -188,6 +194,13 @@ class Gateway:
     openai: Any = None
     agents: AgentRuns | None = None
     reprefill: PrefixReuse | None = None
+    models: ServedModels | None = None
+
+    def served(self) -> ServedModels:
+        """The served models: :attr:`models`, or the one of :attr:`engine` under :attr:`scheduler`."""
+        if self.models is None:
+            self.models = ServedModels([ServedModel(self.engine.model_name, self.engine, self.scheduler)])
+        return self.models
 
     def authenticate(self, request: Request) -> Principal:
         """Principal of the request's ``Authorization: Bearer`` key (or ``x-api-key``).
@@ -373,6 +386,8 @@ class Prepared:
         sequence: the longest single sequence (one prompt's tokens and its output ceiling), what
             the quota's ``max_context_tokens`` limits (:attr:`UsageEstimate.sequence
             <kvmeter.serving.quota.base.UsageEstimate>`); None: the whole request is one sequence.
+        served: the model the request runs on (its engine and scheduler) on a multi-model
+            gateway; None: the gateway's one engine and scheduler.
     """
 
     stream: bool
@@ -383,6 +398,7 @@ class Prepared:
     prompts: tuple[Sequence[int], ...] = ()
     prefix_blocks: tuple[int, ...] = ()
     sequence: TokenCounts | None = None
+    served: ServedModel | None = None
 
 
 @dataclass(slots=True)
@@ -415,6 +431,16 @@ class Admitted:
     #: the engine refused the request before running it: recorded as a refusal
     #: (:meth:`CompletionEndpoint._refused_unrun`), never finalized
     refused: bool = False
+
+    def scheduler(self, gateway: Gateway) -> Scheduler:
+        """The scheduler of the request's model (the gateway's one without ``prepared.served``)."""
+        served = self.prepared.served
+        return gateway.scheduler if served is None else served.scheduler
+
+    def engine(self, gateway: Gateway) -> Engine:
+        """The engine of the request's model (the gateway's one without ``prepared.served``)."""
+        served = self.prepared.served
+        return gateway.engine if served is None else served.engine
 
 
 class CompletionEndpoint:
@@ -550,7 +576,7 @@ class CompletionEndpoint:
             status = "rejected" if err is not None and ("dimension" in err.extra or err.status == 429) else "invalid"
         ident = adm.meter.identity if adm is not None else None
         attribution = seen.attribution or principal.attribution(
-            model=self.gw.engine.model_name, endpoint=self.endpoint, agent_run_id=seen.agent_run_id)
+            model=self.gw.served().names[0], endpoint=self.endpoint, agent_run_id=seen.agent_run_id)
         run_id = _bounded(attribution.agent_run_id, MAX_RUN_ID_CHARS)
         if run_id != attribution.agent_run_id:  # headers as sent: a refused over-long one is kept
             attribution = dataclasses.replace(attribution, agent_run_id=run_id)  # as a digest (_bounded)
@@ -585,8 +611,9 @@ class CompletionEndpoint:
         except InvalidJson as err:
             raise self._body_refusal(err) from None
         # the request's attribution, built once and carried by reference from here on
+        # (a multi-model gateway's: the model the body names, the default's until it is checked)
         seen.attribution = attribution = principal.attribution(
-            model=gw.engine.model_name, endpoint=self.endpoint, agent_run_id=run_id)
+            model=gw.served().name_of(data.get("model")), endpoint=self.endpoint, agent_run_id=run_id)
         prepared = await self._prepare(request, data, principal, run_id)
         agents = gw.agents
         if agents is not None and prepared.tool_names:  # 403 before anything is reserved
@@ -677,8 +704,9 @@ class CompletionEndpoint:
                   max_tokens=adm.prepared.output_tokens, arrival_s=meter.arrival_mono,
                   deadline_s=deadline, prefix_blocks=adm.prepared.prefix_blocks)
         try:
-            gw.scheduler.check_admission(job)
-            grant = await self._until_disconnect(request, gw.scheduler.acquire(job), adm)
+            scheduler = adm.scheduler(gw)
+            scheduler.check_admission(job)
+            grant = await self._until_disconnect(request, scheduler.acquire(job), adm)
         except SchedulerRejected as exc:
             self._decided(attribution, exc)
             raise
@@ -737,7 +765,7 @@ class CompletionEndpoint:
             # ended early (the engine streams are closed, so the engine was told): bill the work
             # the engine reports it did, not what reached the client
             wait = gw.settings.engine_account_wait_s
-            accounts = await asyncio.gather(*(gw.engine.final_stats(eid, wait) for eid in adm.engine_ids))
+            accounts = await asyncio.gather(*(adm.engine(gw).final_stats(eid, wait) for eid in adm.engine_ids))
             reported = [a for a in accounts if a is not None]
             if len(reported) == len(accounts):
                 adm.meter.engine_account(merge_stats(adm.meter.identity.request_id, [[a] for a in reported]))
@@ -755,7 +783,7 @@ class CompletionEndpoint:
         if adm.attempt_write is not None:
             await adm.attempt_write  # _attempt never raises (it logs)
         if adm.grant is not None:
-            gw.scheduler.release(adm.grant)
+            adm.scheduler(gw).release(adm.grant)
         await gw.quota.reconcile(adm.reservation, event.tokens)
         if adm.hold_completion:
             adm.completion = completion
@@ -804,7 +832,7 @@ class CompletionEndpoint:
             if adm.attempt_write is not None:
                 await adm.attempt_write  # _attempt never raises (it logs)
             if adm.grant is not None:
-                gw.scheduler.release(adm.grant)
+                adm.scheduler(gw).release(adm.grant)
             await gw.quota.reconcile(adm.reservation, NO_TOKENS)
             await self._settle_idempotency(adm, None)
             ident = adm.meter.identity

@@ -73,7 +73,7 @@ from kvmeter.serving.gateway.errors import ApiError, error_response
 from kvmeter.serving.gateway.handler import REQUEST_ID_HEADER, Admitted, ClientGone, CompletionEndpoint, Prepared
 from kvmeter.serving.gateway.replays import stored_headers
 from kvmeter.serving.gateway.upstream import DONE, UNKNOWN, AnswerReader, ClientView
-from kvmeter.serving.openai_api.errors import invalid_body, model_not_found
+from kvmeter.serving.openai_api.errors import invalid_body
 from kvmeter.serving.openai_api.layer import request_kind, validate_request
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.scheduler.router import prefix_block_hashes
@@ -230,17 +230,17 @@ class RemoteEndpoint(CompletionEndpoint):
             forwarded = {**data, "stream_options": {**(options if isinstance(options, dict) else {}),
                                                     "include_usage": True}}
         body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        engine = self.gw.engine
-        if vreq.model and vreq.model != engine.model_name:  # vLLM's server: no name is the served model
-            raise model_not_found(vreq.model, [engine.model_name])
-        prompts = await self._prompt_ids(data)
+        # vLLM's server: no name is the served model; another name its 404 naming the served ones
+        served = self.gw.served().get(vreq.model)
+        engine = served.engine
+        prompts = await self._prompt_ids(data, engine.tokenizer)
         n = int(vreq.n or 1)
         fields = vreq.__dict__  # (reading max_tokens as an attribute warns it is deprecated)
         asked = fields.get("max_completion_tokens") if self.chat else None
         if asked is None:
             asked = fields.get("max_tokens")
         context_limit = self._context_limit(principal, run_id)
-        ceilings = [self._ceiling(asked, len(p), context_limit) for p in prompts]
+        ceilings = [self._ceiling(asked, len(p), context_limit, engine.max_model_len) for p in prompts]
         input_tokens = sum(len(p) for p in prompts)
         tools = getattr(vreq, "tools", None) if self.chat else None
         names = tuple(t.function.name for t in tools) if tools else ()
@@ -253,13 +253,14 @@ class RemoteEndpoint(CompletionEndpoint):
         seq_in, seq_out = max(zip(map(len, prompts), ceilings, strict=True), key=sum, default=(0, 0))
         return Prepared(stream=stream, input_tokens=input_tokens, output_tokens=n * sum(ceilings), payload=payload,
                         tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else (),
-                        prefix_blocks=blocks, sequence=TokenCounts(input_tokens=seq_in, output_tokens=seq_out))
+                        prefix_blocks=blocks, sequence=TokenCounts(input_tokens=seq_in, output_tokens=seq_out),
+                        served=served)
 
-    def _ceiling(self, asked: int | None, prompt_tokens: int, context_limit: int | None) -> int:
-        """One prompt's output ceiling: ``max_tokens`` up to what the window leaves (the upstream
-        refuses more itself); without it, what the window — or, when tighter, the caller's quota
-        ``max_context_tokens`` — leaves (at least 1)."""
-        window = self.gw.engine.max_model_len
+    @staticmethod
+    def _ceiling(asked: int | None, prompt_tokens: int, context_limit: int | None, window: int) -> int:
+        """One prompt's output ceiling: ``max_tokens`` up to what the model's ``window`` leaves (the
+        upstream refuses more itself); without it, what the window — or, when tighter, the
+        caller's quota ``max_context_tokens`` — leaves (at least 1)."""
         room = max(1, window - prompt_tokens)
         if asked is None:
             if context_limit is not None and context_limit < window:
@@ -267,9 +268,9 @@ class RemoteEndpoint(CompletionEndpoint):
             return room
         return min(max(0, asked), room)
 
-    async def _prompt_ids(self, data: dict) -> list[list[int]]:
-        """kvmeter's token ids of each prompt (one for a chat), for the estimate."""
-        tokenizer = self.gw.engine.tokenizer
+    async def _prompt_ids(self, data: dict, tokenizer: Tokenizer) -> list[list[int]]:
+        """kvmeter's token ids of each prompt (one for a chat) with the model's ``tokenizer``, for
+        the estimate."""
         if self.chat:
             messages = data.get("messages") or []
             tools = data.get("tools")
@@ -298,7 +299,7 @@ class RemoteEndpoint(CompletionEndpoint):
     # -- step 7 ----------------------------------------------------------------------------------
     async def _run(self, request: Request, adm: Admitted, headers: dict[str, str]) -> Response:
         payload: _Payload = adm.prepared.payload
-        tokenizer = self.gw.engine.tokenizer
+        tokenizer = adm.engine(self.gw).tokenizer
         reader = AnswerReader(lambda text: len(tokenizer.encode(text)), payload.input_tokens,
                               single_prompt=payload.single_prompt)
         answered = False  # the upstream accepted the request (a 200): its counts bill
@@ -342,7 +343,7 @@ class RemoteEndpoint(CompletionEndpoint):
         that the scheduler's grant names — and, when that replica cannot be reached (nothing was
         done there), to another one the scheduler moves the grant to (``failover``), until one
         answers or none is left (:mod:`kvmeter.serving.engines.pool`)."""
-        engine = self.gw.engine
+        engine = adm.engine(self.gw)
         if not isinstance(engine, EnginePool):
             # the app serves this path for the remote engines only
             return await cast(RemoteEngine, engine).open(self.path, body, headers)
@@ -352,7 +353,7 @@ class RemoteEndpoint(CompletionEndpoint):
             try:
                 return await engine.open(self.path, body, headers, replica=replica)
             except EngineError as exc:
-                moved = self.gw.scheduler.reroute(grant) if exc.retryable and grant is not None else None
+                moved = adm.scheduler(self.gw).reroute(grant) if exc.retryable and grant is not None else None
                 if moved is None:
                     raise
                 log.warning("request %s: %s; failing over to %s", adm.meter.identity.request_id, exc,
@@ -360,7 +361,7 @@ class RemoteEndpoint(CompletionEndpoint):
 
     def _replica_name(self, adm: Admitted) -> str:
         """The engine pool's replica the request runs on (its URL), or "" without a pool."""
-        engine = self.gw.engine
+        engine = adm.engine(self.gw)
         if isinstance(engine, EnginePool) and adm.grant is not None:
             return engine.names[adm.grant.engine_idx]
         return ""
@@ -376,7 +377,7 @@ class RemoteEndpoint(CompletionEndpoint):
             finished=finished, finish_reason=(reader.finish_reason() or "stop") if finished else None))
         adm.meter.reasoning_tokens = tokens.reasoning_tokens
         if new and adm.grant is not None:
-            self.gw.scheduler.charge_output(adm.grant, new)
+            adm.scheduler(self.gw).charge_output(adm.grant, new)
 
     async def _complete(self, request: Request, adm: Admitted, resp: httpx.Response, reader: AnswerReader,
                         headers: dict[str, str]) -> Response:
@@ -471,7 +472,7 @@ class RemoteEndpoint(CompletionEndpoint):
             replica = self._replica_name(adm)
             if replica:  # a replica of a pool whose connection broke: down until it answers again
                 broke = f"replica {replica}: {broke}"
-                cast(EnginePool, self.gw.engine).mark_down(replica, broke)
+                cast(EnginePool, adm.engine(self.gw)).mark_down(replica, broke)
         if broke is None:
             broke = "the upstream's stream ended before [DONE]"
         log.error("request %s: %s", adm.meter.identity.request_id, broke)

@@ -185,7 +185,9 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     from kvmeter.stats import (
         EngineStepShares,
         EngineStepStats,
+        ReplicaHealth,
         RequestCompletion,
+        RoutingDecision,
         SchedulerStats,
         TenantSchedulerStats,
         TenantStepShare,
@@ -217,6 +219,8 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
             reprefill_input_tokens=4,
         )
     )
+    bus.publish(ReplicaHealth(model="m", replica="http://gpu-a:8000", index=0, healthy=True))
+    bus.publish(RoutingDecision(model="m", policy="prefix_aware", outcome="prefix_hit", replica="http://gpu-a:8000"))
     clock.advance(1.0)
     written |= {row.name for row in sampler.sample()}
     sampler.close()

@@ -22,8 +22,8 @@ from kvmeter.exporters.signals import SignalRecorder, SignalSampler, SignalSampl
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.ledger.records import SignalSample
 from kvmeter.stats import (EngineStepShares, EngineStepStats, GpuSample, LedgerStats, MigSample, QuotaStoreState,
-                           RemoteEngineStats, RequestCompletion, SchedulerStats, StreamSendStats,
-                           TenantSchedulerStats, TenantStepShare)
+                           RemoteEngineStats, ReplicaHealth, RequestCompletion, RoutingDecision, SchedulerStats,
+                           StreamSendStats, TenantSchedulerStats, TenantStepShare)
 from kvmeter.tokens import TokenCounts
 
 MIB = 1024 * 1024
@@ -188,6 +188,8 @@ def test_every_row_is_a_declared_series_and_every_declared_series_is_written(bus
                                          sm_active_ratio=0.5)]))
     bus.publish(LedgerStats(wall_ts=T0, spool_depth_events=2, spool_oldest_age_seconds=1.5))
     bus.publish(QuotaStoreState(store="redis", degraded=False))
+    bus.publish(ReplicaHealth(model="m", replica="http://gpu-a:8000", index=0, healthy=True))
+    bus.publish(RoutingDecision(model="m", policy="prefix_aware", outcome="prefix_hit", replica="http://gpu-a:8000"))
     bus.publish(StreamSendStats(attribution=Attribution(tenant_id="acme", tier="enterprise"), send_blocked_s=31.0,
                                 stall_cut=True))
     clock.advance(10)
@@ -334,3 +336,31 @@ def test_reprefill_is_sampled_per_tenant_and_model_then_falls_to_zero_once(bus, 
     name = "kvmeter_prompt_reprefill_tokens_per_second"
     got = [(r.labels, r.value) for rows in written for r in rows if r.name == name]
     assert got == [({"tenant": "thrasher", "model": "m"}, 76.8), ({"tenant": "thrasher", "model": "m"}, 0.0)]
+
+
+def test_replica_health_stands_and_routing_is_sampled_per_model_and_replica_then_falls_to_zero_once(bus, clock):
+    """The replicas view's history: each replica's last health (event-driven: it stands), routed
+    requests per replica and decisions per outcome per second while requests are routed, then one
+    row of 0."""
+    written: list[list[SignalSample]] = []
+    sampler = SignalSampler(bus, clock=clock, config=SignalSamplerConfig())
+    recorder = SignalRecorder(sampler, written.append, clock=clock, interval_s=10)
+    a, b = "http://gpu-a:8000", "http://gpu-b:8000"
+    bus.publish(ReplicaHealth(model="llama", replica=a, index=0, healthy=True))
+    bus.publish(ReplicaHealth(model="llama", replica=b, index=1, healthy=True, draining=True))
+    for outcome, replica in (("prefix_miss", a), ("prefix_hit", a), ("prefix_hit", a), ("prefix_hit", b)):
+        bus.publish(RoutingDecision(model="llama", policy="prefix_aware", outcome=outcome, replica=replica))
+    for _ in range(3):
+        clock.advance(10)
+        recorder.tick()
+
+    def got(name):
+        return [[(tuple(sorted(r.labels.values())), r.value) for r in rows if r.name == name] for rows in written]
+
+    assert [sorted(x) for x in got("kvmeter_replica_available")] == [[((a, "llama"), 1.0), ((b, "llama"), 0.0)]] * 3
+    assert [sorted(x) for x in got("kvmeter_replica_up")] == [[((a, "llama"), 1.0), ((b, "llama"), 1.0)]] * 3
+    assert [sorted(x) for x in got("kvmeter_replica_routed_requests_per_second")] == [
+        [((a, "llama"), 0.3), ((b, "llama"), 0.1)], [((a, "llama"), 0.0), ((b, "llama"), 0.0)], []]
+    assert [sorted(x) for x in got("kvmeter_router_decisions_requests_per_second")] == [
+        [(("llama", "prefix_aware", "prefix_hit"), 0.3), (("llama", "prefix_aware", "prefix_miss"), 0.1)],
+        [(("llama", "prefix_aware", "prefix_hit"), 0.0), (("llama", "prefix_aware", "prefix_miss"), 0.0)], []]

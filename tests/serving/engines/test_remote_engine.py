@@ -95,12 +95,12 @@ async def test_the_engine_scrapes_its_upstream_and_publishes_its_kv_load(model_d
         await engine.start()
         try:
             capacity = V0_BLOCKS * V0_BLOCK_SIZE
-            assert loads == [EngineLoad(0.42, capacity, 3, 1, per_step=False)]  # known before any request
+            assert loads == [EngineLoad(0.42, capacity, 3, 1, per_step=False, model=MODEL)]  # known before any request
             assert engine.load() == loads[-1]
             assert [(s.source, s.model_name, s.kv_cache_usage_ratio) for s in stats] == \
                 [(f"{up.url}/metrics", MODEL, 0.42)]
             up.page = vllm_page(V0, kv=0.93, running=9, waiting=4)
-            assert await engine.scrape() == EngineLoad(0.93, capacity, 9, 4, per_step=False)
+            assert await engine.scrape() == EngineLoad(0.93, capacity, 9, 4, per_step=False, model=MODEL)
             # the engine's own loop scrapes when one is due on the injected clock
             up.page = vllm_page(V0, kv=0.10)
             clock.advance(5.0)
@@ -108,7 +108,7 @@ async def test_the_engine_scrapes_its_upstream_and_publishes_its_kv_load(model_d
                 if len(loads) == 3:
                     break
                 await asyncio.sleep(0.05)
-            assert loads[-1] == EngineLoad(0.10, capacity, 0, 0, per_step=False)
+            assert loads[-1] == EngineLoad(0.10, capacity, 0, 0, per_step=False, model=MODEL)
         finally:
             await engine.shutdown()
         assert await engine.scrape() is None  # shut down: its scraper is closed
@@ -121,7 +121,7 @@ async def test_a_page_without_cache_config_gives_the_watermark_alone(model_dir):
         engine = RemoteEngine(up.url, model_dir=model_dir, model_name=MODEL, bus=bus, clock=ManualClock())
         await engine.start()
         await engine.shutdown()
-    assert loads == [EngineLoad(0.97, 0, 12, 0, per_step=False)]
+    assert loads == [EngineLoad(0.97, 0, 12, 0, per_step=False, model=MODEL)]
 
 
 def test_upstream_load_sums_the_served_models_engines():
@@ -158,7 +158,7 @@ async def test_an_upstream_that_is_not_vllm_is_logged_once_and_not_scraped(model
             clock.advance(10.0)
             assert await engine.scrape() is None
             assert up.scrapes == 1 and loads == [] and stats == []
-            assert engine.load() == EngineLoad()  # never reported: the scheduler gates on counts only
+            assert engine.load() == EngineLoad(model=MODEL)  # never reported: the scheduler gates on counts only
         finally:
             await engine.shutdown()
 
@@ -180,7 +180,7 @@ async def test_failing_scrapes_keep_the_load_then_report_it_unknown_until_the_up
             assert len(warnings) == 1  # once per outage
             # the last reading stood for STALE_INTERVALS intervals, then the capacity is unknown
             assert [x.kv_watermark_ratio for x in loads] == [0.95, 0.0]
-            assert loads[-1] == EngineLoad(0.0, 0, 0, 0, per_step=False) == engine.load()
+            assert loads[-1] == EngineLoad(0.0, 0, 0, 0, per_step=False, model=MODEL) == engine.load()
             up.status = 200
             up.page = vllm_page(V0, kv=0.2)
             clock.advance(2.0)

@@ -113,16 +113,19 @@ def clock() -> ManualClock:
 async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
                 ) -> AsyncIterator[Callable[..., Awaitable[QuotaStack]]]:
     """``await serve(tenants_yaml, engine=None, quota_store="memory://", scheduler_options={},
-    bus=None, routing=None)`` starts one stack for the test (stopped, ledger closed, at teardown); a given
-    engine publishes its stats on the bus it was built with, so pass that bus too."""
-    started: list[tuple[uvicorn.Server, asyncio.Task, httpx.AsyncClient, Engine]] = []
+    bus=None, routing=None, models=None, prices_yaml=PRICES_YAML)`` starts one stack for the test
+    (stopped, ledger closed, at teardown); a given engine publishes its stats on the bus it was
+    built with, so pass that bus too. ``models``: ``engine.models`` entries (``engine.kind:
+    remote``), whose engine pools the runtime builds, starts and shuts down itself."""
+    started: list[tuple[uvicorn.Server, asyncio.Task, httpx.AsyncClient, Engine | None]] = []
 
     async def start(tenants_yaml: str, *, engine: Engine | None = None, quota_store: str = "memory://",
                     scheduler_options: dict | None = None, max_model_len: int = 4096,
-                    bus: StatsBus | None = None, routing: str | None = None) -> QuotaStack:
+                    bus: StatsBus | None = None, routing: str | None = None, models: list[dict] | None = None,
+                    prices_yaml: str = PRICES_YAML) -> QuotaStack:
         assert not started, "one stack per test (chDB: one path per process)"
         (tmp_path / "tenants.yaml").write_text(tenants_yaml)
-        (tmp_path / "prices.yaml").write_text(PRICES_YAML)
+        (tmp_path / "prices.yaml").write_text(prices_yaml)
         port = free_port()
         config = load_serve_config(None, {
             ("server", "port"): port, ("engine", "kind"): "instant",
@@ -130,9 +133,12 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
             ("quota_store",): quota_store, ("scheduler", "options"): scheduler_options or {},
             ("ledger_dsn",): f"chdb://{tmp_path}/chdb", ("spool_dir",): str(tmp_path / "spool"),
             ("engine", "routing"): routing,
+            **({("engine", "kind"): "remote", ("engine", "models"): models,
+                ("engine", "remote_metrics_url"): "off"} if models else {}),
         }, env={})
-        engine = engine or InstantEngine(tokenizer, MODEL, max_model_len=max_model_len)
-        await engine.start()  # a given engine is not started by the runtime
+        if not models:
+            engine = engine or InstantEngine(tokenizer, MODEL, max_model_len=max_model_len)
+            await engine.start()  # a given engine is not started by the runtime
         runtime = ServeRuntime(config, engine=engine, registry=CollectorRegistry(), clock=clock, bus=bus)
         server = uvicorn.Server(uvicorn.Config(runtime.app(), host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
@@ -146,7 +152,8 @@ async def serve(tmp_path: Path, tokenizer: HFTokenizer, clock: ManualClock
         await client.aclose()
         server.should_exit = True
         await task
-        await engine.shutdown()
+        if engine is not None:
+            await engine.shutdown()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

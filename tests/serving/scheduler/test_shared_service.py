@@ -209,3 +209,20 @@ async def test_serve_shares_counters_on_a_redis_quota_store_only(monkeypatch: py
     monkeypatch.setenv("KVMETER_SCHEDULER_SHARED_SERVICE", "off")
     assert shared_service_for(load_serve_config()) is None
 
+
+async def test_each_served_model_shares_its_own_counters():
+    """engine.models: one scheduler per model, so one shared hash per model (a tenant's service on
+    one model is not its service on another), under scheduler.shared_service_pool when set."""
+    config = ServeConfig(quota_store="redis://127.0.0.1:1/0")
+    keys = []
+    for model in ("llama", "qwen{7b}"):
+        sync = shared_service_for(config, model)
+        assert sync is not None
+        keys.append(sync.key)
+        await sync.aclose()
+    assert keys == ["kvs:{llama}:vtc", "kvs:{qwen_7b_}:vtc"]
+    fleet = shared_service_for(ServeConfig(quota_store="redis://127.0.0.1:1/0",
+                                           scheduler={"shared_service_pool": "eu"}), "llama")
+    assert fleet is not None and fleet.key == "kvs:{eu/llama}:vtc"
+    await fleet.aclose()
+

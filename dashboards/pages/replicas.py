@@ -1,0 +1,6 @@
+"""Page script (run by Streamlit through ``app.py``): see :mod:`kvmeter.dashboards.views.replicas`."""
+
+from kvmeter.dashboards import ui
+from kvmeter.dashboards.views import replicas as view
+
+ui.run_page(view.TITLE, view.CAPTION, view.render)
