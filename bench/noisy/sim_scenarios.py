@@ -1,6 +1,6 @@
 """Noisy-neighbour scenarios at GPU scale, through the simulator: Llama-3.1-70B on H200s (one
-replica, TP 4 — the simulator's default 70B deployment), normal tenants plus one noisy tenant per
-shape; the same detectors and the same attribution as the real-engine bench
+replica, TP 4 — the simulator's default 70B deployment — or TP 2 with ``--tp 2``), normal tenants
+plus one noisy tenant per shape; the same detectors and the same attribution as the real-engine bench
 (``bench/noisy/scenarios.py``), run unchanged on the simulator's records.
 
 The simulation publishes the serve path's stats on a bus (:mod:`kvmeter.serving.simulator.publish`:
@@ -29,13 +29,22 @@ normal load:
 ========== ===================================================================================
 prefill    24,000-token prompts, 1 output token, 0.3 requests/s (≈ 7,200 prefill tokens/s)
 decode     100-token prompts, 2,000-token outputs, 1 request/s
-kv         long sessions: 4,000-token prompts, 3,000-token outputs, 1.5 requests/s
+kv         ``kv_sessions`` long sessions (4,000-token prompts, 3,000-token outputs) at
+           ``kv_rps`` requests/s — both from the replica (:func:`size_shapes`)
 burst      600 short requests at once every 20 s
-thrash     a cycle of 160 distinct 8,192-token prompts (16 hash blocks each; 1.3M tokens, more
-           than the replica's 1.2M-token KV cache) visited in order at 1.2 requests/s: each
-           revisit, 133 s later, finds its prefix evicted and prefills it again
+thrash     a cycle of ``thrash_cycle`` distinct 8,192-token prompts (16 hash blocks each; in all
+           just above the replica's KV cache) visited in order at ``thrash_rps`` requests/s: each
+           revisit finds its prefix evicted and prefills it again (:func:`size_shapes`)
 agent      one agent run making 2 model calls/s (600-token prompts, 20 output tokens)
 ========== ===================================================================================
+
+**kv and thrash are sized from the simulated replica** (:func:`size_shapes`, on the capacity and
+prefill rate :func:`replica_rates` reads from the deployment's cost model; nothing hard-coded for
+one cache). Both are bounded by the same physics — KV exists only once it is prefilled (or
+decoded) — so their earliest possible detection is the time to prefill a share of the cache at the
+replica's prefill rate; the sizing sends as fast as the prefill capacity the normal tenants leave
+allows, so nothing but that physics delays them. The per-deployment tables and floors are in
+``bench/noisy/RESULTS.md``.
 
 **Not modelled: slow** (streaming clients that stop reading). The simulator has no clients and no
 streams: a token exists when its step ends, nothing is sent, so no send can block and no stream can
@@ -45,10 +54,10 @@ fixed arrivals; a real agent calls after the previous answer).
 
 Usage (a few minutes on 2 cores; measure with a low load average)::
 
-    .venv/bin/python bench/noisy/sim_scenarios.py [--policy fcfs|vtc]
+    .venv/bin/python bench/noisy/sim_scenarios.py [--policy fcfs|vtc] [--tp 4|2]
 
-Writes ``bench/noisy/results/sim-<policy>.json`` and prints the table (``bench/noisy/scenarios.py``'s
-format).
+Writes ``bench/noisy/results/sim-70b-tp<tp>-h200-<policy>.json`` (with the sizing) and prints the
+table (``bench/noisy/scenarios.py``'s format).
 """
 
 from __future__ import annotations
@@ -56,11 +65,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -74,10 +85,121 @@ from common import machine  # noqa: E402  (bench/fairness, on the path scenarios
 from kvmeter.traces import TraceRequest  # noqa: E402
 
 SIM_SHAPES = ("prefill", "decode", "kv", "burst", "thrash", "agent")
+#: the shapes' fixed request sizes (tokens): kv sessions, thrash prompts (16 hash blocks of 512)
+KV_PROMPT, KV_OUTPUT = 4_000, 3_000
+THRASH_PROMPT = 16 * 512
 #: not modelled by the simulator (module docstring)
 UNMODELLED = {"slow": "no clients or streams in the simulator: no send can block, no stream be cut"}
 TIERS = {"acme": "enterprise", "globex": "paid_interactive", "initech": "paid_interactive"}
 MODEL = "llama-3.1-70b"
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSizing:
+    """The kv and thrash shapes sized for one replica (:func:`size_shapes`).
+
+    Attributes:
+        capacity_tokens, prefill_tokens_per_s, background_tokens_per_s: the inputs.
+        spare_tokens_per_s: prefill capacity left after the normal tenants (tokens/s, > 0).
+        kv_sessions: long sessions whose prompts alone push the KV watermark past the detector's
+            condition (with margin); kv_rps: their arrival rate (requests/s).
+        thrash_cycle: distinct prompts in the thrash cycle; thrash_rps: its visit rate
+            (requests/s); thrash_period_s: seconds between two visits of one prompt.
+        kv_floor_s: seconds to prefill the detector's watermark share of the cache at the
+            replica's full prefill rate — no KV shape can be detected sooner.
+        thrash_floor_s: seconds to prefill the whole cache at that rate — no prompt can be evicted
+            and revisited sooner.
+    """
+
+    capacity_tokens: int
+    prefill_tokens_per_s: float
+    background_tokens_per_s: float
+    spare_tokens_per_s: float
+    kv_sessions: int
+    kv_rps: float
+    thrash_cycle: int
+    thrash_rps: float
+    thrash_period_s: float
+    kv_floor_s: float
+    thrash_floor_s: float
+
+
+def size_shapes(capacity_tokens: int, prefill_tokens_per_s: float, background_tokens_per_s: float, *,
+                kv_watermark_above: float, kv_margin: float = 0.1, kv_prompt_tokens: int = KV_PROMPT,
+                thrash_prompt_tokens: int = THRASH_PROMPT, cycle_over_capacity: float = 1.1) -> ShapeSizing:
+    """Size the kv and thrash shapes from a replica's KV capacity and prefill rate.
+
+    The rule (``spare = prefill_tokens_per_s − background_tokens_per_s``, the prefill capacity the
+    normal tenants leave, tokens/s):
+
+    * kv: ``kv_sessions = ⌈(kv_watermark_above + kv_margin) · capacity ÷ kv_prompt_tokens⌉`` — the
+      sessions' prompts alone, before any output, fill the cache past the detector's watermark
+      (``KvmeterTenantKvShareHigh``: watermark above ``kv_watermark_above``), so the noisy tenant
+      holds most of the active KV; ``kv_rps = spare ÷ kv_prompt_tokens`` — prefill-bound, as fast as
+      the engine can take them.
+    * thrash: ``thrash_cycle = ⌈cycle_over_capacity · capacity ÷ thrash_prompt_tokens⌉`` distinct
+      prompts (in all just above the cache: visited in order, LRU evicts each before its revisit);
+      ``thrash_rps = spare ÷ thrash_prompt_tokens`` — each prompt comes back as soon as the spare
+      prefill capacity allows, every ``thrash_period_s = thrash_cycle ÷ thrash_rps`` seconds.
+    * floors (physics, not the shape): ``kv_floor_s = kv_watermark_above · capacity ÷
+      prefill_tokens_per_s``, ``thrash_floor_s = capacity ÷ prefill_tokens_per_s`` — at the whole
+      prefill rate, with no normal tenant.
+
+    Args:
+        capacity_tokens: the replica's KV cache (tokens, ≥ 1).
+        prefill_tokens_per_s: its prefill rate (tokens/s, > 0; :func:`replica_rates`).
+        background_tokens_per_s: the normal tenants' scheduled tokens (prefill + decode) per second
+            (≥ 0, below ``prefill_tokens_per_s``).
+        kv_watermark_above: the KV detector's watermark threshold (0–1).
+        kv_margin: how far past it the sessions' prompts reach (≥ 0).
+        kv_prompt_tokens, thrash_prompt_tokens: the shapes' prompt sizes (≥ 1).
+        cycle_over_capacity: thrash cycle tokens ÷ capacity (> 1).
+    Raises:
+        ValueError: on values out of range, or no spare prefill capacity.
+    """
+    if capacity_tokens < 1 or kv_prompt_tokens < 1 or thrash_prompt_tokens < 1:
+        raise ValueError("capacity_tokens and prompt sizes must be ≥ 1")
+    if not prefill_tokens_per_s > 0 or background_tokens_per_s < 0:
+        raise ValueError("prefill_tokens_per_s must be > 0 and background_tokens_per_s ≥ 0")
+    if not 0 <= kv_watermark_above < 1 or kv_margin < 0 or not cycle_over_capacity > 1:
+        raise ValueError("kv_watermark_above in [0, 1), kv_margin ≥ 0, cycle_over_capacity > 1")
+    spare = prefill_tokens_per_s - background_tokens_per_s
+    if not spare > 0:
+        raise ValueError(f"no spare prefill capacity: {prefill_tokens_per_s:.0f} tokens/s, "
+                         f"{background_tokens_per_s:.0f} taken by the normal tenants")
+    cycle = math.ceil(cycle_over_capacity * capacity_tokens / thrash_prompt_tokens)
+    thrash_rps = spare / thrash_prompt_tokens
+    return ShapeSizing(
+        capacity_tokens=capacity_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
+        background_tokens_per_s=background_tokens_per_s, spare_tokens_per_s=spare,
+        kv_sessions=math.ceil((kv_watermark_above + kv_margin) * capacity_tokens / kv_prompt_tokens),
+        kv_rps=spare / kv_prompt_tokens, thrash_cycle=cycle, thrash_rps=thrash_rps,
+        thrash_period_s=cycle / thrash_rps, kv_floor_s=kv_watermark_above * capacity_tokens / prefill_tokens_per_s,
+        thrash_floor_s=capacity_tokens / prefill_tokens_per_s)
+
+
+def replica_rates(sim_cfg, prompt_tokens: int = THRASH_PROMPT) -> tuple[int, float]:
+    """(KV capacity in tokens, prefill tokens/s) of ``sim_cfg``'s replica, from its cost model:
+    ``kv_capacity_tokens``, and ``prompt_tokens`` over the summed step times of that prompt's
+    chunks at the replica's step budget (``max_num_batched_tokens``, chunked prefill from an
+    empty cache: :meth:`~kvmeter.serving.simulator.RooflineCostModel.step_time`)."""
+    from kvmeter.serving.simulator import build_cost_model
+
+    cost = build_cost_model(sim_cfg)
+    budget = int(sim_cfg.max_num_batched_tokens or cost.accelerator.max_num_batched_tokens)
+    seconds, start = 0.0, 0
+    while start < prompt_tokens:
+        n = min(budget, prompt_tokens - start)
+        seconds += cost.step_time(0, 0.0, [(start, n)])
+        start += n
+    return cost.kv_capacity_tokens, prompt_tokens / seconds
+
+
+def background_tokens_per_s(normal_rps: float) -> float:
+    """The normal tenants' scheduled tokens per second (:func:`workload`'s load): each of
+    :data:`NORMAL` at ``normal_rps``, prompts uniform on [600, 2000) less the cached 512-token
+    system prompt, outputs uniform on [50, 250)."""
+    return normal_rps * len(NORMAL) * ((600 + 1999) / 2 - 512 + (50 + 249) / 2)
 
 
 def _poisson(rng: np.random.Generator, rate: float, t0: float, t1: float) -> list[float]:
@@ -88,8 +210,9 @@ def _poisson(rng: np.random.Generator, rate: float, t0: float, t1: float) -> lis
     return out
 
 
-def _noisy(shape: str, t0: float, t1: float, rng: np.random.Generator, cycle_base: int) -> list[TraceRequest]:
-    """The noisy tenant's requests of one shape in ``[t0, t1)``."""
+def _noisy(shape: str, t0: float, t1: float, rng: np.random.Generator, cycle_base: int,
+           sizing: ShapeSizing) -> list[TraceRequest]:
+    """The noisy tenant's requests of one shape in ``[t0, t1)`` (kv and thrash sized by ``sizing``)."""
     def req(t: float, i: int, o: int, **kw) -> TraceRequest:
         return TraceRequest(t, i, o, tenant_id=NOISY, tier="paid_interactive", **kw)
 
@@ -98,26 +221,26 @@ def _noisy(shape: str, t0: float, t1: float, rng: np.random.Generator, cycle_bas
     if shape == "decode":
         return [req(t, 100, 2_000) for t in _poisson(rng, 1.0, t0, t1)]
     if shape == "kv":
-        return [req(t, 4_000, 3_000) for t in _poisson(rng, 1.5, t0, t1)]
+        return [req(t, KV_PROMPT, KV_OUTPUT) for t in _poisson(rng, sizing.kv_rps, t0, t1)[:sizing.kv_sessions]]
     if shape == "burst":
         return [req(float(t) + 0.001 * k, 200, 16) for t in np.arange(t0, t1, 20.0) for k in range(600)]
     if shape == "thrash":
-        n, blocks = 160, 16
-        return [req(t0 + k / 1.2, blocks * 512, 1,
+        n, blocks, rps = sizing.thrash_cycle, THRASH_PROMPT // 512, sizing.thrash_rps
+        return [req(t0 + k / rps, THRASH_PROMPT, 1,
                     hash_ids=tuple(cycle_base + (k % n) * 1000 + b for b in range(blocks)))
-                for k in range(int((t1 - t0) * 1.2))]
+                for k in range(int((t1 - t0) * rps))]
     if shape == "agent":
         return [req(t0 + k / 2.0, 600, 20, agent_run_id=f"loop-{int(t0)}") for k in range(int((t1 - t0) * 2.0))]
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def workload(args) -> tuple[list[TraceRequest], list[Phase]]:
+def workload(args, sizing: ShapeSizing) -> tuple[list[TraceRequest], list[Phase]]:
     rng = np.random.default_rng(args.seed)
     phases = [Phase("clean", 0.0, args.clean_s)]
     t, out = args.clean_s, []
     for k, shape in enumerate(args.shapes):
         phases.append(Phase(shape, t, t + args.shape_s))
-        out += _noisy(shape, t, t + args.shape_s, rng, cycle_base=10_000_000 * (k + 1))
+        out += _noisy(shape, t, t + args.shape_s, rng, cycle_base=10_000_000 * (k + 1), sizing=sizing)
         t += args.shape_s + args.cooldown_s
     for j, tenant in enumerate(NORMAL):
         for i, a in enumerate(_poisson(rng, args.normal_rps, 0.0, t)):
@@ -154,6 +277,23 @@ def _usage_events(result, wall0: float) -> list:
     return out
 
 
+def deployment(args):
+    """The simulated deployment of ``args``: one replica of :data:`MODEL` on ``args.tp`` H200s."""
+    from kvmeter.serving.simulator import SimConfig
+
+    return SimConfig(model=MODEL, gpu="h200", tp=args.tp)
+
+
+def sizing_for(args) -> ShapeSizing:
+    """:func:`size_shapes` for ``args``' deployment (:func:`deployment`) and normal load, at the
+    shipped KV watermark threshold."""
+    from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS
+
+    capacity, rate = replica_rates(deployment(args))
+    return size_shapes(capacity, rate, background_tokens_per_s(args.normal_rps),
+                       kv_watermark_above=THRESHOLDS.kv_watermark_above)
+
+
 def simulate(args, run_dir: Path) -> tuple[Run, object, dict]:
     """Run the simulation with the exporter and the ledger on its bus; returns the bench's
     :class:`Run` (snapshots, phases, wall clock at virtual 0), the result and counts."""
@@ -164,13 +304,13 @@ def simulate(args, run_dir: Path) -> tuple[Run, object, dict]:
     from kvmeter.ledger.config import LedgerConfig
     from kvmeter.ledger.ledger import Ledger
     from kvmeter.serving.scheduler import SchedulerConfig
-    from kvmeter.serving.simulator import SimConfig, Simulation
+    from kvmeter.serving.simulator import Simulation
     from kvmeter.stats import EngineStepShares, SchedulerStats
 
-    reqs, phases = workload(args)
+    reqs, phases = workload(args, args.sizing)
     wall0 = float(int(time.time()))
     scfg = SchedulerConfig.plain_baseline() if args.policy == "fcfs" else SchedulerConfig()
-    sim_cfg = SimConfig(model=MODEL, gpu="h200", tp=args.tp)
+    sim_cfg = deployment(args)
     bus = StatsBus()
     sim = Simulation(reqs, policy=args.policy, scheduler_config=scfg, sim=sim_cfg, progress=True,
                      sample_interval_s=1.0, bus=bus, start_wall=wall0)
@@ -224,11 +364,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-s", type=float, default=5.0, help="simulated seconds between /metrics renders")
     ap.add_argument("--normal-rps", type=float, default=1.0, help="requests/s of each normal tenant")
     ap.add_argument("--policy", choices=["fcfs", "vtc"], default="fcfs")
-    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=4,
+                    help="tensor-parallel GPUs of the one H200 replica (4: 1.2M-token cache; 2: 384k)")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--out", default=None, help="default: bench/noisy/results/sim-<policy>.json")
+    ap.add_argument("--out", default=None, help="default: bench/noisy/results/sim-70b-tp<tp>-h200-<policy>.json")
     args = ap.parse_args(argv)
     args.thresholds = None
+    sizing = args.sizing = sizing_for(args)
+    print(f"70B on {args.tp} x H200 (TP {args.tp}): KV {sizing.capacity_tokens:,} tokens, prefill "
+          f"{sizing.prefill_tokens_per_s:,.0f} tokens/s ({sizing.spare_tokens_per_s:,.0f} spare); kv "
+          f"{sizing.kv_sessions} sessions at {sizing.kv_rps:.2f}/s (floor {sizing.kv_floor_s:.0f} s); thrash "
+          f"{sizing.thrash_cycle} prompts at {sizing.thrash_rps:.2f}/s, period {sizing.thrash_period_s:.0f} s "
+          f"(floor {sizing.thrash_floor_s:.0f} s)", flush=True)
     from kvmeter.exporters.prometheus.rules.noisy import THRESHOLDS
     from kvmeter.serving.tenancy.tiers import DEFAULT_TIERS
 
@@ -245,12 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     load1 = os.getloadavg()
     for name, why in UNMODELLED.items():
         ev["phases"][name] = {"detector": "slow_clients", "modelled": False, "why": why}
-    out = Path(args.out or HERE / "results" / f"sim-{args.policy}.json")
+    out = Path(args.out or HERE / "results" / f"sim-70b-tp{args.tp}-h200-{args.policy}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "scenario": "noisy_neighbours_simulated", "id": str(uuid.uuid4()),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"), "machine": machine(),
-        "command": " ".join([Path(sys.executable).name] + sys.argv), "args": vars(args),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "args": {k: v for k, v in vars(args).items() if k != "sizing"}, "sizing": asdict(sizing),
         "deployment": {"model": MODEL, "gpu": "h200", "tp": args.tp, "replicas": 1, "policy": args.policy},
         "load_average_before": load0, "load_average_after": load1, "counts": counts,
         "simulated_s": result.sim_end_s, "simulation_wall_s": result.wall_s, "total_wall_s": time.perf_counter() - wall,
