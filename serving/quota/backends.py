@@ -55,8 +55,9 @@ class BackendOptions:
         replicas: gateway replicas sharing a shared store (≥ 1; the local fallback's share).
         clock: injected clock.
         bus: where the stores' and managers' signals go (None: nowhere).
-        lease_s: seconds a shared store's concurrency / KV holds outlive their process's last
-            lease renewal (> 0; :mod:`.leases`); the in-memory store has no leases.
+        lease_s: seconds a shared store's concurrency / KV holds, and a shared idempotency
+            manager's running attempts, outlive their process's last lease renewal (> 0;
+            :mod:`.leases`); the in-memory backend has no leases.
     """
 
     replicas: int = 1
@@ -83,8 +84,10 @@ class QuotaBackend:
     clock: Clock = SYSTEM_CLOCK
 
     def start(self) -> None:
-        """Start the store's lease renewal on the running loop (nothing for the in-memory store)."""
+        """Start the lease renewals on the running loop — the store's holds and the idempotency
+        manager's running attempts (nothing for the in-memory backend)."""
         self.store.start_renewing(self.clock)
+        self.idempotency.start_renewing()
 
     async def aclose(self) -> None:
         """Stop the lease renewal and release both parts' connections."""
@@ -156,7 +159,10 @@ def _memory(url: str, options: BackendOptions) -> QuotaBackend:
 def _redis(url: str, options: BackendOptions) -> QuotaBackend:
     store = FailoverQuotaStore(RedisQuotaStore(redis_client(url), lease_s=options.lease_s),
                                replicas=options.replicas, clock=options.clock, bus=options.bus)
-    idempotency = RedisIdempotencyManager(redis_client(url), clock=options.clock, bus=options.bus)
+    # the running attempts' leases follow the holds' (one process, one lease): a killed gateway's
+    # attempts may be retried ``lease_s`` after its last renewal
+    idempotency = RedisIdempotencyManager(redis_client(url), clock=options.clock, bus=options.bus,
+                                          lease_s=options.lease_s)
     return QuotaBackend(scheme_of(url), store, idempotency, options.clock)
 
 

@@ -59,9 +59,11 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
+from kvmeter.aio import PeriodicTask
 from kvmeter.bus import StatsBus
 from kvmeter.clock import SYSTEM_CLOCK, Clock
 from kvmeter.errors import Refusal
+from kvmeter.serving.quota.leases import renew_interval_s
 from kvmeter.stats import IdempotencyAttempt
 
 __all__ = [
@@ -203,8 +205,10 @@ class IdempotencyManager(abc.ABC):
 
     Args:
         window_s: seconds a finished result is kept (> 0).
-        lease_s: seconds a running attempt is trusted before another attempt may take over
-            (its replica presumably died) (> 0). Choose above the longest request.
+        lease_s: seconds a running attempt is trusted after its process last renewed it before
+            another attempt may take over (its process presumably died) (> 0). A shared manager
+            renews its running attempts every ``lease_s / 3`` while :meth:`start_renewing` runs
+            (the gateway starts it; without renewal choose ``lease_s`` above the longest request).
         join_timeout_s: longest wait of a concurrent retry for the running attempt (> 0).
         max_body_bytes: largest body stored for replay (≥ 0).
         clock: injected clock (monotonic for the memory manager; wall for Redis leases).
@@ -253,6 +257,15 @@ class IdempotencyManager(abc.ABC):
     @abc.abstractmethod
     async def abandon(self, ticket: IdempotencyTicket) -> None:
         """The ``FIRST`` attempt produced no result to keep; the next retry runs (attempt + 1)."""
+
+    def start_renewing(self, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """Start renewing this process's running attempts on the running loop (nothing for a
+        manager of one process, whose attempts live and die with it)."""
+        return None
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of every attempt this process is running; returns how many."""
+        return 0
 
     async def aclose(self) -> None:
         """Release connections (no-op by default)."""
@@ -414,6 +427,16 @@ redis.call('HDEL', KEYS[1], 'tok')
 return 1
 """
 
+#: KEYS[1]: the key's hash; ARGV[1]: the attempt's token, ARGV[2]: now, ARGV[3]: lease seconds.
+#: Extends the lease of a running attempt whose token still holds it; 0 when another attempt took over.
+_RENEW_LUA = r"""
+if redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'st') ~= 'running' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'lease', string.format('%.17g', tonumber(ARGV[2]) + tonumber(ARGV[3])))
+return 1
+"""
+
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
@@ -422,7 +445,12 @@ class RedisIdempotencyManager(IdempotencyManager):
 
     A concurrent retry on another replica polls the key every ``poll_interval_s`` until the first
     attempt finishes (at most ``join_timeout_s``); on the same replica it waits on the running
-    attempt directly.
+    attempt directly. Each running attempt carries a lease (``lease_s``, on the clock's wall time)
+    that this process renews every ``lease_s / 3`` (:meth:`start_renewing`, the same rule as the
+    quota's holds: :mod:`.leases`); when its process dies, a retry polling the key runs as the
+    next attempt at most ``lease_s`` after the last renewal, instead of waiting for the join
+    timeout (found by ``bench/fleet/kill_worker.py``: with a fixed 600 s lease, retries of the
+    requests a killed worker held hung for minutes).
 
     Args:
         client: ``redis.asyncio.Redis`` with ``decode_responses=False``.
@@ -445,9 +473,43 @@ class RedisIdempotencyManager(IdempotencyManager):
         self._begin = client.register_script(_BEGIN_LUA)
         self._complete = client.register_script(_COMPLETE_LUA)
         self._abandon = client.register_script(_ABANDON_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
         self._local: dict[str, asyncio.Event] = {}
+        self._running: dict[str, str] = {}  # redis key → token of the attempt this process runs
+        self._renewer: PeriodicTask | None = None
+
+    def start_renewing(self, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if self._renewer is None:
+            self._renewer = PeriodicTask(self._renew_logged, renew_interval_s(self.lease_s),
+                                         name="kvmeter-idempotency-leases", sleep=sleep)
+        self._renewer.start()
+
+    async def _renew_logged(self) -> None:
+        try:
+            await self.renew_leases()
+        except IdempotencyUnavailable as e:  # the next tick tries again; the lease may lapse meanwhile
+            log.warning("idempotency lease renewal failed: %s", e)
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of every attempt this process is running (one script per key: the keys
+        of different tenants may sit in different cluster slots). An attempt another process took
+        over (its lease had lapsed) is forgotten here; its :meth:`complete` will report the loss.
+
+        Raises:
+            IdempotencyUnavailable: Redis could not be reached.
+        """
+        now, lease = repr(self._clock.wall()), repr(float(self.lease_s))
+        renewed = 0
+        for rkey, token in list(self._running.items()):
+            if await self._call(self._renew, [rkey], [token, now, lease]):
+                renewed += 1
+            elif self._running.get(rkey) == token:
+                del self._running[rkey]
+        return renewed
 
     async def aclose(self) -> None:
+        if self._renewer is not None:
+            await self._renewer.stop()
         await self._client.aclose()
 
     def _redis_key(self, tenant_id: str, key: str) -> str:
@@ -477,6 +539,7 @@ class RedisIdempotencyManager(IdempotencyManager):
             attempt = int(res[1])
             if kind == "first":
                 self._local[rkey] = asyncio.Event()
+                self._running[rkey] = token
                 return self._answer(tenant_id, key, AttemptOutcome.FIRST, attempt, token=token)
             if kind == "conflict":
                 raise self._refuse(tenant_id, IdempotencyConflict(
@@ -503,7 +566,9 @@ class RedisIdempotencyManager(IdempotencyManager):
         raise self._refuse(tenant_id, IdempotencyInProgress(
             "a request with this Idempotency-Key is still being processed"), "in_progress", attempt)
 
-    def _wake(self, rkey: str) -> None:
+    def _wake(self, rkey: str, token: str) -> None:
+        if self._running.get(rkey) == token:
+            del self._running[rkey]
         ev = self._local.pop(rkey, None)
         if ev is not None:
             ev.set()
@@ -516,7 +581,7 @@ class RedisIdempotencyManager(IdempotencyManager):
                 ticket.token, r.status_code, json.dumps([list(h) for h in r.headers]), bytes(r.body),
                 "1" if r.streamed else "0", "1" if r.body_omitted else "0", int(self.window_s * 1000)])
         finally:
-            self._wake(rkey)
+            self._wake(rkey, ticket.token)
         if not ok:
             log.warning("idempotent attempt %d of a key for tenant %s lost its lease; result not stored",
                         ticket.attempt, ticket.tenant_id)
@@ -527,4 +592,4 @@ class RedisIdempotencyManager(IdempotencyManager):
         try:
             await self._call(self._abandon, [rkey], [ticket.token])
         finally:
-            self._wake(rkey)
+            self._wake(rkey, ticket.token)

@@ -14,6 +14,7 @@ from kvmeter.serving.quota import (
     AttemptOutcome,
     HierarchicalQuota,
     IdempotencyConflict,
+    IdempotencyInProgress,
     IdempotencyManager,
     IdempotencyTicket,
     IdempotencyUnavailable,
@@ -263,3 +264,58 @@ async def test_unreachable_redis_refuses_with_503():
     finally:
         await client.aclose()
 
+
+
+async def test_a_running_attempt_is_renewed_and_a_dead_ones_retry_runs_after_the_lease(redis_server, clock):
+    """The lease of a running attempt moves with its process's renewals: another replica's retry
+    joins it while it is renewed, and runs as the next attempt once renewals stop (the process
+    died) and ``lease_s`` has passed — not after the join timeout. Fails without the renewal:
+    the live attempt loses its lease at 3 s and the retry runs it twice."""
+    a_client, b_client = redis_client(redis_server.url), redis_client(redis_server.url)
+
+    async def no_wait(s: float) -> None:
+        await asyncio.sleep(0)
+
+    try:
+        prefix = f"l{uuid.uuid4().hex[:6]}:"
+        a = RedisIdempotencyManager(a_client, key_prefix=prefix, clock=clock, lease_s=3.0)
+        b = RedisIdempotencyManager(b_client, key_prefix=prefix, clock=clock, lease_s=3.0, sleep=no_wait,
+                                    poll_interval_s=0.01, join_timeout_s=0.05)
+        first = await a.begin("acme", "long", fingerprint=fp(BODY))
+        assert first.outcome is AttemptOutcome.FIRST
+        for _ in range(4):  # 8 s of a live attempt, renewed every 2 s (lease_s / 3 would be 1 s)
+            clock.advance(2.0)
+            assert await a.renew_leases() == 1
+            with pytest.raises(IdempotencyInProgress):
+                await b.begin("acme", "long", fingerprint=fp(BODY))
+        # the process dies: no more renewals; within the lease the retry still waits ...
+        clock.advance(2.9)
+        with pytest.raises(IdempotencyInProgress):
+            await b.begin("acme", "long", fingerprint=fp(BODY))
+        # ... past it, the retry runs as attempt 2 and the dead attempt can no longer store a result
+        clock.advance(0.2)
+        retry = await b.begin("acme", "long", fingerprint=fp(BODY))
+        assert (retry.outcome, retry.attempt) == (AttemptOutcome.FIRST, 2)
+        assert await a.renew_leases() == 0
+        assert not await a.complete(first, RESPONSE)
+        assert await b.complete(retry, RESPONSE)
+        assert await b.renew_leases() == 0  # a finished attempt is not renewed
+    finally:
+        await a_client.aclose()
+        await b_client.aclose()
+
+
+async def test_the_redis_backend_gives_its_idempotency_the_quota_lease_and_renews_it(redis_server):
+    """``quota_lease_s`` is the lease of the shared idempotency manager's running attempts too,
+    and the backend's start() starts their renewal (before: a fixed 600 s lease, never renewed)."""
+    from kvmeter.serving.quota.backends import open_quota_backend
+
+    backend = open_quota_backend(redis_server.url, lease_s=4.5)
+    try:
+        assert backend.idempotency.lease_s == 4.5
+        backend.start()
+        renewer = backend.idempotency._renewer
+        assert renewer is not None and renewer.running and renewer.interval_s == 1.5
+    finally:
+        await backend.aclose()
+    assert not renewer.running
