@@ -20,6 +20,7 @@ It is the common upstream of the LiteLLM-vs-kvmeter comparison in ``bench_gatewa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 import orjson
@@ -36,7 +37,9 @@ def _json(obj: object) -> Response:
     return Response(orjson.dumps(obj), media_type="application/json")
 
 
-def create_app(model: str, max_model_len: int = 8192) -> Starlette:
+def create_app(model: str, max_model_len: int = 8192, delay_s: float = 0.0) -> Starlette:
+    """The upstream's routes; ``delay_s`` (≥ 0) is each answer's service time, seconds: an engine
+    that takes that long per request however many run at once (the fleet benches' engines)."""
     async def models(request: Request) -> Response:
         return _json({"object": "list", "data": [{"id": model, "object": "model", "created": 0,
                                                    "owned_by": "upstream", "max_model_len": max_model_len}]})
@@ -47,6 +50,8 @@ def create_app(model: str, max_model_len: int = 8192) -> Starlette:
 
     async def answer(request: Request, chat: bool) -> Response:
         body = orjson.loads(await request.body())
+        if delay_s:
+            await asyncio.sleep(delay_s)
         n_out = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         if chat:
             n_in = max(1, sum(len(str(m.get("content", ""))) for m in body.get("messages", ())) // 4)
@@ -89,8 +94,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--delay-s", type=float, default=0.0, help="service time of each answer (s)")
     args = parser.parse_args()
-    uvicorn.run(create_app(args.model), host="127.0.0.1", port=args.port, log_level="warning",
+    uvicorn.run(create_app(args.model, delay_s=args.delay_s), host="127.0.0.1", port=args.port, log_level="warning",
                 access_log=False)
 
 
