@@ -7,12 +7,13 @@ seconds), a real ``redis-server`` as the quota store with the lease ``--lease-s`
 (``KVMETER_QUOTA_LEASE_S``), and a ClickHouse DSN nothing answers, so every record stays durable
 in the workers' spools; after the stop the spools are drained into one chDB ledger.
 
-Load: ``--clients`` closed-loop clients (one connection each, so the kernel spreads them over both
-workers) on one API key limited to ``--cap`` concurrent requests (fewer than the clients: the cap
+Load: ``--clients`` closed-loop clients (a new connection per attempt, so the kernel spreads them
+over both workers) on one API key limited to ``--cap`` concurrent requests (fewer than the clients: the cap
 binds, as a tenant's concurrency limit does under load). Each logical request carries its own
 ``Idempotency-Key`` and is retried with the same key until it succeeds: after a 429 (the cap),
 a 409 (its first attempt still running) or a broken connection. ``--kill-at`` seconds in, one
-worker is killed with SIGKILL; the load goes on for ``--after-s`` more seconds.
+worker is killed with SIGKILL (the lower slot, once both have answered); the load goes on for
+``--after-s`` more seconds.
 
 Measured:
 
@@ -124,7 +125,6 @@ async def _wait_healthy(url: str, procs: dict[str, subprocess.Popen], root: Path
 async def drive(base: str, load: Load, args: argparse.Namespace, kill_event: asyncio.Event,
                 stop: asyncio.Event, pids: dict[int, int]) -> None:
     async def client_loop(c: int) -> None:
-        # one connection per client: the kernel spreads the connections over the two workers
         async with httpx.AsyncClient(base_url=base, timeout=120,
                                      limits=httpx.Limits(max_connections=1)) as client:
             while not stop.is_set():
@@ -132,8 +132,10 @@ async def drive(base: str, load: Load, args: argparse.Namespace, kill_event: asy
                 while True:
                     before_kill = not kill_event.is_set()
                     try:
+                        # a connection per attempt, so the kernel spreads attempts over both workers
                         r = await client.post("/v1/chat/completions", json=BODY,
-                                              headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key})
+                                              headers={"Authorization": f"Bearer {KEY}", "Idempotency-Key": key,
+                                                       "Connection": "close"})
                         slot, pid = r.headers.get("x-kvmeter-worker"), r.headers.get("x-kvmeter-worker-pid")
                         if slot is not None and pid is not None:
                             pids[int(slot)] = int(pid)
@@ -176,7 +178,14 @@ async def watch_leases(redis_url: str, kill_event: asyncio.Event, stop: asyncio.
                     leases[k.decode()] = max(float(v), leases.get(k.decode(), 0.0))
             if kill_event.is_set():
                 wall0 = out["killed_at_wall"]
-                out.setdefault("holders_at_kill", {h: round(d - wall0, 3) for h, d in last.items()})
+                if "holders_at_kill" not in out:
+                    out["holders_at_kill"] = {h: round(d - wall0, 3) for h, d in last.items()}
+                    held: dict[str, dict[str, int]] = {}  # holder → quota key → units it holds
+                    async for key in r.scan_iter(match="kvq:held:*"):
+                        for k, v in (await r.hgetall(key)).items():
+                            holder, _, qkey = k.decode().partition("|")
+                            held.setdefault(holder, {})[qkey] = int(float(v))
+                    out["held_at_kill"] = held
                 if leases != last:
                     timeline.append([round(now - out["killed_at_monotonic"], 2),
                                      {h: round(d - wall0, 3) for h, d in leases.items()}])
@@ -186,23 +195,28 @@ async def watch_leases(redis_url: str, kill_event: asyncio.Event, stop: asyncio.
         await r.aclose()
 
 
-def holds_freed(holds: dict) -> dict:
-    """From :func:`watch_leases`'s record: the holders at the kill whose deadline never moved again
-    (the dead worker's store), their deadline (s after the kill) and when the last of them was gone
-    (s after the kill; None if never within the run)."""
-    at_kill = holds.get("holders_at_kill", {})
-    moved = {h for _, leases in holds.get("timeline", []) for h, d in leases.items()
-             if h in at_kill and d != at_kill[h]}
-    dead = sorted(h for h in at_kill if h not in moved)
+def holds_freed(holds: dict, settle_s: float = 0.5) -> dict:
+    """From :func:`watch_leases`'s record: the holders whose deadline never moved once ``settle_s``
+    had passed after the kill (the dead worker's store: a script it sent just before the kill may
+    land just after it), their deadline (s after the kill) and when the last of them was gone (s
+    after the kill; None if never within the run)."""
+    timeline = holds.get("timeline", [])
+    base = dict(holds.get("holders_at_kill", {}))
+    for t, leases in timeline:
+        if t <= settle_s:
+            base = dict(leases)
+    moved = {h for t, leases in timeline if t > settle_s for h, d in leases.items() if h in base and d != base[h]}
+    dead = sorted(h for h in base if h not in moved)
     gone = None
-    for t, leases in holds.get("timeline", []):
+    for t, leases in timeline:
         present = [h for h in dead if h in leases]
         if dead and not present and gone is None:
             gone = t
         elif present:
             gone = None
-    return {"dead_holders": dead, "dead_deadlines_after_kill_s": [at_kill[h] for h in dead],
-            "holds_freed_s": gone, "live_holders_at_kill": len(at_kill) - len(dead)}
+    return {"dead_holders": dead, "dead_deadlines_after_kill_s": [base[h] for h in dead],
+            "holds_freed_s": gone, "live_holders_at_kill": len(base) - len(dead),
+            "dead_held_units": {q: u for h in dead for q, u in holds.get("held_at_kill", {}).get(h, {}).items()}}
 
 
 def ledger_check(root: Path, spool: Path, load: Load) -> dict:
@@ -258,17 +272,21 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         await _wait_healthy(base, procs, root)
         kill_event, stop = asyncio.Event(), asyncio.Event()
+        t_start = time.monotonic()
 
         async def conductor() -> None:
             await asyncio.sleep(args.kill_at)
-            victim = pids[0]
+            while len(pids) < 2:  # both workers have answered (the kernel may favour one at first)
+                await asyncio.sleep(0.5)
+            slot = min(pids)
+            victim = pids[slot]
             os.kill(victim, signal.SIGKILL)
             leases["killed_at_monotonic"] = time.monotonic()
             leases["killed_at_wall"] = time.time()
-            leases["victim_pid"] = victim
+            leases["victim_pid"], leases["victim_slot"] = victim, slot
             kill_event.set()
-            print(f"killed worker 0 (pid {victim}) at {args.kill_at:.0f} s; {load.answered} answered so far",
-                  flush=True)
+            print(f"killed worker {slot} (pid {victim}) at {time.monotonic() - t_start:.0f} s; "
+                  f"{load.answered} answered so far", flush=True)
             for _ in range(int(args.after_s // 5)):
                 await asyncio.sleep(5)
                 print(f"  {time.monotonic() - leases['killed_at_monotonic']:.0f} s after the kill: "
@@ -306,7 +324,8 @@ def markdown(r: dict) -> str:
         f"| lease (`quota_lease_s`) | {r['args']['lease_s']} s |",
         f"| dead worker's holds given back after the kill | {h['holds_freed_s']} s (its lease deadline was "
         f"{', '.join(str(d) for d in h['dead_deadlines_after_kill_s']) or '?'} s after the kill; "
-        f"{len(h['dead_holders'])} dead and {h['live_holders_at_kill']} live holders at the kill) |",
+        f"{len(h['dead_holders'])} dead and {h['live_holders_at_kill']} live holders at the kill; the dead one "
+        f"held {', '.join(f'{q}: {u}' for q, u in h.get('dead_held_units', {}).items()) or 'unknown'}) |",
         f"| logical requests answered / of them retried across the kill | {r['answered']} / "
         f"{r['retried_across_kill']} |",
         f"| attempts seen by the clients | {', '.join(f'{k}: {v}' for k, v in sorted(r['attempts'].items()))} |",
@@ -325,7 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=float, default=15.0)
     ap.add_argument("--after-s", type=float, default=25.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--from-json", type=Path, help="re-derive the holds and print the table of a kept run")
     args = ap.parse_args(argv)
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        report["holds"].update(holds_freed(report["holds"]))
+        print(markdown(report))
+        args.from_json.write_text(json.dumps(report, indent=2))
+        return 0
     report = asyncio.run(run(args))
     print(markdown(report))
     if args.json:
