@@ -56,6 +56,13 @@ def tenants(body: str, *, extra_top: str = "") -> str:
         textwrap.dedent(body).strip("\n"), "  ") + "\n"
 
 
+def one_project_tenants(*api_keys: str) -> str:
+    """A principals YAML of one org ``acme`` (workspace ``ws``, project ``p``) whose project holds
+    ``api_keys``, each one YAML line ``name: {key: ..., ...}``."""
+    lines = "".join(f"            {line}\n" for line in api_keys)
+    return tenants("acme:\n  workspaces:\n    ws:\n      projects:\n        p:\n          api_keys:\n" + lines)
+
+
 def completion(n_input: int, max_tokens: int, **extra) -> dict:
     """A /v1/completions body with an exact prompt of ``n_input`` token ids."""
     return {"model": MODEL, "prompt": [100 + (i % 500) for i in range(n_input)],

@@ -21,21 +21,12 @@ from kvmeter.bus import StatsBus
 from kvmeter.serving.config import ServeConfigError, load_serve_config
 from kvmeter.serving.engines.pool import EnginePool
 from tests.conftest import free_port, start_uvicorn
-from tests.serving.quota_http.conftest import MODEL, tenants
+from tests.serving.quota_http.conftest import MODEL, one_project_tenants
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Whole
 
 KEY = "sk-test-pool-001"
 ADMIN = "sk-test-pool-admin"
-CFG = tenants(f"""
-acme:
-  workspaces:
-    ws:
-      projects:
-        p:
-          api_keys:
-            k1: {{key: {KEY}}}
-            ops: {{key: {ADMIN}, admin: true}}
-""")
+CFG = one_project_tenants(f"k1: {{key: {KEY}}}", f"ops: {{key: {ADMIN}, admin: true}}")
 SYSTEM = [1000 + i for i in range(64)]  # a shared 64-token head: 4 prefix blocks
 
 

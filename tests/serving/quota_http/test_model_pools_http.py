@@ -17,24 +17,18 @@ import pytest
 from kvmeter.ledger.billing import build_invoice
 from kvmeter.ledger.period import parse_period
 from kvmeter.serving.config import ServeConfigError, load_serve_config
-from tests.serving.quota_http.conftest import tenants
+from tests.serving.quota_http.conftest import one_project_tenants
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Whole
 
 A, B = "smol-a", "smol-b"
 KEY = "sk-test-models-001"
 THRIFTY = "sk-test-models-thrifty"
 ADMIN = "sk-test-models-admin"
-CFG = tenants(f"""
-acme:
-  workspaces:
-    ws:
-      projects:
-        p:
-          api_keys:
-            k1: {{key: {KEY}}}
-            thrifty: {{key: {THRIFTY}, limits: {{spend_per_day: "0.001"}}}}
-            ops: {{key: {ADMIN}, admin: true}}
-""")
+CFG = one_project_tenants(
+    f"k1: {{key: {KEY}}}",
+    f'thrifty: {{key: {THRIFTY}, limits: {{spend_per_day: "0.001"}}}}',
+    f"ops: {{key: {ADMIN}, admin: true}}",
+)
 #: USD per 1M tokens: model B costs a hundred times model A
 PRICES = f"""
 version: "test-models-1"

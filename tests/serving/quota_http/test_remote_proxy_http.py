@@ -20,19 +20,11 @@ import orjson
 import pytest
 
 from kvmeter.serving.engines.remote import RemoteEngine
-from tests.serving.quota_http.conftest import MODEL, bearer, tenants, until
+from tests.serving.quota_http.conftest import MODEL, bearer, one_project_tenants, tenants, until
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Stream, Whole, sse
 
 KEY = "sk-test-proxy-001"
-CFG = tenants(f"""
-acme:
-  workspaces:
-    ws:
-      projects:
-        p:
-          api_keys:
-            k1: {{key: {KEY}}}
-""")
+CFG = one_project_tenants(f"k1: {{key: {KEY}}}")
 #: one key whose input-token budget holds one 15-token prompt at a time, not two
 TIGHT = tenants(f"""
 acme:

@@ -14,20 +14,12 @@ from openai import AsyncOpenAI
 
 from bench.parity.servers import EngineSettings, start_vllm
 from kvmeter.serving.engines.remote import RemoteEngine
-from tests.serving.quota_http.conftest import MODEL, tenants
+from tests.serving.quota_http.conftest import MODEL, one_project_tenants
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 KEY = "sk-test-proxy-vllm-1"
-CFG = tenants(f"""
-acme:
-  workspaces:
-    ws:
-      projects:
-        p:
-          api_keys:
-            k1: {{key: {KEY}}}
-""")
+CFG = one_project_tenants(f"k1: {{key: {KEY}}}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.serving.workers import worker_spool_dir
 from tests.conftest import free_port
-from tests.serving.quota_http.conftest import MODEL, PRICES_YAML, tenants
+from tests.serving.quota_http.conftest import MODEL, PRICES_YAML, one_project_tenants
 from tests.serving.quota_http.gateway_procs import KVMETER
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Stream, Whole, sse
 
@@ -37,16 +37,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 K = 8            # requests per minute for the capped key, across the whole fleet
 LEASE_S = 3.0    # the quota's hold lease: a killed worker's holds are free within it
 CAPPED, HOLDER = "sk-test-workers-0001", "sk-test-workers-0002"
-CFG = tenants(f"""
-acme:
-  workspaces:
-    ws:
-      projects:
-        p:
-          api_keys:
-            capped: {{key: {CAPPED}, limits: {{requests_per_minute: {K}}}}}
-            holder: {{key: {HOLDER}, limits: {{concurrent_requests: 1}}}}
-""")
+CFG = one_project_tenants(
+    f"capped: {{key: {CAPPED}, limits: {{requests_per_minute: {K}}}}}",
+    f"holder: {{key: {HOLDER}, limits: {{concurrent_requests: 1}}}}",
+)
 PROMPT = [100 + i for i in range(12)]
 ANSWER = Whole({"id": "cmpl-up-1", "object": "text_completion", "created": 1796147740, "model": MODEL,
                 "choices": [{"index": 0, "text": " Paris", "logprobs": None, "finish_reason": "length"}],
