@@ -93,7 +93,8 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
         A frame with :data:`INVOICE_COLUMNS`: per line key its usage line, then its undelivered
         lines (:data:`LINE_TYPES` order, by cause; sorted by key), then adjustment lines. Attempt
         counts are on the usage line. ``priced`` is False (and ``subtotal``/``cost`` null) for a
-        model the list does not price; an absorbed line's ``subtotal`` and ``cost`` are 0.
+        model the list does not price, unless the line has no tokens (only refused attempts): that
+        costs 0; an absorbed line's ``subtotal`` and ``cost`` are 0.
     """
     keys = list(INVOICE_KEYS)
     rows = [{"line_type": "usage", "undelivered_cause": "", **r} for r in usage]
@@ -114,7 +115,9 @@ def invoice_lines(usage: Iterable[dict[str, Any]], attempts: Iterable[dict[str, 
     df = df.sort([*keys, order, "undelivered_cause"]) if df.height else df
     # each line's subtotal: the one price function over the line's token sums (exact); an absorbed
     # line's work is the platform's cost: shown at list price in its note, billed 0
-    values = [prices.cost_if_priced(model, tier, TokenCounts(*counts))
+    # a line of no tokens (only refused attempts, e.g. of a model the list does not price) costs 0
+    # under any list: nothing on it needs a price
+    values = [prices.cost_if_priced(model, tier, TokenCounts(*counts)) if any(counts) else Decimal(0)
               for model, tier, *counts in df.select("model", "tier", *TOKEN_FIELDS).iter_rows()]
     absorbed = [t == "undelivered_absorbed" for t in df["line_type"].to_list()]
     subtotals = [Decimal(0) if a and v is not None else v for v, a in zip(values, absorbed, strict=True)]

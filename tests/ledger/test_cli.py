@@ -110,6 +110,27 @@ async def test_unpriced_usage_fails_the_report(open_ledger, config, tmp_path: Pa
     assert run.returncode == 3 and "mystery-model" in run.stderr
 
 
+async def test_refused_attempts_of_an_unpriced_model_do_not_fail_the_report(open_ledger, config,
+                                                                            tmp_path: Path) -> None:
+    """A request to a model the price list does not price is refused (400 ``unpriced_model``):
+    its attempt makes an invoice line of no tokens, which costs 0 under any list. Found by a
+    newcomer: the report exited 3 ("1 line(s) use models the price list does not price") for it."""
+    ledger = open_ledger()
+    await fill_ledger(ledger)
+    refused = make_event(99, "acme", model="mystery-model")
+    await ledger.record_attempt(make_attempt(refused, status="rejected", status_code=400, reason="unpriced_model"))
+    assert ledger.flush()
+    ledger.close()
+    run = kvmeter("billing", "report", "--period", "2026-11", "--out", str(tmp_path), "--formats", "csv",
+                  *_source(config))
+    assert run.returncode == 0, run.stderr
+    lines = pl.read_csv(next(tmp_path.glob("billing-*.csv")))
+    mystery = lines.filter(pl.col("model") == "mystery-model")
+    assert mystery.height == 1
+    assert mystery["priced"].to_list() == [True] and float(mystery["cost"][0]) == 0.0
+    assert mystery["input_tokens"][0] == mystery["output_tokens"][0] == 0
+
+
 def test_bad_arguments_exit_2_with_a_message(config) -> None:
     run = kvmeter("billing", "report", "--period", "Nov", *_source(config))
     assert run.returncode == 2 and "2026-11" in run.stderr  # the error shows valid forms
