@@ -640,10 +640,11 @@ class SchedulerCore:
         n = len(self._engines)
         down = sum(e.down for e in self._engines)
         model = f"model {self.model!r}" if self.model else "the model"
+        every = "its one replica is" if n == 1 else f"all {n} of its replicas are"
         if down == n:
-            state = f"all {n} of its replicas are down (unreachable; served again once one answers)"
+            state = f"{every} down (unreachable; served again once one answers)"
         elif down == 0:
-            state = f"all {n} of its replicas are drained by an operator"
+            state = f"{every} drained by an operator"
         else:
             state = f"its {n} replicas are down ({down}) or drained by an operator ({n - down})"
         return SchedulerRejected("no_replica_available", f"no replica of {model} can take requests: {state}",
