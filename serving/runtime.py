@@ -301,7 +301,8 @@ class ServeRuntime:
             # label: the first model's scheduler publishes them (docs/ARCHITECTURE.md)
             scheduler = FairScheduler(sched_cfg, policy=config.scheduler.policy, clock=clock,
                                       bus=self.bus if i == 0 else None, shared_service=shared,
-                                      num_engines=len(pool) if pool else 1, router=router)
+                                      num_engines=len(pool) if pool else 1, router=router,
+                                      model=eng.model_name)
             served.append(ServedModel(eng.model_name, eng, scheduler))
             self.schedulers[eng.model_name] = scheduler
             if i == 0:
@@ -365,7 +366,7 @@ class ServeRuntime:
     def _on_replica_health(self, health: ReplicaHealth) -> None:
         scheduler = self._scheduler_of(health.model)
         if scheduler is not None and health.index < scheduler.core.num_engines:
-            scheduler.set_engine_available(health.index, health.available)
+            scheduler.set_engine_available(health.index, health.available, down=not health.healthy)
 
     def _outstanding(self, model: str, engine_idx: int) -> int:
         """Requests dispatched to replica ``engine_idx`` of ``model``'s pool and not ended (the

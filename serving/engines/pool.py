@@ -21,6 +21,10 @@ connection refused, connect timeout — is marked down and the request moved to 
 first, nothing is billed for it. A replica that dies mid-stream ends the request with the stream's
 error event (``upstream_error``, naming the replica) and the request is billed the tokens the
 replica streamed (the remote path's rule for a broken stream; docs/ARCHITECTURE.md, metering).
+While no replica can take work — every one down or draining — the scheduler refuses new requests at
+once and ends the queued ones with a 503 ``no_replica_available`` naming the model
+(:meth:`~kvmeter.serving.scheduler.core.SchedulerCore.no_replica`; billed nothing); a replica that
+answers a probe again opens its gate and requests are served again.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class SchedulerRejected(Refusal):
         code: ``queue_full``, ``projected_wait``, ``deadline``, ``shed`` (overload by tier), ...
             (also readable as ``reason``, the word the scheduler's counters use).
         retry_after_s: seconds the client should wait before retrying (≥ 0), or ``None``.
-        status_code: HTTP status (429 for overload; 504 never — a missed deadline is answered 429
+        status_code: HTTP status (429 for overload; 503 for ``no_replica_available``, an engine
+            pool with every replica down or drained; 504 never — a missed deadline is answered 429
             or 503 early rather than a late timeout).
         level, dimension: ``global`` and ``scheduler`` (the admission decision's labels); the
             error body does not carry them.

@@ -61,8 +61,9 @@ Costs: a dispatch decision is two lazy-heap look-ups (tier, then tenant) — O(l
 constant-time updates; see ``bench/fairness/bench_scheduler_cost.py``.
 
 Errors: bad requests are refused with :class:`SchedulerRejected` (status 400 for malformed input,
-429 for overload); calls about unknown or finished grants are ignored; nothing here raises into the
-serving path for a well-typed call.
+429 for overload, 503 ``no_replica_available`` while no engine replica is open); calls about
+unknown or finished grants are ignored; nothing here raises into the serving path for a
+well-typed call.
 
 Why this module is longer than ~600 lines: VTC counters, per-tenant queues, KV and prefill
 budgets, deadlines and overload shedding are one state machine mutated under one invariant per
@@ -115,15 +116,19 @@ class SchedulerCore:
             through :meth:`raise_counters`.
         router: picks the replica among the open ones (:class:`~.router.Router`); None: the most
             free KV (:func:`~.gating.pick_engine`, the simulator's choice).
+        model: the served model these engines run (named by the ``no_replica_available``
+            refusal); "" when unnamed.
     Raises:
         ValueError: on an unknown policy name or ``num_engines < 1``.
     """
 
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
                  clock: Clock = SYSTEM_CLOCK, num_engines: int = 1,
-                 counter_log: CounterLog | None = None, router: Router | None = None) -> None:
+                 counter_log: CounterLog | None = None, router: Router | None = None,
+                 model: str = "") -> None:
         self.config = config or SchedulerConfig()
         self.router = router
+        self.model = model
         if isinstance(policy, str):
             policy = make_policy(policy, rpm_limit=self.config.rpm_limit,
                                  tenant_rpm_limits=self.config.tenant_rpm_limits)
@@ -391,6 +396,9 @@ class SchedulerCore:
         if job.request_id in self._queued or job.request_id in self._running:
             return SchedulerRejected("invalid", f"request {job.request_id!r} is already scheduled",
                                      status_code=400)
+        no_replica = self.no_replica()
+        if no_replica is not None:
+            return no_replica
         tier_policy = cfg.tier(job.tier)
         biggest = max(e.capacity for e in self._engines)
         if biggest and job.input_tokens > cfg.kv_watermark_high * biggest:
@@ -455,7 +463,8 @@ class SchedulerCore:
         """Refuse early if ``job`` cannot be queued or served in time.
 
         Raises:
-            SchedulerRejected: ``invalid`` (400), ``kv_capacity_exceeded`` (400),
+            SchedulerRejected: ``invalid`` (400), ``no_replica_available`` (503: no engine
+                replica can take work, :meth:`no_replica`), ``kv_capacity_exceeded`` (400),
                 ``rate_limited`` (rpm policy), ``shed``, ``queue_full``, ``deadline``,
                 ``projected_wait`` (429 with ``retry_after_s``).
         """
@@ -510,10 +519,12 @@ class SchedulerCore:
             t.queued_cost = 0.0
             self._on_idle(t)
 
-    def _drop(self, qj: QueuedJob, reason: str, message: str, retry_after_s: float | None = None) -> None:
+    def _drop(self, qj: QueuedJob, reason: str, message: str, retry_after_s: float | None = None,
+              status_code: int = 429) -> None:
         self._unqueue(qj, GONE)
         self.dropped_total[reason] = self.dropped_total.get(reason, 0) + 1
-        self._dropped.append((qj.job, SchedulerRejected(reason, message, retry_after_s=retry_after_s)))
+        self._dropped.append((qj.job, SchedulerRejected(reason, message, retry_after_s=retry_after_s,
+                                                        status_code=status_code)))
 
     def cancel(self, request_id: str) -> bool:
         """Remove a queued job (client gone). Returns True if it was queued."""
@@ -593,10 +604,15 @@ class SchedulerCore:
                 self.router.commit(route, job.prefix_blocks)
         return grants
 
-    def set_engine_available(self, engine_idx: int, available: bool) -> None:
-        """Open or close replica ``engine_idx`` to new requests (down or drained); its running
-        requests go on. A replica that comes back is forgotten by the router's prefix index when it
-        went down (its cache is gone).
+    def set_engine_available(self, engine_idx: int, available: bool, down: bool = False) -> None:
+        """Open or close replica ``engine_idx`` to new requests (``down``: closed because it is
+        unhealthy; else drained by an operator); its running requests go on. A replica that comes
+        back is forgotten by the router's prefix index when it went down (its cache is gone).
+
+        When this closes the last open replica, every queued request is dropped at once with
+        :meth:`no_replica`'s 503 (collected for :meth:`take_dropped`) rather than left to wait
+        for its deadline — or, without one, forever; new requests are refused the same way at
+        admission until a replica opens again.
 
         Raises:
             ValueError: for an engine index outside ``range(num_engines)``.
@@ -607,6 +623,32 @@ class SchedulerCore:
         if e.available and not available and self.router is not None:
             self.router.index.forget(engine_idx)
         e.available = available
+        e.down = down and not available
+        refusal = self.no_replica()
+        if refusal is not None and self._queued_total:
+            for qj in list(self._queued.values()):
+                if qj.state == QUEUED:
+                    self._drop(qj, refusal.reason, refusal.message, refusal.retry_after_s, refusal.status_code)
+
+    def no_replica(self) -> SchedulerRejected | None:
+        """The refusal while no engine replica may take new requests — every one down or drained —,
+        else None: 503 ``no_replica_available``, naming the model and how many replicas are down
+        (unreachable, until a probe or scrape succeeds) and how many an operator drained. Nothing
+        ran, so nothing is billed (the gateway's rule for a scheduler refusal)."""
+        if any(e.available for e in self._engines):
+            return None
+        n = len(self._engines)
+        down = sum(e.down for e in self._engines)
+        model = f"model {self.model!r}" if self.model else "the model"
+        every = "its one replica is" if n == 1 else f"all {n} of its replicas are"
+        if down == n:
+            state = f"{every} down (unreachable; served again once one answers)"
+        elif down == 0:
+            state = f"{every} drained by an operator"
+        else:
+            state = f"its {n} replicas are down ({down}) or drained by an operator ({n - down})"
+        return SchedulerRejected("no_replica_available", f"no replica of {model} can take requests: {state}",
+                                 status_code=503)
 
     def reroute(self, grant: Grant) -> int | None:
         """Move a dispatched request that its replica failed before answering to another

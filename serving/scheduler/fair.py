@@ -19,8 +19,9 @@ Wiring (gateway side)::
     await sched.stop()
 
 Dispatch is re-evaluated on every event that can open room or change the order: a submit, a
-release, a charge, an engine-load report and each tick. Dropped queued jobs (deadline, shed) make
-their :meth:`acquire` raise :class:`SchedulerRejected`. Cancelling a task blocked in
+release, a charge, an engine-load report, a replica opening or closing and each tick. Dropped
+queued jobs (deadline, shed, no replica left) make their :meth:`acquire` raise
+:class:`SchedulerRejected`. Cancelling a task blocked in
 :meth:`acquire` removes its job from the queue (or gives back a grant that raced the
 cancellation). Scheduler errors are logged, never raised into the serving path.
 """
@@ -62,6 +63,7 @@ class FairScheduler(Scheduler):
             Redis (:mod:`.shared_service`; its sync task runs between :meth:`start` and
             :meth:`stop`); None: this process's counters alone.
         router: an engine pool's replica choice (:class:`~.router.Router`); None: the most free KV.
+        model: the served model (named by the ``no_replica_available`` refusal); "" unnamed.
     Raises:
         ValueError: on non-positive intervals (and as :class:`SchedulerCore`).
     """
@@ -69,11 +71,12 @@ class FairScheduler(Scheduler):
     def __init__(self, config: SchedulerConfig | None = None, *, policy: str | OrderingPolicy = "vtc",
                  clock: Clock = SYSTEM_CLOCK, bus: StatsBus | None = None, num_engines: int = 1,
                  stats_interval_s: float = 1.0, tick_interval_s: float = 0.1,
-                 shared_service: SharedServiceSync | None = None, router: Router | None = None) -> None:
+                 shared_service: SharedServiceSync | None = None, router: Router | None = None,
+                 model: str = "") -> None:
         if not stats_interval_s > 0 or not tick_interval_s > 0:
             raise ValueError("stats_interval_s and tick_interval_s must be > 0")
         self.core = SchedulerCore(config, policy=policy, clock=clock, num_engines=num_engines,
-                                  counter_log=shared_service, router=router)
+                                  counter_log=shared_service, router=router, model=model)
         self.shared_service = shared_service
         self._clock = clock
         self._bus = bus
@@ -125,11 +128,11 @@ class FairScheduler(Scheduler):
         """See :meth:`SchedulerCore.reroute`: the replica the request moved to, or None."""
         return self.core.reroute(grant)
 
-    def set_engine_available(self, engine_idx: int, available: bool) -> None:
-        """See :meth:`SchedulerCore.set_engine_available`; a replica that opens re-evaluates dispatch."""
-        self.core.set_engine_available(engine_idx, available)
-        if available:
-            self._pump()
+    def set_engine_available(self, engine_idx: int, available: bool, down: bool = False) -> None:
+        """See :meth:`SchedulerCore.set_engine_available`; a replica that opens re-evaluates
+        dispatch, and the last one closing ends the queued requests' waits (``no_replica_available``)."""
+        self.core.set_engine_available(engine_idx, available, down)
+        self._pump()
 
     def on_engine_load(self, load: EngineLoad, engine_idx: int = 0) -> None:
         """Take an engine's load snapshot (e.g. from ``Engine.load()``) and re-evaluate dispatch."""

@@ -382,11 +382,13 @@ class EngineGate:
         adaptive: the :class:`AdaptiveEngineLimit` (None when disabled by config).
         available: may it take new requests? False while a replica of a pool is down or drained
             (:meth:`~.core.SchedulerCore.set_engine_available`); what it runs goes on.
+        down: closed because the replica is down (unhealthy), not drained by an operator: what
+            the refusal of a pool with no replica left says (:meth:`~.core.SchedulerCore.no_replica`).
         lead: its :class:`FirstTokenLead` model.
     """
 
     __slots__ = ("idx", "load", "outstanding", "unstarted", "unstarted_tokens", "reported",
-                 "since_report", "adaptive", "available", "lead")
+                 "since_report", "adaptive", "available", "down", "lead")
 
     def __init__(self, idx: int, config: SchedulerConfig) -> None:
         self.idx = idx
@@ -398,6 +400,7 @@ class EngineGate:
         self.since_report = 0
         self.adaptive = AdaptiveEngineLimit(config, idx) if config.adaptive_engine_limit else None
         self.available = True
+        self.down = False
         self.lead = FirstTokenLead()
 
     def waiting_estimate(self) -> int:

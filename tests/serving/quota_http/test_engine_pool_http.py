@@ -21,7 +21,7 @@ from kvmeter.bus import StatsBus
 from kvmeter.serving.config import ServeConfigError, load_serve_config
 from kvmeter.serving.engines.pool import EnginePool
 from tests.conftest import free_port, start_uvicorn
-from tests.serving.quota_http.conftest import MODEL, one_project_tenants
+from tests.serving.quota_http.conftest import MODEL, one_project_tenants, tenants
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Whole
 
 KEY = "sk-test-pool-001"
@@ -300,3 +300,154 @@ async def test_each_replicas_scraped_kv_gates_it_and_a_failed_scrape_takes_it_ou
         for server, task in zip(servers, tasks, strict=True):
             server.should_exit = True
             await task
+
+
+#: one org per tier, each with one key ``key-<tier>`` (``sk-pool-<tier>``)
+TIERS = ("enterprise", "paid_interactive", "batch", "free")
+TIERED = tenants("".join(f"""
+org-{tier}:
+  tier: {tier}
+  workspaces: {{w: {{projects: {{p: {{api_keys: {{key-{tier}: {{key: sk-pool-{tier}}}}}}}}}}}}}
+""" for tier in TIERS))
+
+
+def ask(tier: str, **extra) -> dict:
+    return {"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **extra},
+            "headers": {"authorization": f"Bearer sk-pool-{tier}"}}
+
+
+def chat_answer() -> Whole:
+    return Whole({"id": "chatcmpl-up", "object": "chat.completion", "created": 1, "model": MODEL,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                  "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}})
+
+
+def refused_no_replica(s, tier: str) -> list[tuple[int, str]]:
+    return [(a["status_code"], a["reason"]) for a in s.attempts(api_key_id=f"key-{tier}")
+            if a["status_code"] == 503]
+
+
+async def test_a_pool_with_every_replica_down_refuses_every_tier_at_once_billed_nothing_and_serves_once_back(
+        serve, model_dir):
+    """Regression: once every replica was down, a batch request waited forever and the others until
+    their tier's deadline (a misleading 429 ``deadline``), while ``--remote-url`` answered 503 at once.
+    The clock here never moves, so a request that waits for a deadline would hang the test: each one
+    is bounded by ``wait_for``."""
+    ups = [await ScriptedUpstream(MODEL, answer=chat_answer()).start() for _ in range(2)]
+    try:
+        bus = StatsBus()
+        pool = EnginePool([u.url for u in ups], model_dir=model_dir, model_name=MODEL, scrape=False, bus=bus,
+                          probe_interval_s=3600.0)  # probed when the test says
+        s = await serve(TIERED, engine=pool, bus=bus)
+        assert (await s.client.post("/v1/chat/completions", **ask("enterprise"))).status_code == 200
+        for u in ups:
+            await u.stop()
+        # the request that finds them unreachable: 503 upstream_error (both tried, both marked down)
+        first = await asyncio.wait_for(s.client.post("/v1/chat/completions", **ask("paid_interactive")), 15)
+        assert first.status_code == 503 and first.json()["error"]["code"] == "upstream_error"
+        assert not pool.available(0) and not pool.available(1)
+        for tier in TIERS:  # every tier, batch (no deadline to wait for) included: refused at once
+            resp = await asyncio.wait_for(s.client.post("/v1/chat/completions", **ask(tier)), 15)
+            assert resp.status_code == 503, (tier, resp.text)
+            err = resp.json()["error"]
+            assert err["code"] == "no_replica_available"
+            assert f"no replica of model {MODEL!r}" in err["message"] and "replicas are down" in err["message"]
+            assert refused_no_replica(s, tier)[-1] == (503, "no_replica_available")
+        assert s.runtime.scheduler.core.queued_total == 0
+        # billed nothing: no usage row for a refusal the scheduler made (as for its 429s)
+        rows = s.usage_rows()
+        assert [(r["api_key_id"], r["status_code"]) for r in rows] == [("key-enterprise", 200),
+                                                                        ("key-paid_interactive", 503)]
+        assert [r["api_key_id"] for r in s.billed()] == ["key-enterprise"]
+        # one replica answers a probe again: served again, by it
+        await ups[1].start()
+        await pool.probe_down()
+        assert pool.available(1) and not pool.available(0)
+        for tier in TIERS:
+            resp = await asyncio.wait_for(s.client.post("/v1/chat/completions", **ask(tier)), 15)
+            assert resp.status_code == 200, (tier, resp.text)
+        assert [len(u.bodies) for u in ups] == [1, len(TIERS)]  # (the first went to replica 0)
+    finally:
+        for u in ups:
+            if u.server.started and not u.server.should_exit:
+                await u.stop()
+
+
+class GatedDyingReplica:
+    """A replica whose chat stream sends one chunk, then dies when the test sets :attr:`die`; its
+    completions answer whole."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.die = asyncio.Event()
+        self.streaming = asyncio.Event()
+        self.bodies: list[dict] = []
+
+    async def start(self) -> "GatedDyingReplica":
+        async def models(request: Request) -> Response:
+            return Response(orjson.dumps({"data": [{"id": MODEL, "max_model_len": 4096}]}),
+                            media_type="application/json")
+
+        async def chat(request: Request) -> Response:
+            self.bodies.append(orjson.loads(await request.body()))
+
+            async def events():
+                chunk = {"id": "chatcmpl-g", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"content": "Paris"}, "finish_reason": None}]}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                self.streaming.set()
+                await self.die.wait()
+                raise RuntimeError("the replica died")  # uvicorn cuts the connection mid-body
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        async def completions(request: Request) -> Response:
+            self.bodies.append(orjson.loads(await request.body()))
+            return Response(orjson.dumps(answer(9).body), media_type="application/json")
+
+        app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+                                Route("/v1/completions", completions, methods=["POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.task = await start_uvicorn(self.server)
+        return self
+
+    async def stop(self) -> None:
+        self.die.set()
+        self.server.should_exit = True
+        await self.task
+
+
+async def test_requests_queued_when_the_last_replica_dies_are_refused_at_once(serve, model_dir):
+    """Regression: a request queued behind a full replica kept waiting (batch: forever) after that
+    replica, the pool's last, went down."""
+    rep = await GatedDyingReplica().start()
+    try:
+        bus = StatsBus()
+        pool = EnginePool([rep.url], model_dir=model_dir, model_name=MODEL, scrape=False, bus=bus,
+                          probe_interval_s=3600.0)
+        s = await serve(TIERED, engine=pool, bus=bus, scheduler_options={"max_engine_running": 1})
+        core = s.runtime.scheduler.core
+        running = asyncio.ensure_future(s.client.post("/v1/chat/completions", **ask("enterprise", stream=True)))
+        await asyncio.wait_for(rep.streaming.wait(), 15)
+        queued = [asyncio.ensure_future(s.client.post("/v1/chat/completions", **ask(tier)))
+                  for tier in ("batch", "free")]
+        while core.queued_total < 2:  # (the server's state: both wait behind the running one)
+            await asyncio.sleep(0.01)
+        rep.die.set()  # the running stream breaks: the replica is down, the pool has none left
+        for tier, fut in zip(("batch", "free"), queued, strict=True):
+            resp = await asyncio.wait_for(fut, 15)
+            assert resp.status_code == 503, (tier, resp.text)
+            assert resp.json()["error"]["code"] == "no_replica_available"
+            assert refused_no_replica(s, tier) == [(503, "no_replica_available")]
+            assert s.billed(api_key_id=f"key-{tier}") == []
+        broken = await asyncio.wait_for(running, 15)
+        assert broken.status_code == 200 and "upstream_error" in broken.text
+        assert len(rep.bodies) == 1 and core.queued_total == 0
+        # it answers a probe: served again
+        await pool.probe_down()
+        resp = await s.client.post("/v1/completions", headers={"authorization": "Bearer sk-pool-batch"},
+                                   json={"model": MODEL, "prompt": [5] * 9, "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+    finally:
+        await rep.stop()

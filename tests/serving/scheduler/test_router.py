@@ -7,7 +7,7 @@ import pytest
 
 from kvmeter.attribution import Attribution
 from kvmeter.clock import ManualClock
-from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore
+from kvmeter.serving.scheduler import Job, SchedulerConfig, SchedulerCore, SchedulerRejected
 from kvmeter.serving.scheduler.gating import EngineGate
 from kvmeter.serving.scheduler.router import PrefixIndex, Router, prefix_block_hashes
 from kvmeter.stats import EngineLoad, RoutingDecision
@@ -180,9 +180,58 @@ def test_the_core_routes_through_the_router_and_fails_over_off_a_down_replica():
     assert (gates_[0].outstanding, gates_[1].outstanding, gates_[0].unstarted_tokens) == (0, 0, 0)
     core.set_engine_available(1, False)
     core.set_engine_available(2, False)
-    core.submit(_job("d", prompt(1)))
-    assert core.dispatch() == []  # no replica available: d waits
+    with pytest.raises(SchedulerRejected) as none_left:  # no replica available: refused, not queued
+        core.submit(_job("d", prompt(1)))
+    assert none_left.value.status_code == 503 and none_left.value.reason == "no_replica_available"
     core.set_engine_available(2, True)
+    core.submit(_job("d", prompt(1)))
     (d,) = core.dispatch()
     assert d.engine_idx == 2
     assert core.reroute(d) is None  # nowhere else to go
+
+
+def _queued_job(rid: str, tier: str, deadline_s: float | None = None) -> Job:
+    return Job(request_id=rid, attribution=Attribution(f"t-{rid}", tier=tier), input_tokens=10, max_tokens=8,
+               arrival_s=0.0, deadline_s=deadline_s)
+
+
+def test_a_pool_with_every_replica_down_refuses_at_once_and_ends_the_queued_waits():
+    """Regression: with every replica down, requests queued without a deadline (batch) waited
+    forever and the others until their deadline (a misleading 429 ``deadline``)."""
+    clock = ManualClock()
+    core = SchedulerCore(SchedulerConfig(max_engine_running=1), clock=clock, num_engines=2, model="m")
+    running = []
+    for i in range(2):
+        core.submit(_queued_job(f"run{i}", "enterprise"))
+        running += core.dispatch()
+    assert len(running) == 2  # both replicas full: the next ones queue
+    for rid, tier, deadline in [("b", "batch", None), ("e", "enterprise", 3.0), ("f", "free", 10.0)]:
+        core.submit(_queued_job(rid, tier, deadline))
+    assert core.queued_total == 3
+    core.set_engine_available(0, False, down=True)
+    assert core.queued_total == 3 and core.take_dropped() == []  # replica 1 is still up: they wait
+    core.set_engine_available(1, False, down=True)
+    dropped = core.take_dropped()
+    assert sorted(job.request_id for job, _ in dropped) == ["b", "e", "f"] and core.queued_total == 0
+    for _, err in dropped:
+        assert (err.status_code, err.reason) == (503, "no_replica_available")
+        assert "model 'm'" in err.message and "all 2 of its replicas are down" in err.message
+    with pytest.raises(SchedulerRejected, match="all 2 of its replicas are down") as refused:
+        core.submit(_queued_job("late", "batch"))
+    assert refused.value.status_code == 503 and core.rejected_total["no_replica_available"] == 1
+    assert core.dropped_total["no_replica_available"] == 3
+    for g in running:  # what ran goes on and ends as usual
+        core.release(g)
+    assert core.running_total == 0
+    # drained by an operator: the same refusal, saying so
+    core.set_engine_available(1, False, down=False)
+    with pytest.raises(SchedulerRejected, match=r"replicas are down \(1\) or drained by an operator \(1\)"):
+        core.submit(_queued_job("x", "free"))
+    core.set_engine_available(0, False, down=False)
+    with pytest.raises(SchedulerRejected, match="all 2 of its replicas are drained by an operator"):
+        core.submit(_queued_job("y", "free"))
+    # a replica back: served again
+    core.set_engine_available(0, True)
+    core.submit(_queued_job("z", "batch"))
+    (z,) = core.dispatch()
+    assert z.engine_idx == 0 and core.take_dropped() == []
