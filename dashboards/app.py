@@ -1,7 +1,10 @@
 """The Streamlit entry point of ``kvmeter dashboard`` (``streamlit run`` this file).
 
 Settings come from the environment (see :mod:`kvmeter.dashboards.config`; the CLI sets it).
-Eleven pages, one file each under ``pages/``; the sidebar (sign-in, time range, tenant filter,
+Eleven pages, one file each under ``page_scripts/`` (not ``pages/``: Streamlit's legacy
+multipage mode takes a ``pages/`` folder beside the main script for its own pages and serves a
+deep link such as ``/replicas`` from it, without this script, until some session has run
+``st.navigation``); the sidebar (sign-in, time range, tenant filter,
 auto-refresh) is drawn here before the chosen page runs.
 """
 
@@ -13,7 +16,7 @@ from kvmeter.dashboards import ui
 
 HERE = Path(__file__).parent
 
-#: (file under pages/, title, icon) in menu order.
+#: (file under page_scripts/, title, icon) in menu order.
 PAGES = (
     ("overview.py", "Overview", ":material/monitoring:"),
     ("kv.py", "KV cache", ":material/memory:"),
@@ -29,7 +32,7 @@ PAGES = (
 )
 
 st.set_page_config(page_title="kvmeter", page_icon=":material/monitoring:", layout="wide")
-navigation = st.navigation([st.Page(HERE / "pages" / name, title=title, icon=icon, default=i == 0)
+navigation = st.navigation([st.Page(HERE / "page_scripts" / name, title=title, icon=icon, default=i == 0)
                             for i, (name, title, icon) in enumerate(PAGES)])
 ui.sidebar()
 navigation.run()

@@ -231,7 +231,7 @@ def test_every_type_on_the_bus_comes_from_kvmeter_stats():
 @pytest.mark.slow
 def test_every_module_imports():
     """Import every kvmeter module in a fresh interpreter (the Streamlit scripts ``dashboards/app.py``
-    and ``dashboards/pages/*`` excepted: they draw a page when run)."""
+    and ``dashboards/page_scripts/*`` excepted: they draw a page when run)."""
     code = ("import importlib, sys\n"
             "failed = []\n"
             "for name in sys.argv[1:]:\n"
@@ -242,7 +242,7 @@ def test_every_module_imports():
             "print('\\n'.join(failed))\n"
             "sys.exit(1 if failed else 0)\n")
     names = sorted(m for m in MODULES
-                   if m != "kvmeter.dashboards.app" and not m.startswith("kvmeter.dashboards.pages"))
+                   if m != "kvmeter.dashboards.app" and not m.startswith("kvmeter.dashboards.page_scripts"))
     proc = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=600,
                           env={**os.environ,
                                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})

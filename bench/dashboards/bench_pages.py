@@ -60,7 +60,7 @@ def time_pages(runs: int) -> dict[str, dict[str, float]]:
         cold, warm = [], []
         for _ in range(runs):
             st.cache_data.clear()
-            at.switch_page(f"pages/{page}.py")
+            at.switch_page(f"page_scripts/{page}.py")
             t = time.perf_counter()
             at.run()
             cold.append(time.perf_counter() - t)

@@ -14,7 +14,8 @@ from ..signals import ENGINE, REPLICA
 from ..ui import PageContext
 from .common import chart, pct
 
-__all__ = ["TITLE", "CAPTION", "render", "replica_of", "replica_states", "hit_share"]
+__all__ = ["TITLE", "CAPTION", "render", "replica_of", "replica_states", "state_now", "state_counts", "hit_share",
+           "availability_title"]
 
 TITLE = "Replicas"
 CAPTION = ("An engine pool serves one model from several vLLM servers: the router sends each request to an open "
@@ -42,6 +43,27 @@ def replica_states(up: pl.DataFrame, available: pl.DataFrame) -> pl.DataFrame:
         .when(pl.col("available").fill_null(1.0) < 0.5).then(pl.lit("draining"))
         .otherwise(pl.lit("available")).alias("state"),
         pl.col("available").fill_null(0.0)).sort("ts")
+
+
+def state_now(states: pl.DataFrame) -> pl.DataFrame:
+    """Each replica's ``state`` (``model``, ``replica``, ``state``) at its last bucket of
+    :func:`replica_states` (``states`` sorted by ``ts``, as that function returns it)."""
+    return states.sort("ts").group_by(*_KEY).agg(pl.col("state").last())
+
+
+def state_counts(now: pl.DataFrame) -> tuple[int, int]:
+    """``(available, down or draining)`` replicas of :func:`state_now`'s frame: the page's
+    "Replicas down or draining now" tile and its availability chart's heading both count here."""
+    out = now.filter(pl.col("state") != "available").height
+    return now.height - out, out
+
+
+def availability_title(now: pl.DataFrame) -> str:
+    """The availability chart's heading: the y encoding (1 = takes new requests, 0 = down or
+    draining) and, from :func:`state_counts`, how many replicas are in each state now."""
+    available, out = state_counts(now)
+    return (f"Replica takes new requests (1 = yes, 0 = down or draining; last per bucket) — now {available} "
+            f"available, {out} down or draining")
 
 
 def hit_share(decisions: pl.DataFrame) -> pl.DataFrame:
@@ -92,7 +114,7 @@ def render(ctx: PageContext) -> None:
                  if REPLICA["decision_rate"] in names else pl.DataFrame())
     pools = {(m, r) for m, r in states.select(*_KEY).unique().iter_rows()} | \
         {(m, r) for m, r in routed.select(*_KEY).unique().iter_rows()}
-    latest = states.group_by(*_KEY).agg(pl.col("state").last()) if states.height else None
+    latest = state_now(states) if states.height else None
 
     share = hit_share(decisions) if decisions.height else pl.DataFrame()
     total = float(decisions.get_column("value").sum()) if decisions.height else 0.0
@@ -102,16 +124,15 @@ def render(ctx: PageContext) -> None:
     c[0].metric("Models served by pools", f"{len({m for m, _ in pools})}")
     c[1].metric("Replicas", f"{len(pools)}")
     c[2].metric("Replicas down or draining now",
-                f"{latest.filter(pl.col('state') != 'available').height}" if latest is not None else "—",
+                f"{state_counts(latest)[1]}" if latest is not None else "—",
                 help="At the last sample of the window: down (its scrape, connections or probe fail) or draining "
                      "(an operator took it out: POST /v1/replicas/drain).")
     c[3].metric("Prefix-hit routing share", pct(hits / total) if total else "—",
                 help="Routing decisions that sent a request to a replica which recently prefilled its prompt's "
                      "first block, ÷ all decisions in the window (every model).")
 
-    if states.height:
-        chart(charts.timeseries(_labelled(states), "available",
-                                title="Replica takes new requests — 1 available, 0 down or draining (last per bucket)",
+    if latest is not None:
+        chart(charts.timeseries(_labelled(states), "available", title=availability_title(latest),
                                 y_title="available (1/0)", window=w, color="model · replica",
                                 color_title="model · replica", y_format="d"))
     kv = _per_replica(ctx.gauge(ENGINE["kv_watermark"], ("engine", "model"), "max"), pools, "max") \

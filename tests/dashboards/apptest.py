@@ -17,7 +17,7 @@ def run_page(page: str, timeout: float = 180) -> AppTest:
     """Run the app (sidebar + default page), then switch to ``page`` and run it."""
     at = AppTest.from_file(str(APP), default_timeout=timeout).run()
     if page != "overview":
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"page_scripts/{page}.py").run()
     return at
 
 

@@ -28,8 +28,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.engine, pytest.mark.slow]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 #: page file → URL path (st.navigation derives it from the file name; the default page is "/")
-URLS = {"overview": "", "kv": "kv", "latency": "latency", "tenants": "tenants", "goodput": "goodput",
-        "quota": "quota", "noisy": "noisy", "agent_runs": "agent_runs", "billing": "billing", "gpu": "gpu"}
+#: quota first: a deep link is the fresh server's first request (it was served without app.py, signed
+#: out, while Streamlit's legacy pages/ mode was on: see test_config_cli's no-pages-folder test)
+URLS = {"quota": "quota", "overview": "", "kv": "kv", "latency": "latency", "tenants": "tenants",
+        "goodput": "goodput", "noisy": "noisy", "agent_runs": "agent_runs", "billing": "billing", "gpu": "gpu"}
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -108,11 +110,14 @@ def test_every_page_in_headless_chromium(dashboard_url, tmp_path):
                     + page.get_by_text("No request missed its tier's TTFT or ITL objective").count(),
                     "text": page.inner_text("body") if name == "noisy" else "",
                     "agent_loops": page.get_by_text("No model call of an agent run").count(),
+                    "signed_out": page.get_by_text("Sign in with an API key").count(),
+                    "admin": page.get_by_text("admin (platform-admin)").count(),
                 }
         finally:
             browser.close()
     for name, r in results.items():
         assert r["exceptions"] == 0 and r["errors"] == 0, (name, r)
+        assert r["signed_out"] == 0 and r["admin"] >= 1, (name, r)
         assert r["charts"] >= 1 and r["drawn"] >= 1, (name, r)
         assert r["spread"] > 5.0, (name, r)  # a blank chart area has a spread near 0
         assert (SHOTS / f"{name}.png").stat().st_size > 20_000

@@ -229,3 +229,14 @@ def test_every_signal_the_pages_read_is_one_the_sampler_writes():
     gpm = {signals.GPU["sm_active"], signals.GPU["tensor_active"], signals.GPU["dram_bandwidth"],
            signals.MIG["sm_active"]}
     assert read - gpm <= written, sorted(read - gpm - written)
+
+
+def test_no_pages_folder_beside_the_app():
+    """Streamlit's legacy multipage mode (``PagesManager.uses_pages_directory``) takes a ``pages/``
+    folder beside the main script as the app's pages, and serves a deep link (``/replicas``) as
+    that file alone — no ``st.navigation``, no sidebar sign-in — until a session has run app.py.
+    The page scripts live in ``page_scripts/``; a leftover ``pages/`` (even one holding only an
+    old ``__pycache__``) brings the bug back. The browser check: test_replicas_page's Chromium test."""
+    assert not (cli.APP.parent / "pages").exists(), "remove dashboards/pages/ (page scripts: page_scripts/)"
+    scripts = {p.stem for p in (cli.APP.parent / "page_scripts").glob("*.py")} - {"__init__"}
+    assert {"overview", "replicas", "quota"} <= scripts and len(scripts) == 11

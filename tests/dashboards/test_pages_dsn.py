@@ -18,7 +18,7 @@ def test_every_page_renders_from_the_dsn(dsn_ledger, dashboard_env):
     assert "ClickHouse" in " ".join(c.value for c in at.sidebar.caption)
     drawn = {}
     for page in PAGES[1:]:
-        at.switch_page(f"pages/{page}.py").run()
+        at.switch_page(f"page_scripts/{page}.py").run()
         assert_clean(at)
         drawn[page] = [c for c in charts(at) if c["rows"] > 0]
     assert all(drawn.values()), {p: len(c) for p, c in drawn.items()}

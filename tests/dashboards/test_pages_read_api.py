@@ -190,7 +190,7 @@ def test_admin_tenant_filter_narrows_every_read(reader, dashboard_env):
     at = AppTest.from_file(str(APP), default_timeout=180)
     at.session_state["tenant_filter"] = ["umbrella"]
     at.run()
-    at.switch_page("pages/tenants.py").run()
+    at.switch_page("page_scripts/tenants.py").run()
     assert_clean(at)
     assert set(ranking_table(at)["tenant_id"]) == {"umbrella"}
 

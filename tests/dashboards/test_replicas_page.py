@@ -22,7 +22,14 @@ from dashkit import KEYS, close_dashboard_backend, stop_readers
 from kvmeter.bus import StatsBus
 from kvmeter.clock import ManualClock
 from kvmeter.dashboards.config import ENV
-from kvmeter.dashboards.views.replicas import hit_share, replica_of, replica_states
+from kvmeter.dashboards.views.replicas import (
+    availability_title,
+    hit_share,
+    replica_of,
+    replica_states,
+    state_counts,
+    state_now,
+)
 from kvmeter.exporters.signals import SignalSampler, SignalSamplerConfig
 from kvmeter.ledger import Ledger, LedgerConfig
 from kvmeter.stats import RemoteEngineStats, ReplicaHealth, RoutingDecision
@@ -110,6 +117,9 @@ def test_the_replicas_page_per_model_and_replica(pool_ledger, monkeypatch):
     now = {(r["model"], r["replica"]): r["state"] for r in table.to_dict("records")}
     assert now == {("llama", A1): "available", ("llama", A2): "draining", ("qwen", B1): "down"}
     assert all(c["title"] for c in charts(at))
+    # the availability chart's heading counts the replicas the tile and the table count (it read
+    # "1 available, 0 down or draining" whatever the state: the y encoding, taken for counts)
+    assert chart(at, "Replica takes new requests")["title"].endswith("now 1 available, 2 down or draining")
 
 
 def test_the_replicas_page_is_admin_only(pool_ledger, monkeypatch):
@@ -128,10 +138,30 @@ def test_the_frames_behind_the_page():
     avail = pl.DataFrame({"ts": [ts] * 3, "model": ["m"] * 3, "replica": ["a", "b", "c"], "value": [1.0, 0.0, 0.0]})
     got = replica_states(up, avail).sort("replica")
     assert got.get_column("state").to_list() == ["available", "draining", "down"]
+    assert state_counts(state_now(got)) == (1, 2)
     decisions = pl.DataFrame({"ts": [ts] * 3, "model": ["m"] * 3, "outcome": ["prefix_hit", "prefix_miss", "failover"],
                               "value": [3.0, 1.0, 1.0]})
     assert hit_share(decisions).get_column("share").to_list() == [0.6]
     assert hit_share(decisions.with_columns(pl.lit(0.0).alias("value"))).height == 0
+
+
+def test_the_availability_heading_counts_the_replicas_now():
+    """Four replicas of one model, the second drained at the second bucket (what ``POST
+    /v1/replicas/drain {"replica": 1, "draining": true}`` does): the heading, like the tile and the
+    table, says 3 available and 1 draining now — the replica's earlier "available" bucket is not
+    counted, nor is a bucket's ordering in the frame (shuffled)."""
+    t0, t1 = datetime(2026, 1, 1, tzinfo=timezone.utc), datetime(2026, 1, 1, 0, 1, tzinfo=timezone.utc)
+    reps = ["r0", "r1", "r2", "r3"]
+    up = pl.DataFrame({"ts": [t0] * 4 + [t1] * 4, "model": ["m"] * 8, "replica": reps * 2, "value": [1.0] * 8})
+    avail = up.with_columns(pl.when((pl.col("replica") == "r1") & (pl.col("ts") == t1)).then(0.0)
+                            .otherwise(1.0).alias("value"))
+    states = replica_states(up.sample(fraction=1.0, shuffle=True, seed=3), avail.reverse())
+    now = state_now(states)
+    assert dict(zip(now.get_column("replica"), now.get_column("state"), strict=True)) == {
+        "r0": "available", "r1": "draining", "r2": "available", "r3": "available"}
+    assert state_counts(now) == (3, 1)
+    title = availability_title(now)
+    assert title.endswith("now 3 available, 1 down or draining") and "1 available, 0 down" not in title
 
 
 @pytest.mark.browser
@@ -171,10 +201,11 @@ def test_the_replicas_page_in_headless_chromium(pool_ledger, tmp_path):
                 viewport={"width": 1400, "height": 1800})
             try:
                 page = browser.new_page()
-                page.goto(url)  # the app's entry point first (its sidebar signs in), as test_browser does
-                page.get_by_text("admin (platform-admin)").wait_for(timeout=120_000)
-                page.wait_for_selector("[data-testid=stStatusWidget]", state="detached", timeout=120_000)
+                # A deep link is the fresh server's and the fresh browser's FIRST request: with a
+                # ``pages/`` folder beside app.py, Streamlit's legacy multipage mode served the
+                # page file on its own (no st.navigation, no sidebar sign-in) until "/" was opened.
                 page.goto(f"{url}/replicas")
+                page.get_by_text("admin (platform-admin)").wait_for(timeout=120_000)
                 page.wait_for_selector("[data-testid=stVegaLiteChart] canvas, [data-testid=stVegaLiteChart] svg, "
                                        "[data-testid=stException], [data-testid=stAlert]", timeout=120_000)
                 page.wait_for_selector("[data-testid=stStatusWidget]", state="detached", timeout=120_000)
@@ -187,6 +218,11 @@ def test_the_replicas_page_in_headless_chromium(pool_ledger, tmp_path):
                                     "[data-testid=stVegaLiteChart] svg").count() >= 5
                 assert _spread(page.locator("[data-testid=stVegaLiteChart]").first.screenshot()) > 5.0
                 assert page.get_by_text("Prefix-hit routing share").count() >= 1
+                assert page.get_by_text("Sign in with an API key").count() == 0
+                assert page.title() == "kvmeter"  # app.py's set_page_config ran, not the page file alone
+                assert page.locator("h1").first.inner_text().strip() == "Replicas"
+                nav = [t.split()[-1] for t in page.locator("[data-testid=stSidebarNav] a").all_inner_texts()]
+                assert nav[0] == "Overview" and nav[-1] == "Replicas" and "app" not in nav, nav  # titles, not files
             finally:
                 browser.close()
     finally:
