@@ -10,13 +10,26 @@ orchestrator's authentication and body checks (:mod:`kvmeter.serving.gateway.han
    would refuse, kvmeter's two refusals: ``max_completion_tokens`` on ``/v1/completions`` and
    ``use_beam_search``) and check the model (vLLM's 404 for another name; no name: the served
    one). Nothing reaches the upstream before these pass.
-2. **Estimate** for the quota's reservation: the prompt's tokens with the model's tokenizer (the
-   chat template with the request's ``tools``; each prompt of a completion), and the output
-   ceiling ``n`` × Σ per prompt ``min(max_tokens, window − prompt)`` (without ``max_tokens`` on a
-   chat: what the window, or the caller's quota ``max_context_tokens``, leaves).
+2. **Check the context window and estimate** for the quota's reservation: the prompt's tokens with
+   the model's tokenizer (the chat template with the request's ``tools``; each prompt of a
+   completion), held to the model's window — the engine's ``max_model_len`` (the config's, per
+   pool under ``engine.models``, else what the upstream's ``/v1/models`` reports; the one
+   kvmeter's ``/v1/models`` advertises) — with vLLM's own checks (:func:`_window_check`): a
+   prompt past it (or filling it) and a ``max_tokens`` past it are vLLM 0.32's 400s, before
+   admission and billed nothing, whatever the upstream would have done (its window may be larger,
+   or it may check nothing). Too long is a 400, never a truncation. The output ceiling is ``n`` ×
+   Σ per prompt vLLM's ``get_max_tokens``: ``min(max_tokens, window − prompt)`` (without
+   ``max_tokens`` on a chat: what the window leaves, or, when tighter, what the caller's quota
+   ``max_context_tokens`` leaves, as the in-process path sets it).
 3. After admission and dispatch, **forward the body as the client sent it** (re-serialized JSON:
    the same values) to the same route of the upstream, with the client's ``X-Request-Id`` (else
-   kvmeter's request id). kvmeter changes one thing: a streamed request without
+   kvmeter's request id). Never a larger output ceiling than was reserved: a ``max_tokens`` (or
+   ``max_completion_tokens``) past what the prompt leaves of the window goes as that — what vLLM
+   lowers it to itself (for a completion of several prompts, what the shortest leaves; vLLM
+   lowers each) —, and a chat without one under a tighter quota ``max_context_tokens`` gets
+   ``max_tokens`` = what that limit leaves. Without either, nothing is added (the upstream's
+   default: what its window leaves, or its model's generation config's). kvmeter also changes
+   one thing more: a streamed request without
    ``stream_options.include_usage`` gets it, so the upstream reports its own counts, and
    :class:`~kvmeter.serving.gateway.upstream.ClientView` takes out of the stream what that added
    (the usage chunk; the ``system_fingerprint`` that vLLM then moves onto it is put back on each
@@ -73,7 +86,7 @@ from kvmeter.serving.gateway.errors import ApiError, error_response
 from kvmeter.serving.gateway.handler import REQUEST_ID_HEADER, Admitted, ClientGone, CompletionEndpoint, Prepared
 from kvmeter.serving.gateway.replays import stored_headers
 from kvmeter.serving.gateway.upstream import DONE, UNKNOWN, AnswerReader, ClientView
-from kvmeter.serving.openai_api.errors import invalid_body
+from kvmeter.serving.openai_api.errors import from_exception, invalid_body
 from kvmeter.serving.openai_api.layer import request_kind, validate_request
 from kvmeter.serving.quota.idempotency import StoredResponse
 from kvmeter.serving.scheduler.router import prefix_block_hashes
@@ -197,6 +210,49 @@ def _event(lines: list[str], data: list[str]) -> tuple[bytes, Any]:
     return raw, DONE if text.strip() == DONE else _parse(text.encode("utf-8"))
 
 
+def _window_check(vreq: Any, prompts: Sequence[Sequence[int]], window: int) -> list[int]:
+    """The context-window checks vLLM's server makes before it runs a request, made here before
+    admission with vLLM's own code, so the upstream is never sent (nor the quota asked to reserve
+    for) what does not fit ``window`` (the engine's ``max_model_len``: the config's, else the
+    upstream's ``/v1/models``) — even when the upstream's own window is larger or it checks nothing.
+
+    ``prompts``: kvmeter's token ids of each prompt (an empty one: ``prompt_embeds`` or none,
+    which vLLM's answer decides). Returns each prompt's length after the request's
+    ``truncate_prompt_tokens`` (vLLM's truncation).
+
+    Raises:
+        OpenAIError: vLLM 0.32's 400s, as its server words them: ``max_tokens`` (or
+            ``max_completion_tokens``) past the window ("max_tokens=M cannot be greater than
+            max_model_len=N. Please request fewer output tokens.", its ``TokenizeParams``); a
+            prompt past it ("This model's maximum context length is N tokens. However, your prompt
+            contains P input tokens, which exceeds this limit even without any output tokens. ...",
+            param ``input_tokens``); a prompt that fills it, leaving no room for one output token
+            (its engine's input processor). A ``max_tokens`` that fits the window but not what the
+            prompt leaves of it is no error: vLLM's ``get_max_tokens`` lowers it to that.
+    """
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    # what the two checks read of vLLM's model config and input processor
+    model_config = SimpleNamespace(max_model_len=window, runner_type="generate")
+    processor = SimpleNamespace(skip_prompt_length_check=False, model_config=model_config,
+                                supports_mm_inputs=False, mm_encoder_cache_size=0)
+    lengths = []
+    try:
+        params = vreq.build_tok_params(model_config)  # max_tokens past the window
+        for ids in prompts:
+            if not ids:
+                lengths.append(0)
+                continue
+            kept = len(params._validate_tokens(None, list(ids)))  # truncation, then the prompt's length
+            InputProcessor._validate_prompt_len(processor, kept, "decoder")  # type: ignore[arg-type]
+            lengths.append(kept)
+    except Exception as exc:  # noqa: BLE001 — vLLM's VLLMValidationError / ValueError: its 400
+        raise from_exception(exc) from None
+    return lengths
+
+
 class RemoteEndpoint(CompletionEndpoint):
     """``/v1/chat/completions`` or ``/v1/completions`` proxied to the remote engine's upstream (see
     the module)."""
@@ -224,24 +280,34 @@ class RemoteEndpoint(CompletionEndpoint):
         vreq = validate_request(dict(data), self.chat)  # (vLLM's validators fill in the dict they get)
         stream = bool(vreq.stream)
         strip_usage = stream and not (vreq.stream_options is not None and vreq.stream_options.include_usage)
-        forwarded = data
-        if strip_usage:  # the one change kvmeter makes to the body (see the module docstring)
-            options = data.get("stream_options")
-            forwarded = {**data, "stream_options": {**(options if isinstance(options, dict) else {}),
-                                                    "include_usage": True}}
-        body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         # vLLM's server: no name is the served model; another name its 404 naming the served ones
         served = self.gw.served().get(vreq.model)
         engine = served.engine
+        window = engine.max_model_len
         prompts = await self._prompt_ids(data, engine.tokenizer)
+        lengths = _window_check(vreq, prompts, window)  # vLLM's 400s for what does not fit the window
         n = int(vreq.n or 1)
         fields = vreq.__dict__  # (reading max_tokens as an attribute warns it is deprecated)
-        asked = fields.get("max_completion_tokens") if self.chat else None
-        if asked is None:
-            asked = fields.get("max_tokens")
+        key = "max_completion_tokens" if self.chat and fields.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        sent = fields.get(key)
+        asked = sent
         context_limit = self._context_limit(principal, run_id)
-        ceilings = [self._ceiling(asked, len(p), context_limit, engine.max_model_len) for p in prompts]
-        input_tokens = sum(len(p) for p in prompts)
+        if asked is None and context_limit is not None and context_limit < window and lengths:
+            # what the in-process path sets (OpenAILayer.plan): the ceiling the quota's limit leaves
+            asked = max(1, min(context_limit - p for p in lengths))
+        ceilings = [self._ceiling(asked, p, window) for p in lengths]
+        forwarded = data
+        if asked is not None and ceilings and min(asked, max(ceilings)) != sent:
+            # never more than what is reserved: the ceiling vLLM itself would clamp max_tokens to
+            # (get_max_tokens), or the quota's limit's (see the module docstring, step 3)
+            forwarded = {**forwarded, key: min(asked, max(ceilings))}
+        if strip_usage:  # (see the module docstring, step 3)
+            options = data.get("stream_options")
+            forwarded = {**forwarded, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                                         "include_usage": True}}
+        body = json.dumps(forwarded, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        input_tokens = sum(lengths)
         tools = getattr(vreq, "tools", None) if self.chat else None
         names = tuple(t.function.name for t in tools) if tools else ()
         payload = _Payload(body, strip_usage, input_tokens, single_prompt=len(prompts) == 1,
@@ -250,21 +316,18 @@ class RemoteEndpoint(CompletionEndpoint):
         if names and agents is not None and agents.can_withhold(principal):
             payload.emitted = EmittedToolCalls(agents, principal, run_id)
         blocks = prefix_block_hashes(prompts[0]) if isinstance(engine, EnginePool) and prompts else ()
-        seq_in, seq_out = max(zip(map(len, prompts), ceilings, strict=True), key=sum, default=(0, 0))
+        seq_in, seq_out = max(zip(lengths, ceilings, strict=True), key=sum, default=(0, 0))
         return Prepared(stream=stream, input_tokens=input_tokens, output_tokens=n * sum(ceilings), payload=payload,
                         tool_names=names, prompts=tuple(prompts) if run_id and all(prompts) else (),
                         prefix_blocks=blocks, sequence=TokenCounts(input_tokens=seq_in, output_tokens=seq_out),
                         served=served)
 
     @staticmethod
-    def _ceiling(asked: int | None, prompt_tokens: int, context_limit: int | None, window: int) -> int:
-        """One prompt's output ceiling: ``max_tokens`` up to what the model's ``window`` leaves (the
-        upstream refuses more itself); without it, what the window — or, when tighter, the
-        caller's quota ``max_context_tokens`` — leaves (at least 1)."""
+    def _ceiling(asked: int | None, prompt_tokens: int, window: int) -> int:
+        """One prompt's output ceiling, as vLLM's ``get_max_tokens`` computes it: ``max_tokens``
+        up to what the model's ``window`` leaves; without it, what the window leaves (at least 1)."""
         room = max(1, window - prompt_tokens)
         if asked is None:
-            if context_limit is not None and context_limit < window:
-                return max(1, context_limit - prompt_tokens)
             return room
         return min(max(0, asked), room)
 

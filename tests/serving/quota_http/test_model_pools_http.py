@@ -239,3 +239,33 @@ async def test_each_model_estimates_with_its_own_tokenizer_and_chat_template(ser
     finally:
         for u in ups_a + ups_b:
             await u.stop()
+
+
+async def test_each_models_own_window_holds_before_its_replicas(serve, model_dir):
+    """A pool's ``max_model_len`` (here below what its replica reports, and it checks nothing):
+    a prompt past it is vLLM's 400 naming that model's window, never sent, never billed; the other
+    model's larger window takes the same prompt; one that fits is a 200."""
+    ups_a, ups_b = await upstreams()
+    models = [{"name": A, "model": str(model_dir), "replicas": [u.url for u in ups_a]},
+              {"name": B, "model": str(model_dir), "replicas": [u.url for u in ups_b], "max_model_len": 80}]
+    try:
+        s = await serve(CFG, models=models, prices_yaml=PRICES)
+        client = sdk(s)
+        listed = (await s.client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})).json()
+        assert {m["id"]: m["max_model_len"] for m in listed["data"]} == {A: 4096, B: 80}
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 80 tokens. However, your "
+                                                         "prompt contains 84 input tokens"):
+            await client.completions.create(model=B, prompt=PROMPT, max_tokens=3)
+        with pytest.raises(openai.BadRequestError, match="max_tokens=81 cannot be greater than max_model_len=80"):
+            await client.completions.create(model=B, prompt=PROMPT[:10], max_tokens=81)
+        assert ups_b[0].bodies == [] and s.billed(api_key_id="k1") == []
+        done = await client.completions.create(model=B, prompt=PROMPT[:70], max_tokens=3)
+        assert done.model == B and ups_b[0].bodies[-1]["max_tokens"] == 3
+        await client.completions.create(model=B, prompt=PROMPT[:70], max_tokens=50)  # lowered to what is left
+        assert ups_b[0].bodies[-1]["max_tokens"] == 10
+        done = await client.completions.create(model=A, prompt=PROMPT, max_tokens=3)
+        assert done.model == A and sum(len(u.bodies) for u in ups_a) == 1
+        assert sorted(r["model"] for r in s.billed(api_key_id="k1")) == [A, B, B]
+    finally:
+        for u in ups_a + ups_b:
+            await u.stop()

@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from kvmeter.serving.engines.remote import RemoteEngine
+from kvmeter.serving.gateway.remote_path import chat_prompt_ids
 from tests.serving.quota_http.conftest import MODEL, bearer, one_project_tenants, tenants, until
 from tests.serving.quota_http.scripted_upstream import ScriptedUpstream, Stream, Whole, sse
 
@@ -430,5 +431,133 @@ async def test_each_choices_finish_reason_reaches_the_trace_as_the_upstream_answ
         [completion] = done
         assert completion.finish_reasons == ("tool_calls", "length")
         assert completion.response_id == "chatcmpl-up-1"
+    finally:
+        await up.stop()
+
+
+# -- the context window (kvmeter's, before admission: the upstream may check nothing) --------------
+#: a small window, advertised by the upstream (which, scripted, enforces none of it)
+WINDOW = 64
+
+
+def chat_answer(completion_tokens: int) -> Whole:
+    """A chat completion whose usage claims ``completion_tokens`` (what a server that does not hold
+    the window may report)."""
+    return Whole({"id": "chatcmpl-up", "object": "chat.completion", "created": 1, "model": MODEL,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                               "finish_reason": "length", "logprobs": None}],
+                  "usage": usage(10, completion_tokens)})
+
+
+def refused(resp: httpx.Response, param: str) -> str:
+    """vLLM's 400 body (its shape, its param); its message."""
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("BadRequestError", param, 400), err
+    return err["message"]
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    (COMPLETIONS, {"prompt": list(range(100, 100 + WINDOW + 6)), "max_tokens": 4}, "input_tokens",
+     f"This model's maximum context length is {WINDOW} tokens. However, your prompt contains {WINDOW + 6} input "
+     "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 200}]}, "input_tokens",
+     f"This model's maximum context length is {WINDOW} tokens. However, your prompt contains "),
+    (CHAT, {"messages": QUESTION, "max_tokens": 100_000_000}, "max_tokens",
+     f"max_tokens=100000000 cannot be greater than max_model_len={WINDOW}. Please request fewer output tokens."),
+    (CHAT, {"messages": QUESTION, "max_completion_tokens": WINDOW + 1}, "max_completion_tokens",
+     f"max_completion_tokens={WINDOW + 1} cannot be greater than max_model_len={WINDOW}."),
+    (COMPLETIONS, {"prompt": list(range(100, 100 + WINDOW)), "max_tokens": 4}, None,
+     f"The decoder prompt (length {WINDOW}) plus the number of requested output tokens (at least 1) is longer "
+     f"than the maximum model length of {WINDOW}."),
+])
+async def test_what_does_not_fit_the_window_is_vllms_400_before_the_upstream_and_billed_nothing(
+        serve, model_dir, path, body, param, message):
+    """The newcomer's case: an upstream that does not hold the window would answer (and bill) anything;
+    kvmeter refuses what vLLM's server would, before admission, in vLLM 0.32's words."""
+    up = ScriptedUpstream(MODEL, max_model_len=WINDOW, answer=chat_answer(100_000_000))
+    s = await stack(serve, model_dir, up)
+    try:
+        for stream in (False, True):
+            resp = await s.client.post(path, json={"model": MODEL, **body, "stream": stream}, headers=bearer(KEY))
+            if param is None:
+                assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError", resp.text
+                assert message in resp.json()["error"]["message"]
+            else:
+                assert message in refused(resp, param)
+        assert up.bodies == []  # never reached the upstream
+        assert s.billed(api_key_id="k1") == []
+        assert all(r["output_tokens"] == 0 and r["status_code"] == 400 for r in s.usage_rows(api_key_id="k1"))
+    finally:
+        await up.stop()
+
+
+async def test_a_max_tokens_past_what_the_prompt_leaves_is_forwarded_as_vllm_lowers_it(serve, model_dir, tokenizer):
+    """max_tokens ≤ the window but past what the prompt leaves of it: vLLM's ``get_max_tokens``
+    lowers it to that (no error); kvmeter reserves that and forwards no more than it reserved."""
+    up = ScriptedUpstream(MODEL, max_model_len=WINDOW, answer=chat_answer(3))
+    s = await stack(serve, model_dir, up)
+    try:
+        prompt = list(range(100, 140))  # 40 tokens: 24 left
+        resp = await s.client.post(COMPLETIONS, json={"model": MODEL, "prompt": prompt, "max_tokens": 50},
+                                   headers=bearer(KEY))
+        assert resp.status_code == 200, resp.text
+        assert up.bodies[-1]["max_tokens"] == WINDOW - 40
+        # one that fits is forwarded as sent
+        fits = {"model": MODEL, "prompt": prompt, "max_tokens": 24}
+        assert (await s.client.post(COMPLETIONS, json=fits, headers=bearer(KEY))).status_code == 200
+        assert up.bodies[-1] == fits
+        # a chat's max_completion_tokens is lowered under its own name
+        n_prompt = len(chat_prompt_ids(tokenizer, QUESTION))
+        chat = {"model": MODEL, "messages": QUESTION, "max_completion_tokens": WINDOW}
+        assert (await s.client.post(CHAT, json=chat, headers=bearer(KEY))).status_code == 200
+        assert up.bodies[-1] == {**chat, "max_completion_tokens": WINDOW - n_prompt}
+    finally:
+        await up.stop()
+
+
+async def test_without_max_tokens_the_quotas_context_limit_is_forwarded_as_the_ceiling(serve, model_dir, tokenizer):
+    """A chat without max_tokens: vLLM runs to what the window leaves; under a tighter
+    ``max_context_tokens`` kvmeter reserves (and, as the in-process path, sets) what that limit
+    leaves — never more than it reserved."""
+    up = ScriptedUpstream(MODEL, answer=chat_answer(3))  # window 4096
+    short = CFG.replace(f"{{key: {KEY}}}", f"{{key: {KEY}, limits: {{max_context_tokens: 100}}}}")
+    s = await stack(serve, model_dir, up, short)
+    body = {"model": MODEL, "messages": QUESTION}
+    try:
+        assert (await s.client.post(CHAT, json=body, headers=bearer(KEY))).status_code == 200
+        assert up.bodies == [{**body, "max_tokens": 100 - len(chat_prompt_ids(tokenizer, QUESTION))}]
+    finally:
+        await up.stop()
+
+
+async def test_without_max_tokens_or_a_quota_limit_the_body_is_forwarded_as_sent(serve, model_dir):
+    up = ScriptedUpstream(MODEL, answer=chat_answer(3))
+    s = await stack(serve, model_dir, up)
+    body = {"model": MODEL, "messages": QUESTION}
+    try:  # vLLM's own default applies (what the window leaves, or the model's generation config's)
+        assert (await s.client.post(CHAT, json=body, headers=bearer(KEY))).status_code == 200
+        assert up.bodies == [body]
+    finally:
+        await up.stop()
+
+
+async def test_the_configured_window_holds_when_the_upstreams_is_larger(serve, model_dir):
+    """``engine.max_model_len`` below the upstream's (the newcomer's case a): kvmeter's window —
+    the one its ``/v1/models`` advertises — is the one requests are held to."""
+    up = ScriptedUpstream(MODEL, answer=chat_answer(3))  # the upstream says 4096
+    await up.start()
+    engine = RemoteEngine(up.url, model_dir=model_dir, model_name=MODEL, metrics_url=None, api_key="sk-upstream",
+                          max_model_len=WINDOW)
+    s = await serve(CFG, engine=engine)
+    try:
+        listed = (await s.client.get("/v1/models", headers=bearer(KEY))).json()
+        assert listed["data"][0]["max_model_len"] == WINDOW
+        long = {"model": MODEL, "prompt": list(range(100, 100 + WINDOW + 1)), "max_tokens": 1}
+        assert f"maximum context length is {WINDOW} tokens" in refused(
+            await s.client.post(COMPLETIONS, json=long, headers=bearer(KEY)), "input_tokens")
+        ok = {"model": MODEL, "prompt": list(range(100, 110)), "max_tokens": 4}
+        assert (await s.client.post(COMPLETIONS, json=ok, headers=bearer(KEY))).status_code == 200
+        assert up.bodies == [ok]
     finally:
         await up.stop()
