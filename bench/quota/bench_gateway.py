@@ -543,7 +543,7 @@ def markdown(r: dict, args: argparse.Namespace) -> str:
                 f"| kvmeter gateway (quota on memory, remote engine) | upstream (direct) | "
                 f"{diff('kvmeter/remote', 'upstream (direct)')} |", ""]
     if r["ceiling"]:
-        n = r["ceiling_workers"]
+        n = r["ceiling_workers"] if r["ceiling_workers"] > 1 else "N"  # N: not measured (--ceiling-workers 0)
         names = {"bare": "bare Starlette endpoint (upstream /bare)", "upstream": "upstream (direct) chat",
                  "kvmeter": "kvmeter/memory (instant engine)", "before": "kvmeter/memory (before)",
                  "remote": "kvmeter/remote (quota on memory)", "litellm": "litellm (1 worker)",
