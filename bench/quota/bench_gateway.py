@@ -27,13 +27,28 @@ Measured:
    request (``/proc``; stable when the wall clock is not). Added latency of the quota =
    ``kvmeter/memory`` (or ``/redis``) − ``kvmeter/unlimited``; overhead of a proxy = proxy −
    ``upstream`` direct.
-2. **Ceiling**: requests/s from ``wrk`` (Debian package; a Lua script makes the POSTs) against the
-   bare endpoint and against ``kvmeter/memory``'s ``/v1/chat/completions``, alternated
-   ``--ceiling-rounds`` times, ``--connections`` connections, one wrk thread.
+2. **Ceiling**: requests/s from ``wrk`` (Debian package; a Lua script makes the POSTs),
+   ``--connections`` connections, one wrk thread, ``--ceiling-s`` seconds per run, every target
+   once per round for ``--ceiling-rounds`` rounds (side by side, so a shared machine's drift hits
+   all alike): the bare endpoint, ``upstream``'s own ``/v1/chat/completions``, ``kvmeter/memory``
+   (instant engine), ``kvmeter/remote`` and ``litellm`` (both in front of ``upstream``: the path
+   that fronts a fleet of vLLM servers), and, with ``--ceiling-workers N`` (default 2; 0: off),
+   the same proxies as N processes: ``kvmeter serve --workers N --engine remote`` (it needs a
+   shared quota store and a networked ledger: the ``redis-server`` above and a ClickHouse HTTP DSN
+   that nothing answers, so records stay durable in each worker's spool, as
+   ``tests/serving/quota_http/test_serve_workers.py`` runs it) beside ``kvmeter/remote (redis)``,
+   its one-process baseline with the same quota store, and LiteLLM's ``--num_workers N``. Each
+   run also records the server's CPU time per request (user + system, summed over the process
+   and all its descendants, from ``/proc``). Ratios reported per round: kvmeter / LiteLLM
+   (goal ≥ 5×) and N processes / 1 process for each.
+
+LiteLLM is not a kvmeter dependency: install it in a venv of its own and pass its entry point,
+``--litellm-bin /path/to/venv/bin/litellm`` (default: ``litellm`` beside this Python).
 
 Usage::
 
-    .venv/bin/python bench/quota/bench_gateway.py [--n 2000] [--rounds 10] [--ceiling-s 10]
+    .venv/bin/python bench/quota/bench_gateway.py [--n 2000] [--rounds 10] [--ceiling-s 10] \
+        [--only-ceiling] [--litellm-bin /work/litellm-venv/bin/litellm]
 
 Prints a Markdown report for bench/quota/RESULTS.md; ``--json`` writes the raw figures too.
 """
@@ -144,8 +159,36 @@ class Proc:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the process (all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return pid_cpu_s(self.proc.pid)
+
+    def tree_cpu_s(self) -> float:
+        """User + system CPU seconds of the process and every live descendant (worker processes),
+        seconds; a descendant that exits between two readings drops out of the later one."""
+        return sum(pid_cpu_s(pid) for pid in process_tree(self.proc.pid))
+
+
+def pid_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), from ``/proc/<pid>/stat``;
+    0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants (``/proc/<pid>/task/<tid>/children``)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found
 
 
 @dataclass
@@ -249,7 +292,9 @@ def measure_latency(targets: list[Target], n: int, rounds: int) -> None:
             c.close()
 
 
-def wrk_rps(url: str, script: Path, seconds: int, connections: int) -> dict:
+def wrk_rps(url: str, script: Path, seconds: int, connections: int, proc: Proc | None = None) -> dict:
+    """One wrk run; with ``proc``, also the server's CPU ms per completed request (its process tree)."""
+    cpu0 = proc.tree_cpu_s() if proc else 0.0
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
                          capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
@@ -259,7 +304,13 @@ def wrk_rps(url: str, script: Path, seconds: int, connections: int) -> dict:
     p99 = re.search(r"\s99%\s+([\d.]+\w+)", out)
     return {"rps": rps, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             "socket_errors": errors.group(1).strip() if errors else "", "p50": p50.group(1) if p50 else "",
-            "p99": p99.group(1) if p99 else ""}
+            "p99": p99.group(1) if p99 else "",
+            "cpu_ms_per_req": ((proc.tree_cpu_s() - cpu0) / max(1, requests_done(out)) * 1e3) if proc else None}
+
+
+def requests_done(wrk_out: str) -> int:
+    m = re.search(r"(\d+) requests in", wrk_out)
+    return int(m.group(1)) if m else 0
 
 
 def lua_post(path: Path, body: bytes, key: str | None) -> Path:
@@ -283,6 +334,11 @@ def main() -> None:
     ap.add_argument("--ceiling-rounds", type=int, default=2)
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--litellm-bin", type=Path, default=Path(PY).with_name("litellm"),
+                    help="LiteLLM's proxy entry point (its own venv; default: litellm beside this Python)")
+    ap.add_argument("--ceiling-workers", type=int, default=2, metavar="N",
+                    help="also measure the ceiling of kvmeter serve --workers N and LiteLLM --num_workers N "
+                         "(0: off)")
     ap.add_argument("--only-ceiling", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--before", type=Path, metavar="LAUNCHER",
@@ -324,11 +380,14 @@ def main() -> None:
                                 launcher=[str(args.before)]))
         procs += variants
         if not args.skip_litellm:
-            ll_port = free_port()
-            procs.append(start("litellm", [str(Path(PY).with_name("litellm")), "--config", str(root / "litellm.yaml"),
-                                           "--host", "127.0.0.1", "--port", str(ll_port), "--num_workers", "1"],
-                               ll_port, root, "/health/liveliness",
-                               env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(root)}))
+            procs.append(litellm(args.litellm_bin, "litellm", root, 1))
+        n_workers = args.ceiling_workers
+        if n_workers > 1:
+            procs.append(kvm("kvmeter/remote (redis)", "--engine", "remote", "--remote-url",
+                             f"http://127.0.0.1:{up_port}", "--quota-store", redis_url))
+            procs.append(kvm_workers(f"kvmeter/remote x{n_workers}", n_workers, root, up_port, redis_url))
+            if not args.skip_litellm:
+                procs.append(litellm(args.litellm_bin, f"litellm x{n_workers}", root, n_workers))
         wait_healthy(procs)
         by = {p.name: p for p in procs}
         chat = "/v1/chat/completions"
@@ -349,26 +408,85 @@ def main() -> None:
         body = json.dumps(BODY).encode()
         bare_lua = lua_post(root / "bare.lua", body, None)
         kvm_lua = lua_post(root / "kvm.lua", body, KEY)
+        ll_lua = lua_post(root / "litellm.lua", body, LITELLM_KEY)
+        up_lua = lua_post(root / "up.lua", body, "unused")
+        ceiling_targets = [("bare", "upstream", "/bare", bare_lua), ("upstream", "upstream", chat, up_lua),
+                           ("kvmeter", "kvmeter/memory", chat, kvm_lua)]
+        if args.before:
+            ceiling_targets.append(("before", "kvmeter/memory (before)", chat, kvm_lua))
+        ceiling_targets.append(("remote", "kvmeter/remote", chat, kvm_lua))
+        if not args.skip_litellm:
+            ceiling_targets.append(("litellm", "litellm", chat, ll_lua))
+        if n_workers > 1:
+            ceiling_targets += [("remote_redis", "kvmeter/remote (redis)", chat, kvm_lua),
+                                ("remote_n", f"kvmeter/remote x{n_workers}", chat, kvm_lua)]
+            if not args.skip_litellm:
+                ceiling_targets.append(("litellm_n", f"litellm x{n_workers}", chat, ll_lua))
+        keys = {bare_lua: None, up_lua: "unused", kvm_lua: KEY, ll_lua: LITELLM_KEY}
+        for _, name, path, lua in ceiling_targets:  # each must answer 200; then a 2 s warm-up
+            resp = httpx.post(by[name].url + path, json=BODY, timeout=30,
+                              headers={"authorization": f"Bearer {keys[lua]}"} if keys[lua] else {})
+            if resp.status_code != 200:
+                raise RuntimeError(f"{name} answered {resp.status_code}: {resp.text[:500]}")
+            wrk_rps(by[name].url + path, lua, 2, args.connections)
         ceiling = []
-        for _ in range(args.ceiling_rounds):
-            bare = wrk_rps(by["upstream"].url + "/bare", bare_lua, args.ceiling_s, args.connections)
-            gw = wrk_rps(by["kvmeter/memory"].url + chat, kvm_lua, args.ceiling_s, args.connections)
-            row = {"bare": bare, "kvmeter": gw, "ratio": gw["rps"] / bare["rps"]}
-            if args.before:
-                row["before"] = wrk_rps(by["kvmeter/memory (before)"].url + chat, kvm_lua, args.ceiling_s,
-                                        args.connections)
+        for i in range(args.ceiling_rounds):
+            row = {}
+            for key, name, path, lua in ceiling_targets:
+                row[key] = wrk_rps(by[name].url + path, lua, args.ceiling_s, args.connections, by[name])
+                print(f"ceiling round {i + 1}/{args.ceiling_rounds}: {name} {path} {row[key]['rps']:,.0f} req/s, "
+                      f"{row[key]['cpu_ms_per_req']:.2f} ms CPU / request, load {loadavg()}",
+                      file=sys.stderr, flush=True)
+            row["ratio"] = row["kvmeter"]["rps"] / row["bare"]["rps"]
             ceiling.append(row)
     finally:
         stop(procs)
         redis_server.stop()
-    report = {"date_utc": started, "machine": machine(redis_version), "load_start": load_start,
+    ll_version = litellm_version(args.litellm_bin) if not args.skip_litellm else "skipped"
+    report = {"date_utc": started, "machine": machine(redis_version, ll_version), "load_start": load_start,
               "load_end": loadavg(), "n": args.n, "rounds": args.rounds, "notes": notes,
               "latency": {t.name: summarize(t) for t in targets if t.lat_s}, "ceiling": ceiling,
-              "connections": args.connections, "ceiling_s": args.ceiling_s}
+              "connections": args.connections, "ceiling_s": args.ceiling_s, "ceiling_workers": n_workers,
+              "litellm_version": ll_version}
     print(markdown(report, args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     shutil.rmtree(root, ignore_errors=True)  # kept (with every server's log) when a step failed
+
+
+def litellm(bin_: Path, name: str, root: Path, workers: int) -> Proc:
+    """LiteLLM's proxy (``workers`` uvicorn processes) in front of ``upstream``; its custom auth
+    module (``litellm_keys.py`` in ``root``) on its ``PYTHONPATH``."""
+    port = free_port()
+    return start(name, [str(bin_), "--config", str(root / "litellm.yaml"), "--host", "127.0.0.1",
+                        "--port", str(port), "--num_workers", str(workers),
+                        # uvicorn's default 5 s health check kills workers still importing LiteLLM on
+                        # a loaded machine (a restart loop); only the start is affected
+                        *(["--timeout_worker_healthcheck", "120"] if workers > 1 else [])],
+                 port, root, "/health/liveliness",
+                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(root)})
+
+
+def kvm_workers(name: str, n: int, root: Path, up_port: int, redis_url: str) -> Proc:
+    """``kvmeter serve --workers n --engine remote`` in front of ``upstream``: quota on Redis, a
+    ClickHouse HTTP ledger DSN that nothing answers (records stay durable in each worker's spool)."""
+    port = free_port()
+    home = root / name.replace("/", "_").replace(" ", "_")
+    home.mkdir()
+    return start(name, [str(Path(PY).with_name("kvmeter")), "--log-level", "WARNING", "serve", "--workers", str(n),
+                        "--engine", "remote", "--remote-url", f"http://127.0.0.1:{up_port}", "--port", str(port),
+                        "--tenants", str(root / "tenants.yaml"), "--quota-store", redis_url,
+                        "--spool-dir", str(home / "spool"),
+                        "--ledger-dsn", f"http://default:@127.0.0.1:{free_port()}/kvmeter"],
+                 port, home, "/healthz")
+
+
+def litellm_version(bin_: Path) -> str:
+    """The ``litellm`` distribution's version in the venv of ``bin_`` (its ``python`` beside it)."""
+    out = subprocess.run([str(bin_.with_name("python")), "-c",
+                          "from importlib.metadata import version; print(version('litellm'))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
 
 
 def summarize(t: Target) -> dict:
@@ -377,13 +495,9 @@ def summarize(t: Target) -> dict:
             "mean_ms": statistics.fmean(lat) * 1e3, "cpu_ms_per_req": t.cpu_s / len(lat) * 1e3}
 
 
-def machine(redis_version: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def machine(redis_version: str, litellm: str) -> str:
+    from importlib.metadata import version
 
-    try:
-        litellm = version("litellm")
-    except PackageNotFoundError:  # --skip-litellm runs without it
-        litellm = "not installed"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return (f"{os.cpu_count()} cores, {cpu}; Python {platform.python_version()}; uvicorn {version('uvicorn')} "
@@ -399,9 +513,7 @@ def wrk_version() -> str:
 
 def markdown(r: dict, args: argparse.Namespace) -> str:
     lat = r["latency"]
-    out = [f"- command: `.venv/bin/python bench/quota/bench_gateway.py --n {args.n} --rounds {args.rounds} "
-           f"--ceiling-s {args.ceiling_s} --ceiling-rounds {args.ceiling_rounds} --connections {args.connections}"
-           + (f" --before {args.before}" if args.before else "") + "`",
+    out = ["- command: `.venv/bin/python bench/quota/bench_gateway.py " + " ".join(sys.argv[1:]) + "`",
            f"- date (UTC): {r['date_utc']}",
            f"- machine: {r['machine']}; load average at start / end: {r['load_start']} / {r['load_end']}",
            "- request: chat completion, ~40 prompt tokens after the chat template, max_tokens 16, one at a time "
@@ -431,16 +543,32 @@ def markdown(r: dict, args: argparse.Namespace) -> str:
                 f"| kvmeter gateway (quota on memory, remote engine) | upstream (direct) | "
                 f"{diff('kvmeter/remote', 'upstream (direct)')} |", ""]
     if r["ceiling"]:
-        before = "before" in r["ceiling"][0]
-        out += ["| ceiling run | bare Starlette endpoint req/s | kvmeter/memory req/s | ratio | kvmeter p50 / p99 "
-                "| non-2xx |" + (" before: req/s | before: ratio |" if before else ""),
-                "|---|---|---|---|---|---|" + ("---|---|" if before else "")]
+        n = r["ceiling_workers"] if r["ceiling_workers"] > 1 else "N"  # N: not measured (--ceiling-workers 0)
+        names = {"bare": "bare Starlette endpoint (upstream /bare)", "upstream": "upstream (direct) chat",
+                 "kvmeter": "kvmeter/memory (instant engine)", "before": "kvmeter/memory (before)",
+                 "remote": "kvmeter/remote (quota on memory)", "litellm": "litellm (1 worker)",
+                 "remote_redis": "kvmeter/remote (quota on Redis)",
+                 "remote_n": f"kvmeter/remote --workers {n} (Redis, spool)", "litellm_n": f"litellm --num_workers {n}"}
+        out += ["| round | target | req/s | server CPU ms / request | p50 / p99 | non-2xx | socket errors |",
+                "|---|---|---|---|---|---|---|"]
         for i, c in enumerate(r["ceiling"], 1):
-            line = (f"| {i} | {c['bare']['rps']:,.0f} | {c['kvmeter']['rps']:,.0f} | {c['ratio']:.3f} | "
-                    f"{c['kvmeter']['p50']} / {c['kvmeter']['p99']} | {c['kvmeter']['non_2xx']} |")
-            if before:
-                line += f" {c['before']['rps']:,.0f} | {c['before']['rps'] / c['bare']['rps']:.3f} |"
-            out.append(line)
+            for key, label in names.items():
+                if key in c:
+                    m = c[key]
+                    out.append(f"| {i} | {label} | {m['rps']:,.0f} | {m['cpu_ms_per_req']:.2f} | {m['p50']} / "
+                               f"{m['p99']} | {m['non_2xx']} | {m['socket_errors'] or '—'} |")
+        out.append("")
+
+        def ratio(c: dict, a: str, b: str) -> str:
+            return f"{c[a]['rps'] / c[b]['rps']:.2f}×" if a in c and b in c else "—"
+
+        out += ["| round | kvmeter/memory ÷ bare | kvmeter/remote ÷ litellm (goal ≥ 5×) | "
+                f"kvmeter ×{n} ÷ litellm ×{n} | kvmeter ×{n} ÷ kvmeter/remote (Redis) | litellm ×{n} ÷ litellm |",
+                "|---|---|---|---|---|---|"]
+        for i, c in enumerate(r["ceiling"], 1):
+            out.append(f"| {i} | {ratio(c, 'kvmeter', 'bare')} | {ratio(c, 'remote', 'litellm')} | "
+                       f"{ratio(c, 'remote_n', 'litellm_n')} | {ratio(c, 'remote_n', 'remote_redis')} | "
+                       f"{ratio(c, 'litellm_n', 'litellm')} |")
         out.append("")
     for note in r["notes"].values():
         out.append(f"- {note}")
