@@ -32,8 +32,10 @@ Streams: the event sequences are compared event by event. vLLM's engine client m
 outputs of several engine steps into one chunk when the reader lags (``RequestOutputCollector``),
 so chunk boundaries are not deterministic on a busy machine; when two streams differ event by
 event, both are merged (:func:`merge_chunks`: consecutive chunks of one choice joined, their
-texts, tool-call arguments and logprobs concatenated, the later chunk's ``finish_reason`` and
-``usage`` kept) and compared again; if the merged streams are equal the case is ``same`` with
+texts, tool-call arguments and logprobs concatenated, the later chunk's ``finish_reason``,
+``usage`` and ``system_fingerprint`` kept — vLLM stamps the fingerprint on the terminal chunk only,
+so a terminal chunk that also carries the last tokens on one side merges with the tokens' chunks of
+the other) and compared again; if the merged streams are equal the case is ``same`` with
 the note that its chunking differs. A stream of several choices (``n > 1``) whose choices'
 chunks interleave differently (which choice's chunk of an engine step the reader gets first moves
 with the same lag) is compared once more with each choice's chunks gathered in order
@@ -283,7 +285,9 @@ def _mergeable(prev: Any, cur: Any) -> bool:
         return False
     if any(isinstance(x.get("delta"), dict) and "role" in x["delta"] for x in (p, c)):
         return False  # the role chunk opens a chat stream on its own
-    rest = lambda e: {k: v for k, v in e.items() if k not in ("choices", "usage")}  # noqa: E731
+    # vLLM stamps ``system_fingerprint`` on a stream's terminal chunk only (the one with its
+    # finish_reason, when the client asked no usage): like finish_reason, the later chunk decides it
+    rest = lambda e: {k: v for k, v in e.items() if k not in ("choices", "usage", "system_fingerprint")}  # noqa: E731
     return rest(prev) == rest(cur)
 
 
@@ -299,8 +303,9 @@ def merge_chunks(events: list[Any]) -> list[Any]:
             for k in ("finish_reason", "stop_reason"):
                 if k in event["choices"][0]:
                     merged["choices"][0][k] = event["choices"][0][k]
-            if "usage" in event:
-                merged["usage"] = event["usage"]
+            for k in ("usage", "system_fingerprint"):
+                if k in event:
+                    merged[k] = event[k]
             out[-1] = merged
         else:
             out.append(event)

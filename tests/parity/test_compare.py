@@ -148,6 +148,24 @@ def test_a_stream_cut_into_other_chunks_is_the_same_once_merged():
     assert compare_case(case_named("chat_stream"), ref, other_text).verdict == "different"
 
 
+def test_a_terminal_chunk_with_the_fingerprint_merges_with_the_tokens_before_it():
+    """vLLM stamps ``system_fingerprint`` on the terminal chunk only; on a busy machine one
+    server's terminal chunk carries the last tokens too, the other's comes alone. Once merged the
+    streams are the same (seen on the parity run: "'Étoile, la Mar" in one chunk on one side)."""
+    fp = "vllm-0.32.0-x"
+    lagged = _stream("aaaa", ["'"]) [:-2] + [{**_chunk("aaaa", {"content": "Étoile, la Mar"}, finish="length"),
+                                              "system_fingerprint": fp}, "[DONE]"]
+    steady = _stream("bbbb", ["'", "É", "to", "ile, la Mar"])[:-2] + [
+        {**_chunk("bbbb", {}, finish="length"), "system_fingerprint": fp}, "[DONE]"]
+    result = compare_case(case_named("chat_stream"), _sse(lagged), _sse(steady))
+    assert result.verdict == "same", result.differences
+    other = _stream("bbbb", ["'", "É", "to", "ile, la Mer"])[:-2] + [
+        {**_chunk("bbbb", {}, finish="length"), "system_fingerprint": fp}, "[DONE]"]
+    assert compare_case(case_named("chat_stream"), _sse(lagged), _sse(other)).verdict == "different"
+    no_fp = steady[:-2] + [_chunk("bbbb", {}, finish="length"), "[DONE]"]
+    assert compare_case(case_named("chat_stream"), _sse(lagged), _sse(no_fp)).verdict == "different"
+
+
 def test_merging_keeps_the_role_chunk_usage_and_done_and_joins_tool_call_arguments():
     usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
     events = [
