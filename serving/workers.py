@@ -143,7 +143,22 @@ class WorkerHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-def worker_app(config_json: str, log_level: str) -> WorkerHeaders:
+def logger_levels() -> dict[str, int]:
+    """The levels set on named loggers in this process (``kvmeter``'s CLI quiets httpx and httpcore
+    unless ``-v``): what a spawned worker applies so it logs as the one process would."""
+    return {name: lg.level for name, lg in logging.Logger.manager.loggerDict.items()
+            if isinstance(lg, logging.Logger) and lg.level != logging.NOTSET}
+
+
+def configure_worker_logging(log_level: str, levels: dict[str, int]) -> None:
+    """A spawned worker's logging: the root at ``log_level`` and the named loggers at the parent's
+    :func:`logger_levels` (a spawned process starts with none of them set)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def worker_app(config_json: str, log_level: str, levels: dict[str, int] | None = None) -> WorkerHeaders:
     """The app factory each spawned worker runs (uvicorn ``factory=True``): claim a slot, build
     this worker's :class:`~kvmeter.serving.runtime.ServeRuntime` from the serve config (JSON, as
     the parent validated it) and return its app.
@@ -155,7 +170,7 @@ def worker_app(config_json: str, log_level: str) -> WorkerHeaders:
     from kvmeter.serving.config import ServeConfig
     from kvmeter.serving.runtime import ServeRuntime, ledger_config_of
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_worker_logging(log_level, levels or {})
     config = ServeConfig.model_validate_json(config_json)
     slot = claim_slot(ledger_config_of(config).spool_dir)
     log.info("kvmeter serve worker %d: pid %d", slot, os.getpid())
@@ -224,7 +239,8 @@ def run_workers(config: ServeConfig, ledger: LedgerConfig, *, multiproc_dir: Pat
     uv_config = uvicorn.Config(
         # the workers log at the parent's level (``kvmeter --log-level``), as the one process would
         functools.partial(worker_app, config.model_dump_json(),
-                          logging.getLevelName(logging.getLogger().getEffectiveLevel())), factory=True,
+                          logging.getLevelName(logging.getLogger().getEffectiveLevel()), logger_levels()),
+        factory=True,
         host=server.host, port=server.port, workers=server.workers, log_level=server.log_level,
         lifespan="on", timeout_graceful_shutdown=30, access_log=False)
     sock = listening_socket(uv_config, server.send_buffer_bytes)
