@@ -124,6 +124,10 @@ class ServerSettings(_Section):
             the engine must be shared (``remote`` or ``instant``), the quota store too (``redis://``)
             and the ledger ClickHouse over HTTP: :func:`kvmeter.serving.workers.workers_problem`
             names what refuses it.
+        worker_healthcheck_timeout_s: seconds a worker may take to answer its supervisor's
+            liveness ping (whole seconds ≥ 1) before it is killed and replaced. uvicorn's default
+            (5 s) killed kvmeter's workers while they were still building their runtime on a
+            loaded 2-core machine.
     """
 
     host: str = "127.0.0.1"
@@ -136,6 +140,7 @@ class ServerSettings(_Section):
     reprefill_max_blocks: int = Field(default=262_144, gt=0)
     log_level: str = "info"
     workers: int = Field(default=1, ge=1)
+    worker_healthcheck_timeout_s: int = Field(default=60, ge=1)
 
 
 class ModelPoolSettings(_Section):

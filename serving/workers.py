@@ -220,6 +220,21 @@ class Supervisor(Multiprocess):
         self._mark_gone()
 
 
+def workers_uvicorn_config(config: ServeConfig) -> uvicorn.Config:
+    """The uvicorn configuration of the workers' supervisor: each worker builds its app with
+    :func:`worker_app` (the serve config as JSON, the parent's log levels), and may take
+    ``server.worker_healthcheck_timeout_s`` to answer a liveness ping."""
+    server = config.server
+    return uvicorn.Config(
+        # the workers log at the parent's level (``kvmeter --log-level``), as the one process would
+        functools.partial(worker_app, config.model_dump_json(),
+                          logging.getLevelName(logging.getLogger().getEffectiveLevel()), logger_levels()),
+        factory=True,
+        host=server.host, port=server.port, workers=server.workers, log_level=server.log_level,
+        lifespan="on", timeout_graceful_shutdown=30, access_log=False,
+        timeout_worker_healthcheck=server.worker_healthcheck_timeout_s)
+
+
 def run_workers(config: ServeConfig, ledger: LedgerConfig, *, multiproc_dir: Path | None = None) -> int:
     """Run ``config.server.workers`` gateway workers on ``config.server``'s host and port until
     SIGINT/SIGTERM; returns the exit status: 0 after a stop, 3 when a worker failed to start.
@@ -235,15 +250,8 @@ def run_workers(config: ServeConfig, ledger: LedgerConfig, *, multiproc_dir: Pat
     prepare_multiprocess_dir(directory)
     os.environ[MULTIPROC_ENV] = str(directory)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer threads across the spawn
-    server = config.server
-    uv_config = uvicorn.Config(
-        # the workers log at the parent's level (``kvmeter --log-level``), as the one process would
-        functools.partial(worker_app, config.model_dump_json(),
-                          logging.getLevelName(logging.getLogger().getEffectiveLevel()), logger_levels()),
-        factory=True,
-        host=server.host, port=server.port, workers=server.workers, log_level=server.log_level,
-        lifespan="on", timeout_graceful_shutdown=30, access_log=False)
-    sock = listening_socket(uv_config, server.send_buffer_bytes)
+    uv_config = workers_uvicorn_config(config)
+    sock = listening_socket(uv_config, config.server.send_buffer_bytes)
     supervisor = Supervisor(uv_config, [sock], multiproc_dir=directory)
     try:
         supervisor.run()

@@ -114,3 +114,17 @@ def test_a_spawned_worker_keeps_the_parents_quiet_libraries():
             logging.getLogger(name).setLevel(level)
     assert got["httpx"] == got["httpcore"] == logging.WARNING
     assert got["kvmeter"] == logging.INFO
+
+
+def test_the_workers_supervisor_waits_the_configured_time_for_a_worker_to_answer():
+    """uvicorn kills a worker that does not answer its liveness ping within
+    ``timeout_worker_healthcheck`` (default 5 s): on a loaded machine kvmeter's workers were
+    killed while still building their runtime. The serve config sets it (default 60 s)."""
+    from kvmeter.serving.workers import workers_uvicorn_config
+
+    config = load_serve_config(None, SHARED, env={})
+    assert config.server.worker_healthcheck_timeout_s == 60
+    assert workers_uvicorn_config(config).timeout_worker_healthcheck == 60
+    slower = load_serve_config(None, {**SHARED, ("server", "worker_healthcheck_timeout_s"): 180}, env={})
+    uv = workers_uvicorn_config(slower)
+    assert uv.timeout_worker_healthcheck == 180 and uv.workers == 2 and uv.factory
