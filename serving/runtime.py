@@ -398,14 +398,15 @@ class ServeRuntime:
         # per-step engine work per tenant → the ledger's engine_steps (interference reads)
         self._unsubscribe.append(self.bus.subscribe(EngineStepShares, functools.partial(
             ledger.record_step_shares, model=self.engine.model_name, replica=default_replica(self.worker))))
+        started: list[Engine] = []
         try:
             if self._owns_engine:
                 for m in self.models:  # (every model's pool; one that no replica answers is fatal)
                     await m.engine.start()
+                    started.append(m.engine)
         except BaseException:
-            for m in self.models:
-                if self._owns_engine and m.engine is not self.engine:
-                    await m.engine.shutdown()
+            for eng in started:  # the pools that started before the one that failed
+                await eng.shutdown()
             ledger.close()
             raise
         if self.openai is not None:

@@ -269,3 +269,36 @@ async def test_each_models_own_window_holds_before_its_replicas(serve, model_dir
     finally:
         for u in ups_a + ups_b:
             await u.stop()
+
+
+async def test_a_pool_that_cannot_start_stops_the_pools_started_before_it(tmp_path, model_dir):
+    """Start-up with several models: the second pool's only replica does not answer, so start()
+    fails — and the first pool, already started, is shut down (its connections closed), not left
+    open. Before, every pool but the first was shut down: the started one leaked."""
+    from prometheus_client import CollectorRegistry
+
+    from kvmeter.net import free_port
+    from kvmeter.serving.engines.base import EngineError
+    from kvmeter.serving.runtime import ServeRuntime
+
+    live = await ScriptedUpstream(A, answer=answer(A)).start()
+    (tmp_path / "tenants.yaml").write_text(CFG)
+    (tmp_path / "prices.yaml").write_text(PRICES)
+    try:
+        config = load_serve_config(None, {
+            ("engine", "kind"): "remote", ("engine", "remote_metrics_url"): "off",
+            ("engine", "models"): [{"name": A, "model": str(model_dir), "replicas": [live.url]},
+                                   {"name": B, "model": str(model_dir),
+                                    "replicas": [f"http://127.0.0.1:{free_port()}"]}],
+            ("tenants",): str(tmp_path / "tenants.yaml"), ("prices",): str(tmp_path / "prices.yaml"),
+            ("ledger_dsn",): f"chdb://{tmp_path}/chdb", ("spool_dir",): str(tmp_path / "spool")}, env={})
+        runtime = ServeRuntime(config, registry=CollectorRegistry())
+        first, second = (m.engine for m in runtime.models)
+        with pytest.raises(EngineError):
+            await runtime.start()
+        assert all(r.client.is_closed for r in first.replicas)
+        assert not any(r.client.is_closed for r in second.replicas)  # it never started: as before
+        for r in second.replicas:
+            await r.shutdown()
+    finally:
+        await live.stop()
