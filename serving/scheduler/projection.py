@@ -106,7 +106,7 @@ def lift_floor(tenant: TenantState, low: TenantState, output_weight: float) -> f
 
 
 def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total: float,
-                   backlogged_tier_weight: float, counter_ordered: bool, output_weight: float = 2.0) -> float:
+                   backlogged_tier_weight: float, counter_ordered: bool, output_weight: float) -> float:
     """Projected queue wait (seconds) of a new request of ``tenant``: the service VTC gives out
     before that request is dispatched, at the drain rate.
 
@@ -140,8 +140,8 @@ def projected_wait(tenant: TenantState | None, *, rate: float, queued_cost_total
         backlogged_tier_weight: summed weights of the tiers with queued work that are not paused
             (a paused tier is served nothing while it is paused).
         counter_ordered: whether dispatch follows VTC counters.
-        output_weight: service units per output token (the lift's committed-output credit,
-            :func:`lift_floor`).
+        output_weight: service units per output token, the scheduler config's (the lift's
+            committed-output credit, :func:`lift_floor`).
     Returns:
         Seconds ≥ 0; 0.0 when no rate has been measured yet (the caller answers 0.0 when nothing
         is queued).
