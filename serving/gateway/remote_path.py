@@ -298,10 +298,11 @@ class RemoteEndpoint(CompletionEndpoint):
             asked = max(1, min(context_limit - p for p in lengths))
         ceilings = [self._ceiling(asked, p, window) for p in lengths]
         forwarded = data
-        if asked is not None and ceilings and min(asked, max(ceilings)) != sent:
+        cap = min(asked, max(ceilings)) if asked is not None and ceilings else sent
+        if cap != sent:
             # never more than what is reserved: the ceiling vLLM itself would clamp max_tokens to
             # (get_max_tokens), or the quota's limit's (see the module docstring, step 3)
-            forwarded = {**forwarded, key: min(asked, max(ceilings))}
+            forwarded = {**forwarded, key: cap}
         if strip_usage:  # (see the module docstring, step 3)
             options = data.get("stream_options")
             forwarded = {**forwarded, "stream_options": {**(options if isinstance(options, dict) else {}),
