@@ -9,7 +9,8 @@ orchestrator's authentication and body checks (:mod:`kvmeter.serving.gateway.han
    (:func:`~kvmeter.serving.openai_api.layer.validate_request`: vLLM's 400 for what its server
    would refuse, kvmeter's two refusals: ``max_completion_tokens`` on ``/v1/completions`` and
    ``use_beam_search``) and check the model (vLLM's 404 for another name; no name: the served
-   one). Nothing reaches the upstream before these pass.
+   one); the sampling parameters as vLLM checks them (:func:`_sampling_check`). Nothing reaches
+   the upstream before these pass.
 2. **Check the context window and estimate** for the quota's reservation: the prompt's tokens with
    the model's tokenizer (the chat template with the request's ``tools``; each prompt of a
    completion), held to the model's window — the engine's ``max_model_len`` (the config's, per
@@ -253,6 +254,26 @@ def _window_check(vreq: Any, prompts: Sequence[Sequence[int]], window: int) -> l
     return lengths
 
 
+def _sampling_check(vreq: Any, window: int, asked: int | None, lengths: Sequence[int]) -> None:
+    """The sampling parameters checked as vLLM's server checks them — its ``SamplingParams``, built
+    by the request's ``to_sampling_params`` with the output ceiling its ``get_max_tokens`` gives
+    (the shortest prompt's: the largest) — as the in-process path does
+    (:meth:`~kvmeter.serving.openai_api.layer.OpenAILayer.plan`). The engine's own checks that
+    need the upstream's settings (``max_logprobs``, ...) stay the upstream's.
+
+    Raises:
+        OpenAIError: vLLM's 400 ("max_tokens must be at least 1, got -1.", "n must be at least 1,
+            got 0.", "temperature must be non-negative, ...", "top_p must be in (0, 1], ...").
+    """
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    try:
+        ceiling = max((get_max_tokens(window, asked, p, {}) for p in lengths), default=1)
+        vreq.to_sampling_params(ceiling, {})
+    except Exception as exc:  # noqa: BLE001 — vLLM's VLLMValidationError / ValueError: its 400
+        raise from_exception(exc) from None
+
+
 class RemoteEndpoint(CompletionEndpoint):
     """``/v1/chat/completions`` or ``/v1/completions`` proxied to the remote engine's upstream (see
     the module)."""
@@ -296,6 +317,7 @@ class RemoteEndpoint(CompletionEndpoint):
         if asked is None and context_limit is not None and context_limit < window and lengths:
             # what the in-process path sets (OpenAILayer.plan): the ceiling the quota's limit leaves
             asked = max(1, min(context_limit - p for p in lengths))
+        _sampling_check(vreq, window, asked, lengths)  # vLLM's 400s for the sampling parameters
         ceilings = [self._ceiling(asked, p, window) for p in lengths]
         forwarded = data
         cap = min(asked, max(ceilings)) if asked is not None and ceilings else sent

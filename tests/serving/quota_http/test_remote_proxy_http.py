@@ -241,7 +241,9 @@ async def test_an_upstream_4xx_reaches_the_client_as_it_is_and_releases_the_rese
     up = ScriptedUpstream(MODEL, answer=Whole(error, status=400))
     s = await stack(serve, model_dir, up, TIGHT)
     try:
-        body = {"model": MODEL, "prompt": list(range(100, 115)), "max_tokens": 4, "n": 2, "temperature": 0}
+        # (a body kvmeter's own checks pass — greedy n=2 it refuses itself now, as vLLM would —
+        # that the scripted upstream refuses)
+        body = {"model": MODEL, "prompt": list(range(100, 115)), "max_tokens": 4, "n": 2, "temperature": 1.0}
         for _ in range(3):  # 3 × 15 reserved input tokens > the 20 a minute: only released ones fit
             resp = await s.client.post(COMPLETIONS, json=body, headers=bearer(KEY))
             assert resp.status_code == 400 and resp.json() == error
@@ -348,6 +350,29 @@ async def test_a_client_that_leaves_mid_stream_closes_the_upstream_stream(serve,
     (CHAT, b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
 ])
 async def test_bad_input_is_refused_before_the_upstream(serve, model_dir, path, body, status, param):
+    await _refused_before_the_upstream(serve, model_dir, path, body, status, param)
+
+
+@pytest.mark.parametrize("path, body, message", [
+    (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": -1}, "max_tokens must be at least 1, got -1."),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "n": 0}, "n must be at least 1, got 0."),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "temperature": -5}, "temperature must be non-negative, got -5.0."),
+    (CHAT, {"model": MODEL, "messages": QUESTION, "top_p": 7}, "top_p must be in (0, 1], got 7.0."),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": -1000000},
+     "max_tokens must be at least 1, got -1000000."),
+])
+async def test_sampling_parameters_vllm_refuses_are_its_400_before_the_upstream(serve, model_dir, path, body,
+                                                                                message):
+    """The sampling parameters are checked as vLLM checks them (its ``SamplingParams``), with the
+    output ceiling its ``get_max_tokens`` gives, as on the in-process path. Found by a newcomer:
+    the remote path forwarded them, answered 200 and billed requests vLLM refuses (an upstream
+    that checks nothing reported -1,000,000 output tokens; the reservation held 0)."""
+    resp = await _refused_before_the_upstream(serve, model_dir, path, body, 400, None)
+    assert message in resp.json()["error"]["message"]
+
+
+async def _refused_before_the_upstream(serve, model_dir, path, body, status, param):  # noqa: ANN001, ANN202
     up = ScriptedUpstream(MODEL, answer=Whole({}))
     s = await stack(serve, model_dir, up)
     try:
@@ -358,6 +383,7 @@ async def test_bad_input_is_refused_before_the_upstream(serve, model_dir, path, 
             assert resp.json()["error"]["param"] == param
         assert up.bodies == []  # never reached the upstream
         assert s.billed(api_key_id="k1") == []
+        return resp
     finally:
         await up.stop()
 
